@@ -1,0 +1,19 @@
+"""The exception types autooffload raises; every one names the setting, its value and the fix."""
+
+from __future__ import annotations
+
+
+class AutoOffloadError(RuntimeError):
+    """Base class of every error autooffload raises on purpose."""
+
+
+class SettingsError(AutoOffloadError, ValueError):
+    """A setting (kwarg or ``AUTOOFFLOAD_*`` env var) has an invalid value."""
+
+
+class AttachError(AutoOffloadError):
+    """A model or optimizer cannot be attached as asked (unsupported structure or class)."""
+
+
+class PlanError(AutoOffloadError):
+    """No plan fits the budget, or a user override is infeasible."""

@@ -1,0 +1,64 @@
+"""The Plan: what the runtime executes (chunk residency and per-block activation policy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+
+BLOCK_POLICIES = ("keep", "checkpoint", "swap")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One configuration of the runtime, chosen by the search or fixed by the user.
+
+    ``n_persist`` chunks (the first ones in execution order) stay on the GPU; the other chunks
+    stream through at most ``n_buffer`` GPU chunk buffers. ``block_policies[i]`` is the activation
+    policy of block ``i`` ("keep", "checkpoint" or "swap").
+    """
+
+    chunk_size: int
+    n_chunks: int
+    n_persist: int
+    n_buffer: int
+    block_policies: tuple[str, ...] = ()
+    budget_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_step_s: float | None = None
+    bottleneck: str = "unknown"
+    source: str = "search"
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def n_swap(self) -> int:
+        return sum(p == "swap" for p in self.block_policies)
+
+    @property
+    def n_checkpoint(self) -> int:
+        return sum(p == "checkpoint" for p in self.block_policies)
+
+    def summary(self) -> str:
+        """A short multi-line human summary (logged once per attach)."""
+        n_off = self.n_chunks - self.n_persist
+        lines = [
+            f"plan ({self.source}): {self.n_chunks} chunks of {self.chunk_size / (1 << 20):.0f} MiB",
+            f"  persistent on GPU: {self.n_persist} chunks; offloaded to pinned CPU: {n_off} chunks"
+            f" through {self.n_buffer} GPU buffers",
+        ]
+        if self.block_policies:
+            n_keep = len(self.block_policies) - self.n_swap - self.n_checkpoint
+            lines.append(
+                f"  activations: {n_keep} blocks keep, {self.n_checkpoint} checkpoint,"
+                f" {self.n_swap} swap"
+            )
+        if self.predicted_peak_bytes is not None:
+            budget = "unbounded" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.2f}"
+            lines.append(
+                f"  predicted peak {self.predicted_peak_bytes / GiB:.2f} GiB vs budget {budget} GiB"
+            )
+        if self.predicted_step_s is not None:
+            lines.append(
+                f"  predicted step {self.predicted_step_s * 1e3:.1f} ms (bottleneck: {self.bottleneck})"
+            )
+        return "\n".join(lines)
