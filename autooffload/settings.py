@@ -1,0 +1,527 @@
+"""Every knob of autooffload in one place: its env var, default, valid values and error text."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autooffload.errors import SettingsError
+
+ENV_PREFIX = "AUTOOFFLOAD"
+
+ACTIVATION_MODES = ("auto", "keep", "checkpoint", "swap", "off")
+EOS_MODES = ("turn", "last", "all", "none")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEVICES = ("cuda", "cpu")
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
+BOUNDARY_KEYS = ("role", "start", "end", "include_start", "include_end")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_AUTO = ("auto", "none")
+
+# Decimal units are SI (GB = 10**9); binary units and the bare letters are powers of two.
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)$")
+
+_SIZE_TEXT = "a size such as 12GiB, 12GB, 12000MB or 1073741824 (bytes)"
+_FRACTION_TEXT = "a fraction of the device in (0, 1] such as 0.5"
+_BOUNDARIES_TEXT = (
+    "a JSON list of objects with keys role, start, end, include_start, include_end"
+    " (start/end a string or a list of token ids, include_* true/false),"
+    " or the path of a .json/.yaml file holding that list"
+)
+
+
+def _fail(name: str, value: Any, valid: str) -> SettingsError:
+    shown = repr(value)
+    if len(shown) > 200:
+        shown = shown[:197] + "..."
+    return SettingsError(f"{name}={shown} is invalid; valid values: {valid}.")
+
+
+def _parse_bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    raise _fail(name, value, "1/0, true/false, yes/no, on/off")
+
+
+def _parse_size(
+    value: Any, name: str, *, fraction: bool, optional: bool, minimum: int = 1
+) -> int | float | None:
+    valid = _SIZE_TEXT + (f", {_FRACTION_TEXT}" if fraction else "")
+    valid += ", or auto" if optional else ""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool):
+        raise _fail(name, value, valid)
+    if isinstance(value, int):
+        if value >= minimum:
+            return value
+        raise _fail(name, value, valid)
+    if isinstance(value, float):
+        if fraction and 0.0 < value <= 1.0:
+            return value
+        raise _fail(name, value, valid)
+    if not isinstance(value, str):
+        raise _fail(name, value, valid)
+    text = value.strip()
+    if optional and text.lower() in _AUTO:
+        return None
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise _fail(name, value, valid)
+    number, unit = match.groups()
+    if not unit:
+        if "." in number:
+            if fraction and 0.0 < float(number) <= 1.0:
+                return float(number)
+            raise _fail(name, value, valid)
+        n_bytes = int(number)
+    else:
+        multiplier = _UNITS.get(unit.lower())
+        if multiplier is None:
+            raise _fail(name, value, valid)
+        n_bytes = round(float(number) * multiplier)
+    if n_bytes < minimum:
+        raise _fail(name, value, valid)
+    return n_bytes
+
+
+def _parse_size_or_fraction(value: Any, name: str) -> int | float | None:
+    return _parse_size(value, name, fraction=True, optional=True)
+
+
+def _parse_optional_bytes(value: Any, name: str) -> int | None:
+    return _parse_size(value, name, fraction=False, optional=True)  # type: ignore[return-value]
+
+
+def _parse_threshold(value: Any, name: str) -> int:
+    return _parse_size(value, name, fraction=False, optional=False, minimum=0)  # type: ignore[return-value]
+
+
+def _parse_count(value: Any, name: str) -> int | None:
+    valid = "an integer >= 0, or auto"
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise _fail(name, value, valid)
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in _AUTO:
+            return None
+        if text.isdigit():
+            return int(text)
+    raise _fail(name, value, valid)
+
+
+def _enum(choices: tuple[str, ...], optional: bool = False) -> Callable[[Any, str], str | None]:
+    valid = ", ".join(choices) + (", or auto" if optional else "")
+
+    def parse(value: Any, name: str) -> str | None:
+        if value is None and optional:
+            return None
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if optional and text == "auto":
+                return None
+            if text in choices:
+                return text
+        raise _fail(name, value, valid)
+
+    return parse
+
+
+def _parse_roles(value: Any, name: str) -> tuple[str, ...]:
+    valid = f"a comma list or JSON list of role names such as {', '.join(KNOWN_ROLES)}"
+    roles = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                roles = json.loads(text)
+            except json.JSONDecodeError:
+                raise _fail(name, value, valid) from None
+        else:
+            roles = [part.strip() for part in text.split(",") if part.strip()]
+    if not isinstance(roles, (list, tuple)) or not roles:
+        raise _fail(name, value, valid)
+    if not all(isinstance(role, str) and role.strip() for role in roles):
+        raise _fail(name, value, valid)
+    return tuple(role.strip() for role in roles)
+
+
+def _is_marker(marker: Any) -> bool:
+    if isinstance(marker, str):
+        return bool(marker)
+    return (
+        isinstance(marker, (list, tuple))
+        and bool(marker)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in marker)
+    )
+
+
+def _load_boundaries_file(path: Path, value: Any, name: str) -> Any:
+    if not path.is_file():
+        raise _fail(name, value, _BOUNDARIES_TEXT + " (no such file)")
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise _fail(name, value, _BOUNDARIES_TEXT + " (the file is not valid JSON)") from None
+    try:
+        import yaml
+    except ImportError:
+        raise _fail(name, value, "a .json file, or install pyyaml to read .yaml files") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise _fail(name, value, _BOUNDARIES_TEXT + " (the file is not valid YAML)") from None
+
+
+def _parse_boundaries(value: Any, name: str) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    data = value
+    if isinstance(value, os.PathLike):
+        data = _load_boundaries_file(Path(value), value, name)
+    elif isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "none":
+            return None
+        if text.startswith(("[", "{")):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError:
+                raise _fail(name, value, _BOUNDARIES_TEXT) from None
+        elif text.endswith((".json", ".yaml", ".yml")):
+            data = _load_boundaries_file(Path(text).expanduser(), value, name)
+        else:
+            raise _fail(name, value, _BOUNDARIES_TEXT)
+    if not isinstance(data, (list, tuple)) or not data:
+        raise _fail(name, value, _BOUNDARIES_TEXT)
+    boundaries = []
+    for index, item in enumerate(data):
+        where = f"{name}[{index}]"
+        if not isinstance(item, Mapping) or set(item) != set(BOUNDARY_KEYS):
+            raise _fail(where, item, _BOUNDARIES_TEXT)
+        role = item["role"]
+        if not (isinstance(role, str) and role.strip()):
+            raise _fail(f"{where}.role", role, "a non-empty role name such as assistant")
+        for key in ("start", "end"):
+            if not _is_marker(item[key]):
+                raise _fail(f"{where}.{key}", item[key], "a non-empty string or list of token ids")
+        for key in ("include_start", "include_end"):
+            if not isinstance(item[key], bool):
+                raise _fail(f"{where}.{key}", item[key], "true or false")
+        boundaries.append(
+            {
+                "role": role.strip(),
+                "start": item["start"] if isinstance(item["start"], str) else list(item["start"]),
+                "end": item["end"] if isinstance(item["end"], str) else list(item["end"]),
+                "include_start": item["include_start"],
+                "include_end": item["include_end"],
+            }
+        )
+    return boundaries
+
+
+def _parse_path(value: Any, name: str) -> str:
+    if isinstance(value, (str, os.PathLike)) and str(value).strip():
+        return os.path.expanduser(str(value).strip())
+    raise _fail(name, value, "a directory path")
+
+
+def _check_roles(
+    roles: tuple[str, ...], boundaries: list[dict[str, Any]] | None, name: str
+) -> None:
+    custom = [b["role"] for b in boundaries or () if b["role"] not in KNOWN_ROLES]
+    valid = [*KNOWN_ROLES, *dict.fromkeys(custom)]
+    unknown = [role for role in roles if role not in valid]
+    if unknown:
+        raise _fail(name, ",".join(roles), ", ".join(valid) + " (or a role of role_boundaries)")
+
+
+def _knob(
+    default: Any, env: str, parser: Callable[[Any, str], Any], help: str, shown: str | None = None
+) -> Any:
+    """A Settings field; ``shown`` is how the default reads in docs when not derivable."""
+    metadata = {"env": env, "parser": parser, "help": help, "shown": shown}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every knob of autooffload; each has one env var ``AUTOOFFLOAD_<NAME>`` and kwargs win.
+
+    Build it with ``Settings.from_env(**overrides)`` (what ``enable()`` does) or directly with
+    keyword arguments; either way every value is validated and normalized, and a bad one raises
+    ``autooffload.errors.SettingsError`` naming the setting, the value and the valid values.
+
+    Args:
+        enabled: Master switch (env ``AUTOOFFLOAD``). ``False`` makes ``enable()`` validate the
+            settings and do nothing else, so ``AUTOOFFLOAD=0`` turns the product off without
+            editing the script.
+        offload: Offload weights (chunks of parameters, their grads and optimizer state) to pinned
+            CPU memory. ``False`` keeps everything on the device but still manages activations
+            and masking.
+        budget: Device memory the runtime may use: bytes (``int``, or strings like ``12GiB``,
+            ``12GB``, ``12000MB``) or a fraction of the device (``float`` in (0, 1], e.g. ``0.5``).
+            ``None``/``auto``: the free device memory minus a calibrated margin.
+        host_budget: Pinned host memory the runtime may use, as bytes or a fraction of host
+            memory; ``None``: as much as the model needs.
+        chunk_size: Bytes per parameter chunk; ``None``: the plan search picks it.
+        n_persist: Chunks kept resident on the device; ``None``: the plan search picks it.
+        n_buffer: Device buffers that offloaded chunks stream through; ``None``: searched.
+        n_swap: Blocks whose activations are swapped to host memory; ``None``: searched.
+        n_checkpoint: Blocks whose activations are recomputed in backward; ``None``: searched.
+        activation_mode: ``auto`` (the plan decides per block), or one policy for every block:
+            ``keep``, ``checkpoint``, ``swap``; ``off`` leaves activations to the script.
+        attach_threshold: Models smaller than this many bytes of parameters are not attached
+            automatically (they fit anyway); default 1 GiB.
+        force_attach: Attach every trained model whatever its size.
+        master_weights: Keep fp32 master weights for low-precision (bf16/fp16) parameters in the
+            CPU optimizer.
+        device: ``cuda`` or ``cpu`` (the CPU simulation used by tests); ``None``: cuda when
+            available.
+        mask: Turn chat data labels into assistant-only labels in collators and processors.
+        train_on_inputs: With masking on, also train on the prompt (user/system) tokens.
+        roles_to_train: Roles whose turns keep their labels (comma list or JSON list in env).
+        train_on_eos: Which end-of-turn tokens keep their labels: ``turn`` (each trained turn's),
+            ``last`` (the final one only), ``all``, ``none``.
+        role_boundaries: Custom role markers for chat templates autooffload does not know: a list
+            of ``{role, start, end, include_start, include_end}`` dicts (markers are strings or
+            token-id lists), JSON text, or the path of a .json/.yaml file holding that list.
+        log: Level of the ``autooffload`` logger: ``debug``, ``info``, ``warning``, ``error``.
+        cache_dir: Directory of the per-machine hardware measurements cache.
+        reprofile: Ignore the hardware cache and measure again.
+        print_plan: Print the plan summary to stdout when it is made (not only log it).
+    """
+
+    enabled: bool = _knob(True, "AUTOOFFLOAD", _parse_bool, "master switch; 0 turns everything off")
+    offload: bool = _knob(
+        True, "AUTOOFFLOAD_OFFLOAD", _parse_bool, "offload weight chunks to pinned CPU memory"
+    )
+    budget: int | float | None = _knob(
+        None,
+        "AUTOOFFLOAD_BUDGET",
+        _parse_size_or_fraction,
+        "device memory to use: size (12GiB) or fraction (0.5); auto = free memory minus margin",
+    )
+    host_budget: int | float | None = _knob(
+        None,
+        "AUTOOFFLOAD_HOST_BUDGET",
+        _parse_size_or_fraction,
+        "pinned host memory to use: size or fraction; auto = as needed",
+    )
+    chunk_size: int | None = _knob(
+        None, "AUTOOFFLOAD_CHUNK_SIZE", _parse_optional_bytes, "bytes per chunk; auto = searched"
+    )
+    n_persist: int | None = _knob(
+        None, "AUTOOFFLOAD_N_PERSIST", _parse_count, "chunks resident on device; auto = searched"
+    )
+    n_buffer: int | None = _knob(
+        None, "AUTOOFFLOAD_N_BUFFER", _parse_count, "device chunk buffers; auto = searched"
+    )
+    n_swap: int | None = _knob(
+        None, "AUTOOFFLOAD_N_SWAP", _parse_count, "blocks with swapped activations; auto = searched"
+    )
+    n_checkpoint: int | None = _knob(
+        None,
+        "AUTOOFFLOAD_N_CHECKPOINT",
+        _parse_count,
+        "blocks with recomputed activations; auto = searched",
+    )
+    activation_mode: str = _knob(
+        "auto",
+        "AUTOOFFLOAD_ACTIVATION_MODE",
+        _enum(ACTIVATION_MODES),
+        "auto, keep, checkpoint, swap or off",
+    )
+    attach_threshold: int = _knob(
+        1 << 30,
+        "AUTOOFFLOAD_ATTACH_THRESHOLD",
+        _parse_threshold,
+        "smaller models are not attached automatically",
+    )
+    force_attach: bool = _knob(
+        False, "AUTOOFFLOAD_FORCE_ATTACH", _parse_bool, "attach whatever the model size"
+    )
+    master_weights: bool = _knob(
+        True, "AUTOOFFLOAD_MASTER_WEIGHTS", _parse_bool, "fp32 master weights for bf16/fp16 params"
+    )
+    device: str | None = _knob(
+        None,
+        "AUTOOFFLOAD_DEVICE",
+        _enum(DEVICES, optional=True),
+        "cuda or cpu (CPU simulation); auto = cuda if available",
+    )
+    mask: bool = _knob(True, "AUTOOFFLOAD_MASK", _parse_bool, "assistant-only loss masking")
+    train_on_inputs: bool = _knob(
+        False, "AUTOOFFLOAD_TRAIN_ON_INPUTS", _parse_bool, "also train on prompt tokens"
+    )
+    roles_to_train: tuple[str, ...] = _knob(
+        ("assistant",),
+        "AUTOOFFLOAD_ROLES_TO_TRAIN",
+        _parse_roles,
+        "roles whose turns are trained (comma list or JSON list)",
+    )
+    train_on_eos: str = _knob(
+        "turn", "AUTOOFFLOAD_TRAIN_ON_EOS", _enum(EOS_MODES), "turn, last, all or none"
+    )
+    role_boundaries: list[dict[str, Any]] | None = _knob(
+        None,
+        "AUTOOFFLOAD_ROLE_BOUNDARIES",
+        _parse_boundaries,
+        "custom role markers: JSON list or path to a .json/.yaml file",
+        shown="none (detected from the chat template)",
+    )
+    log: str = _knob("info", "AUTOOFFLOAD_LOG", _enum(LOG_LEVELS), "debug, info, warning or error")
+    cache_dir: str = _knob(
+        "~/.cache/autooffload", "AUTOOFFLOAD_CACHE_DIR", _parse_path, "hardware measurement cache"
+    )
+    reprofile: bool = _knob(
+        False, "AUTOOFFLOAD_REPROFILE", _parse_bool, "ignore the hardware cache, measure again"
+    )
+    print_plan: bool = _knob(
+        False, "AUTOOFFLOAD_PRINT_PLAN", _parse_bool, "print the plan summary to stdout"
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, f.metadata["parser"](getattr(self, f.name), f.name))
+        _check_roles(self.roles_to_train, self.role_boundaries, "roles_to_train")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Settings:
+        """Read ``AUTOOFFLOAD_*`` env vars, apply ``overrides`` on top, validate, return Settings.
+
+        Unknown kwargs and unknown ``AUTOOFFLOAD_*`` env vars are errors (with a suggestion), so a
+        typo never silently falls back to a default. An env var set to the empty string is unset.
+        """
+        by_name = {f.name: f for f in dataclasses.fields(cls)}
+        for name, value in overrides.items():
+            if name not in by_name:
+                raise SettingsError(
+                    f"Unknown setting {name}={value!r}{_suggest(name, list(by_name))};"
+                    f" valid settings: {', '.join(by_name)}."
+                )
+        env_names = [f.metadata["env"] for f in by_name.values()]
+        for key, value in os.environ.items():
+            if key.startswith(ENV_PREFIX + "_") and key not in env_names:
+                raise SettingsError(
+                    f"Unknown environment variable {key}={value!r}{_suggest(key, env_names)};"
+                    f" valid variables: {', '.join(env_names)}."
+                )
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for name, f in by_name.items():
+            env = f.metadata["env"]
+            if name in overrides:
+                raw, sources[name] = overrides[name], name
+            elif os.environ.get(env, "").strip():
+                raw, sources[name] = os.environ[env], env
+            else:
+                continue
+            values[name] = f.metadata["parser"](raw, sources[name])
+        if "roles_to_train" in values:
+            _check_roles(
+                values["roles_to_train"],
+                values.get("role_boundaries"),
+                sources["roles_to_train"],
+            )
+        return cls(**values)
+
+    @staticmethod
+    def resolve_bytes(value: int | float | str | None, total_bytes: int) -> int | None:
+        """Turn a size or a fraction (of ``total_bytes``) into bytes; ``None`` stays ``None``."""
+        parsed = _parse_size(value, "value", fraction=True, optional=True)
+        if parsed is None:
+            return None
+        if isinstance(parsed, float):
+            return int(parsed * total_bytes)
+        return parsed
+
+
+def _suggest(name: str, candidates: list[str]) -> str:
+    """The "did you mean X?" clause for the closest candidate, ignoring the shared env prefix."""
+    prefix = ENV_PREFIX + "_"
+    if name.startswith(prefix) and name[len(prefix) :] in ("ENABLE", "ENABLED"):
+        return f"; did you mean {ENV_PREFIX}?"
+    by_key = {c.removeprefix(prefix): c for c in candidates}
+    close = difflib.get_close_matches(name.removeprefix(prefix), list(by_key), n=1, cutoff=0.6)
+    return f"; did you mean {by_key[close[0]]}?" if close else ""
+
+
+def env_vars() -> list[tuple[str, str, str]]:
+    """``(env var, default as written in env, help)`` for every setting, in field order."""
+    rows = []
+    for f in dataclasses.fields(Settings):
+        shown = f.metadata["shown"] or _env_text(f.default)
+        rows.append((f.metadata["env"], shown, f.metadata["help"]))
+    return rows
+
+
+def _env_text(value: Any) -> str:
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value >> 30}GiB" if value % (1 << 30) == 0 else f"{value >> 20}MiB"
+    return str(value)
+
+
+def markdown_env_table() -> str:
+    """The README's env var table, generated so that it cannot drift from ``Settings``."""
+    lines = ["| env var | default | what it does |", "| --- | --- | --- |"]
+    lines += [f"| `{env}` | `{default}` | {doc} |" for env, default, doc in env_vars()]
+    return "\n".join(lines)
+
+
+_current: Settings | None = None
+
+
+def current() -> Settings | None:
+    """The active Settings (set by ``autooffload.enable()``), or ``None`` when disabled."""
+    return _current
+
+
+def _set_current(settings: Settings | None) -> None:
+    """Record the active Settings; only ``enable()`` and ``disable()`` call this."""
+    global _current
+    _current = settings

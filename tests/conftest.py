@@ -1,0 +1,38 @@
+"""Shared test set-up: skip GPU tests without GPUs, keep every test's env and patches isolated."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu`` tests without CUDA and ``multigpu`` tests with fewer than two GPUs."""
+    needs_gpu = [item for item in items if "gpu" in item.keywords or "multigpu" in item.keywords]
+    if not needs_gpu:
+        return
+    n_gpus = _cuda_device_count()
+    for item in needs_gpu:
+        if "multigpu" in item.keywords and n_gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs >= 2 CUDA devices, found {n_gpus}"))
+        elif "gpu" in item.keywords and n_gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_autooffload(monkeypatch: pytest.MonkeyPatch):
+    """Run each test without inherited ``AUTOOFFLOAD*`` env vars and leave nothing enabled."""
+    for key in list(os.environ):
+        if key == "AUTOOFFLOAD" or key.startswith("AUTOOFFLOAD_"):
+            monkeypatch.delenv(key)
+    yield
+    import autooffload
+
+    autooffload.disable()
