@@ -1,0 +1,92 @@
+"""The public surface of autooffload: enable, disable, attach, last_plan, Settings.
+
+``import autooffload; autooffload.enable()`` at the top of an unchanged training script is the
+whole integration; importing the package alone changes nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from autooffload import log, patches
+from autooffload import settings as _settings
+from autooffload.errors import AttachError, AutoOffloadError, PlanError, SettingsError
+from autooffload.settings import Settings
+
+if TYPE_CHECKING:
+    from autooffload.plan.types import Plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttachError",
+    "AutoOffloadError",
+    "PlanError",
+    "Settings",
+    "SettingsError",
+    "__version__",
+    "attach",
+    "disable",
+    "enable",
+    "last_plan",
+]
+
+
+def enable(**overrides: Any) -> Settings:
+    """Turn autooffload on for this process and return the Settings in force.
+
+    Reads the ``AUTOOFFLOAD_*`` env vars, applies ``overrides`` (kwargs win) and validates
+    everything before changing anything; then configures the ``autooffload`` logger and installs
+    the library patches (now for libraries already imported, on import for the others). Calling
+    it again with the same settings does nothing; with different settings it reinstalls the
+    patches. With ``AUTOOFFLOAD=0`` (``enabled=False``) it validates, turns autooffload off if it
+    was on, and returns.
+    """
+    settings = Settings.from_env(**overrides)
+    log.configure(settings.log)
+    active = _settings.current()
+    if not settings.enabled:
+        if active is not None:
+            disable()
+        log.logger.debug("autooffload is disabled by AUTOOFFLOAD=0 / enabled=False")
+        return settings
+    if active is not None:
+        if active == settings and patches.is_installed():
+            return active
+        patches.uninstall_all()
+    _settings._set_current(settings)
+    patches.install_all(settings)
+    log.logger.debug("autooffload enabled: %s", settings)
+    return settings
+
+
+def disable() -> None:
+    """Turn autooffload off: detach every attached model and restore every patched object."""
+    try:
+        runtime = sys.modules.get("autooffload.runtime")
+        detach_all = getattr(runtime, "detach_all", None)
+        if detach_all is not None:
+            detach_all()
+    finally:
+        patches.uninstall_all()
+        _settings._set_current(None)
+        log.reset_warnings()
+
+
+def attach(model: Any, optimizer: Any = None, **settings: Any) -> Any:
+    """Attach ``model`` (and ``optimizer``) explicitly and return its ``Runtime``.
+
+    ``settings`` are Settings fields overriding the env vars, validated as in ``enable()``.
+    """
+    resolved = Settings.from_env(**settings)
+    from autooffload.runtime import attach as attach_runtime
+
+    return attach_runtime(model, optimizer, resolved)
+
+
+def last_plan() -> Plan | None:
+    """The Plan of the most recent attach in this process, or ``None`` if nothing was attached."""
+    runtime = sys.modules.get("autooffload.runtime")
+    get_last_plan = getattr(runtime, "last_plan", None)
+    return None if get_last_plan is None else get_last_plan()

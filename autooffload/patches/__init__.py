@@ -1,0 +1,100 @@
+"""Installs and removes every library patch, now or when its target library gets imported.
+
+Each name in ``PATCH_MODULES`` is a module of this package exposing ``TARGETS`` (module names whose
+import triggers it), ``install(settings, target)`` and ``uninstall()``. A target already imported is
+patched at once; any other gets a wrapt post-import hook, so ``enable()`` works whether the
+library is imported before or after it. Post-import hooks cannot be unregistered, so the hook
+checks the registry state: after ``disable()`` it does nothing, and it installs once per enable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+import wrapt
+
+from autooffload.log import logger
+from autooffload.patches import _registry
+from autooffload.settings import Settings
+
+PATCH_MODULES: tuple[str, ...] = (
+    "torch_module",
+    "torch_optim",
+    "peft_lora",
+    "bnb",
+    "hf_collators",
+)
+
+# The registry state: the settings of the current enable() (None when disabled), the
+# (patch module, target) pairs installed under it, the patch modules used, and the targets whose
+# post-import hook is registered and has not fired yet (wrapt drops a hook once it fires).
+_active_settings: Settings | None = None
+_installed: set[tuple[str, str]] = set()
+_loaded: dict[str, ModuleType] = {}
+_pending_hooks: set[str] = set()
+
+
+def _load(name: str) -> ModuleType | None:
+    """Import patch module ``name``; None if that module is not written yet."""
+    qualified = f"{__name__}.{name}"
+    try:
+        return importlib.import_module(qualified)
+    except ModuleNotFoundError as error:
+        if error.name != qualified:
+            raise
+        logger.debug("patch module %s does not exist yet; skipped", qualified)
+        return None
+
+
+def _install(name: str, target: str) -> None:
+    if _active_settings is None or (name, target) in _installed:
+        return
+    _installed.add((name, target))
+    logger.debug("installing patch %s for %s", name, target)
+    _loaded[name].install(_active_settings, target)
+
+
+def _on_import(module: ModuleType) -> None:
+    """wrapt post-import hook: patch ``module`` with every loaded patch module targeting it."""
+    target = module.__name__
+    _pending_hooks.discard(target)
+    for name, patch_module in list(_loaded.items()):
+        if target in patch_module.TARGETS:
+            _install(name, target)
+
+
+def install_all(settings: Settings) -> None:
+    """Install every patch module with ``settings``; targets not imported yet get a hook."""
+    global _active_settings
+    _active_settings = settings
+    for name in PATCH_MODULES:
+        patch_module = _load(name)
+        if patch_module is None:
+            continue
+        _loaded[name] = patch_module
+        for target in patch_module.TARGETS:
+            if target in sys.modules:
+                _install(name, target)
+            elif target not in _pending_hooks:
+                _pending_hooks.add(target)
+                wrapt.register_post_import_hook(_on_import, target)
+
+
+def uninstall_all() -> None:
+    """Uninstall every patch module and restore every wrapped attribute by identity."""
+    global _active_settings
+    _active_settings = None
+    try:
+        for patch_module in reversed(list(_loaded.values())):
+            patch_module.uninstall()
+    finally:
+        _installed.clear()
+        _loaded.clear()
+        _registry.restore_all()
+
+
+def is_installed() -> bool:
+    """Whether patches are installed (between ``install_all`` and ``uninstall_all``)."""
+    return _active_settings is not None
