@@ -1,0 +1,225 @@
+"""Turn (input_ids, labels) into masked labels: trained turns kept, the rest, pad and media -100.
+
+Masking only ever adds -100: a label the caller already masked stays masked, so a collator that
+built completion-only labels keeps them. Rows without chat markers (plain text) keep their labels,
+and rows whose labels are not the input ids (MLM, pre-shifted or encoder-decoder targets) are left
+alone, so the same masker is safe on every batch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autooffload.log import logger, warn_once
+from autooffload.masking.boundaries import MaskingOptions, Scanner
+from autooffload.masking.templates import (
+    chat_template_of,
+    check_markers_without_tokenizer,
+    detect_family,
+    media_token_ids,
+    resolve,
+    specs_from_settings,
+    tokenizer_of,
+)
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MaskingStats:
+    """Running counts over every masked batch: chat samples seen and those left with no label."""
+
+    samples: int = 0
+    all_masked: int = 0
+
+
+class LabelMasker:
+    """Masks the labels of batches made by one tokenizer or processor."""
+
+    def __init__(
+        self,
+        scanner: Scanner,
+        family: str,
+        pad_token_id: int | None = None,
+        media_ids: Sequence[int] = (),
+        stats: MaskingStats | None = None,
+    ) -> None:
+        self.scanner = scanner
+        self.family = family
+        self.pad_token_id = pad_token_id
+        self.media_ids = tuple(media_ids)
+        self.stats = stats if stats is not None else MaskingStats()
+        self._media: dict[torch.device, torch.Tensor] = {}
+
+    def mask(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        assistant_mask: torch.Tensor | None = None,
+        count: bool = True,
+    ) -> torch.Tensor | None:
+        """Masked labels for ``input_ids`` (``labels`` defaults to a copy of them).
+
+        Returns a new tensor, or ``labels`` itself when no row has chat markers. ``assistant_mask``
+        (from a ``{% generation %}`` template) replaces the scanner's assistant contents and is
+        cross-checked against them; ``count`` adds the batch to the all -100 sample count.
+        """
+        squeeze = input_ids.dim() == 1
+        if squeeze:
+            input_ids = input_ids.unsqueeze(0)
+            labels = None if labels is None else labels.unsqueeze(0)
+            attention_mask = None if attention_mask is None else attention_mask.unsqueeze(0)
+            assistant_mask = None if assistant_mask is None else assistant_mask.unsqueeze(0)
+        if labels is not None and labels.shape != input_ids.shape:
+            return labels.squeeze(0) if squeeze else labels
+        result = self.scanner.scan(input_ids, details=assistant_mask is not None)
+        if not bool(result.has_chat.any()):
+            return None if labels is None else (labels.squeeze(0) if squeeze else labels)
+
+        base = input_ids if labels is None else labels
+        rows = result.has_chat
+        if labels is not None:
+            aligned = ((labels == input_ids) | (labels == IGNORE_INDEX)).all(1)
+            rows = rows & aligned
+        trained = result.trained
+        if assistant_mask is not None:
+            generation = assistant_mask.to(torch.bool)
+            trained = self._use_generation_mask(result, generation, attention_mask)
+        ignored = ~trained
+        if attention_mask is not None:
+            ignored |= attention_mask == 0
+        elif self.pad_token_id is not None:
+            # Without an attention mask a pad id equal to a trained end marker (pad = eos) is kept.
+            ignored |= (input_ids == self.pad_token_id) & ~result.end_markers
+        if self.media_ids:
+            ignored |= torch.isin(input_ids, self._media_tensor(input_ids.device))
+        ignored &= rows.unsqueeze(1)
+        masked = base.masked_fill(ignored, IGNORE_INDEX)
+        if count:
+            self._count(masked, rows)
+        return masked.squeeze(0) if squeeze else masked
+
+    def _use_generation_mask(
+        self, result: Any, assistant_mask: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Trained tokens with the template's assistant mask in place of the scanner's contents;
+        warns once (naming the template) where the two disagree."""
+        content, markers = result.assistant_content, result.markers
+        generated = assistant_mask & ~markers
+        disagree = (generated ^ content) & result.has_chat.unsqueeze(1)
+        if attention_mask is not None:
+            disagree &= attention_mask != 0
+        if bool(disagree.any()):
+            warn_once(
+                f"masking-generation-{self.family}",
+                f"masking: the {self.family} chat template's {{% generation %}} mask disagrees "
+                f"with the {self.family} role boundaries on {int(disagree.sum())} tokens; the "
+                "template's mask is used — check the template or set role_boundaries",
+            )
+        if "assistant" not in self.scanner.options.roles_to_train:
+            return result.trained
+        if self.scanner.options.train_on_inputs:
+            return result.trained
+        return (result.trained & ~content) | generated
+
+    def _media_tensor(self, device: torch.device) -> torch.Tensor:
+        media = self._media.get(device)
+        if media is None:
+            media = torch.tensor(self.media_ids, dtype=torch.long, device=device)
+            self._media[device] = media
+        return media
+
+    def _count(self, masked: torch.Tensor, rows: torch.Tensor) -> None:
+        n_rows = int(rows.sum())
+        n_empty = int(((masked == IGNORE_INDEX).all(1) & rows).sum())
+        self.stats.samples += n_rows
+        self.stats.all_masked += n_empty
+        if n_empty:
+            logger.debug(
+                "masking: %d of %d chat samples so far have every label -100",
+                self.stats.all_masked,
+                self.stats.samples,
+            )
+            warn_once(
+                "masking-all-masked",
+                f"masking: {self.stats.all_masked} of {self.stats.samples} chat samples so far "
+                "have every label -100 (no trained turn survived: check roles_to_train, or "
+                "max_length cutting the answers off); the running count is logged at DEBUG and "
+                "at disable()",
+            )
+
+
+class MaskerCache:
+    """One LabelMasker per tokenizer or processor for one set of options; logs each detected
+    template family once and warns once per unknown template."""
+
+    def __init__(
+        self,
+        options: MaskingOptions,
+        role_boundaries: Sequence[dict[str, Any]] | None = None,
+    ) -> None:
+        self.options = options
+        self.role_boundaries = list(role_boundaries) if role_boundaries else None
+        if self.role_boundaries:
+            check_markers_without_tokenizer(self.role_boundaries)
+        self.stats = MaskingStats()
+        self._maskers: dict[int, tuple[Any, LabelMasker | None]] = {}
+        self._logged: set[str] = set()
+
+    def get(self, obj: Any) -> LabelMasker | None:
+        """The masker for a tokenizer or processor; None for an unknown chat template."""
+        entry = self._maskers.get(id(obj))
+        if entry is not None and entry[0]() is obj:
+            return entry[1]
+        masker = self._build(obj)
+        try:
+            ref: Any = weakref.ref(obj)
+        except TypeError:
+            ref = lambda obj=obj: obj  # noqa: E731 - objects without weakref support stay alive
+        self._maskers[id(obj)] = (ref, masker)
+        return masker
+
+    def _build(self, obj: Any) -> LabelMasker | None:
+        tokenizer = tokenizer_of(obj)
+        if self.role_boundaries:
+            name = "role_boundaries"
+            boundaries = resolve(tokenizer, specs_from_settings(self.role_boundaries), True)
+        else:
+            family = detect_family(obj)
+            boundaries = resolve(tokenizer, family.boundaries, False) if family else ()
+            name = family.name if family else "unknown"
+        if not boundaries:
+            template = chat_template_of(obj)
+            warn_once(
+                f"masking-unknown-{getattr(tokenizer, 'name_or_path', '')}",
+                "masking: unknown chat template "
+                f"({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!s}, "
+                f"{'no template' if template is None else 'template not recognised'}); labels "
+                "are left as they are (training on every token) — set role_boundaries "
+                "(AUTOOFFLOAD_ROLE_BOUNDARIES) to mask, or mask=False to silence this",
+            )
+            return None
+        options = self.options
+        if name not in self._logged:
+            self._logged.add(name)
+            logger.info(
+                "masking: %s, roles=[%s], train_on_eos=%s%s",
+                name,
+                ",".join(options.roles_to_train),
+                options.train_on_eos,
+                ", train_on_inputs" if options.train_on_inputs else "",
+            )
+        pad = getattr(tokenizer, "pad_token_id", None)
+        return LabelMasker(
+            Scanner(boundaries, options),
+            family=name,
+            pad_token_id=pad if isinstance(pad, int) else None,
+            media_ids=media_token_ids(obj),
+            stats=self.stats,
+        )
