@@ -1,0 +1,110 @@
+"""nn.Module patches: moving a large trainable model to the GPU attaches it instead of copying
+it whole; ``zero_grad`` also clears the host gradients of offloaded parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from autooffload.errors import AttachError
+from autooffload.log import logger
+from autooffload.patches import _registry
+from autooffload.settings import Settings, current
+
+TARGETS = ("torch",)
+
+
+def _unique_param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _attach_device(settings: Settings) -> str:
+    if settings.device is not None:
+        return torch.device(settings.device).type
+    return "cuda"
+
+
+def should_attach(model: nn.Module, settings: Settings, device: torch.device) -> bool:
+    """Attach on a move to the compute device of a large model that has something to train."""
+    from autooffload import runtime as rt
+
+    if not settings.offload or device.type != _attach_device(settings):
+        return False
+    if rt.runtime_of(model) is not None:
+        return False
+    if not any(p.requires_grad for p in model.parameters()):
+        return False
+    if settings.force_attach:
+        return True
+    return _unique_param_bytes(model) >= settings.attach_threshold
+
+
+def _move(instance: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> Any:
+    """Handle a move of an attached model, or attach; returns NotImplemented to fall through."""
+    from autooffload import runtime as rt
+
+    settings = current()
+    if settings is None or device is None and dtype is None:
+        return NotImplemented
+    runtime = rt._runtimes.get(id(instance))
+    if runtime is not None:
+        if dtype is not None:
+            raise AttachError(
+                f"cannot change the dtype of an attached model to {dtype}; convert the model"
+                " before moving it to the GPU (model.to(dtype) then model.to('cuda'))"
+            )
+        if device.type == runtime.device.type:
+            return instance
+        rt.detach(instance, device)
+        return instance
+    if device is None or not should_attach(instance, settings, device):
+        return NotImplemented
+    if dtype is not None:
+        instance.to(dtype=dtype)
+    logger.debug("attaching %s on move to %s", type(instance).__name__, device)
+    rt.attach(instance, settings=settings, device=device)
+    return instance
+
+
+def _to_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    result = _move(instance, device, dtype)
+    return wrapped(*args, **kwargs) if result is NotImplemented else result
+
+
+def _cuda_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    index = kwargs.get("device", args[0] if args else None)
+    device = torch.device(
+        "cuda"
+        if index is None
+        else index
+        if isinstance(index, str)
+        else f"cuda:{index}"
+        if isinstance(index, int)
+        else index
+    )
+    result = _move(instance, device, None)
+    return wrapped(*args, **kwargs) if result is NotImplemented else result
+
+
+def _zero_grad_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    from autooffload import runtime as rt
+
+    result = wrapped(*args, **kwargs)
+    set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+    for runtime in rt.runtimes():
+        if runtime.model is instance or any(m is runtime.model for m in instance.modules()):
+            runtime.zero_grad(set_to_none)
+    return result
+
+
+def install(settings: Settings, target: str) -> None:
+    _registry.wrap(nn.Module, "to", _to_wrapper, __name__)
+    _registry.wrap(nn.Module, "cuda", _cuda_wrapper, __name__)
+    _registry.wrap(nn.Module, "zero_grad", _zero_grad_wrapper, __name__)
+
+
+def uninstall() -> None:
+    _registry.restore_group(__name__)

@@ -1,0 +1,128 @@
+"""torch.optim patches: bind optimizers to attached models, step/zero_grad the CPU part, and
+clip gradients over GPU and host gradients together.
+
+``Optimizer.step`` is overridden by every subclass, so a wrapper on the base class would not
+run; torch's global step hooks (called by the ``profile_hook_step`` wrapper every optimizer's
+``step`` goes through) are the reliable, removable entry point, and are used for the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+)
+from torch.utils.hooks import RemovableHandle
+
+from autooffload.patches import _registry
+from autooffload.settings import Settings
+
+TARGETS = ("torch",)
+
+_handles: list[RemovableHandle] = []
+
+
+def _runtimes_of_optimizer(optimizer: torch.optim.Optimizer) -> list:
+    from autooffload import runtime as rt
+
+    return [r for r in rt.runtimes() if any(o is optimizer for o in r.optimizers)]
+
+
+def _bind(optimizer: torch.optim.Optimizer) -> None:
+    from autooffload import runtime as rt
+
+    for runtime in rt.runtimes():
+        if any(runtime.owns(p) for g in optimizer.param_groups for p in g["params"]):
+            runtime.bind_optimizer(optimizer)
+
+
+def _init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    # Subclasses call Optimizer.__init__ before finishing their own set-up; bind needs only
+    # param_groups, which the base __init__ has filled.
+    _bind(instance)
+    return result
+
+
+def _post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    if not _runtimes_of_optimizer(optimizer):
+        _bind(optimizer)
+    for runtime in _runtimes_of_optimizer(optimizer):
+        runtime.after_step(optimizer)
+
+
+def _zero_grad_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+    for runtime in _runtimes_of_optimizer(instance):
+        runtime.zero_grad(set_to_none)
+    return result
+
+
+def clip_grad_norm_with_host(
+    wrapped: Any,
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``clip_grad_norm_`` whose norm covers the host gradients of offloaded parameters."""
+    from autooffload import runtime as rt
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owners = [r for r in rt.runtimes() if any(r.is_offloaded(p) for p in params)]
+    if not owners:
+        return wrapped(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    norm_type = float(norm_type)
+    device_grads = [p.grad for p in params if p.grad is not None]
+    host_grads = [g for r in owners for g in r.host_grads()]
+    norms = []
+    if device_grads:
+        norms.append(torch.nn.utils.get_total_norm(device_grads, norm_type, False, foreach))
+    if host_grads:
+        norms.append(torch.nn.utils.get_total_norm(host_grads, norm_type, False, False))
+    device = device_grads[0].device if device_grads else owners[0].device
+    parts = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    total = parts.max() if math.isinf(norm_type) else torch.linalg.vector_norm(parts, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite,"
+            " so it cannot be clipped. To disable this error and scale the gradients by the"
+            " non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if device_grads:
+        torch.nn.utils.clip_grads_with_norm_(
+            [p for p in params if p.grad is not None], max_norm, total, foreach
+        )
+    coef_value = float(coef)
+    for runtime in owners:
+        runtime.cpu_optim.clip_(coef_value)
+    return total
+
+
+def _clip_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    return clip_grad_norm_with_host(wrapped, *args, **kwargs)
+
+
+def install(settings: Settings, target: str) -> None:
+    group = __name__
+    _registry.wrap(torch.optim.Optimizer, "__init__", _init_wrapper, group)
+    _registry.wrap(torch.optim.Optimizer, "zero_grad", _zero_grad_wrapper, group)
+    _registry.wrap(torch.nn.utils.clip_grad, "clip_grad_norm_", _clip_wrapper, group)
+    _registry.wrap(torch.nn.utils, "clip_grad_norm_", _clip_wrapper, group)
+    if not _handles:
+        _handles.append(register_optimizer_step_post_hook(_post_step))
+
+
+def uninstall() -> None:
+    _registry.restore_group(__name__)
+    while _handles:
+        _handles.pop().remove()

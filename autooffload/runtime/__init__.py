@@ -1,0 +1,90 @@
+"""The runtime: attach a model (chunked weight offload + CPU optimizer), detach it back."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autooffload.plan.types import Plan
+from autooffload.runtime.runtime import Runtime, check_attachable
+from autooffload.settings import Settings
+
+# The active-runtimes registry: the only global state besides the patch registry.
+_runtimes: dict[int, Runtime] = {}
+_last_plan: list[Plan] = []
+
+
+def resolve_device(settings: Settings, requested: torch.device | str | None = None) -> torch.device:
+    """The compute device: the requested one, else ``settings.device``, else cuda if present."""
+    if requested is not None:
+        device = torch.device(requested)
+    elif settings.device is not None:
+        device = torch.device(settings.device)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    settings: Settings | None = None,
+    device: torch.device | str | None = None,
+) -> Runtime:
+    """Attach ``model``: its weights go to a host store, only persistent chunks to the device."""
+    if settings is None:
+        settings = Settings.from_env()
+    existing = _runtimes.get(id(model))
+    if existing is not None:
+        if optimizer is not None:
+            existing.bind_optimizer(optimizer)
+        return existing
+    check_attachable(model)
+    runtime = Runtime(model, settings, resolve_device(settings, device))
+    _runtimes[id(model)] = runtime
+    _last_plan[:] = [runtime.plan]
+    if optimizer is not None:
+        runtime.bind_optimizer(optimizer)
+    return runtime
+
+
+def runtime_of(obj: nn.Module | torch.Tensor) -> Runtime | None:
+    """The runtime managing a model (or one of its parameters), if any."""
+    if isinstance(obj, nn.Module):
+        runtime = _runtimes.get(id(obj))
+        if runtime is not None:
+            return runtime
+        for candidate in _runtimes.values():
+            if any(m is obj for m in candidate.model.modules()):
+                return candidate
+        return None
+    for candidate in _runtimes.values():
+        if candidate.owns(obj):
+            return candidate
+    return None
+
+
+def runtimes() -> list[Runtime]:
+    return list(_runtimes.values())
+
+
+def detach(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+    """Detach one model; returns it as an ordinary module on ``device``."""
+    runtime = _runtimes.pop(id(model), None)
+    if runtime is None:
+        return model if device is None else model.to(device)
+    return runtime.detach(device)
+
+
+def detach_all() -> None:
+    """Detach every attached model (``autooffload.disable()`` calls this)."""
+    for key in list(_runtimes):
+        _runtimes.pop(key).detach()
+    _last_plan.clear()
+
+
+def last_plan() -> Plan | None:
+    """The plan of the most recently attached (or re-planned) model."""
+    return _last_plan[0] if _last_plan else None

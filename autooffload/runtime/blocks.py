@@ -1,0 +1,71 @@
+"""Find the execution groups of a model: its repeated blocks, and the modules around them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(eq=False)
+class Group:
+    """A module whose parameters are gathered together: a repeated block or a non-block module.
+
+    ``index`` is the group's position in the static order (registration order, which is the
+    execution order for HF decoder models); the runtime refines it with the order it observes.
+    """
+
+    index: int
+    name: str
+    module: nn.Module
+    is_block: bool
+    block_index: int | None = None
+
+
+def _block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """ModuleLists of >= 2 same-class modules holding parameters (HF ``layers``, ``blocks``)."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        classes = {type(m) for m in module}
+        if len(classes) != 1:
+            continue
+        if sum(p.numel() for p in module.parameters()) == 0:
+            continue
+        found.append((name, module))
+    # A block list nested inside another block list's block is not a block list of the model.
+    outer = [
+        (name, ml)
+        for name, ml in found
+        if not any(name != other and name.startswith(other + ".") for other, _ in found)
+    ]
+    return outer
+
+
+def discover_groups(model: nn.Module) -> list[Group]:
+    """Split ``model`` into groups in registration order.
+
+    Every block of every block list is a group; every other module that directly owns
+    parameters (embeddings, final norm, head, a vision merger...) is a group of its own.
+    Parameters registered directly on a module that also contains blocks are grouped on that
+    module, which stays resident (see ``Group.is_block``).
+    """
+    block_of: dict[int, tuple[str, int]] = {}
+    for list_name, module_list in _block_lists(model):
+        for i, block in enumerate(module_list):
+            block_of[id(block)] = (f"{list_name}.{i}" if list_name else str(i), i)
+
+    groups: list[Group] = []
+    inside_block: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in inside_block:
+            continue
+        if id(module) in block_of:
+            block_name, block_index = block_of[id(module)]
+            groups.append(Group(len(groups), block_name, module, True, block_index))
+            inside_block.update(id(m) for m in module.modules())
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            groups.append(Group(len(groups), name or "<root>", module, False))
+    return groups

@@ -1,0 +1,259 @@
+"""ChunkManager: owns chunk storage on host and GPU, the copy streams, events and residency.
+
+Protocol, in plain words. Every chunk has one GPU byte tensor (``gpu_flat``) for its whole life;
+its parameters' ``.data`` are views into it, created once at attach. A non-persistent chunk's
+GPU storage is resized to 0 bytes while the chunk lives on the host and resized back when it is
+gathered, exactly as FSDP frees unsharded parameters: views saved by autograd (e.g. ``weight.t()``
+saved by a matmul) keep pointing at the same storage, which holds the right bytes again by the
+time backward reads them. Copies run on side streams: ``h2d_stream`` fills a chunk and records
+its ``ready`` event, which the compute stream waits on before the chunk's block runs;
+``d2h_stream`` copies gradients of offloaded chunks to pinned staging and records an event the
+CPU optimizer thread waits on. A freed chunk's memory is ``record_stream``-ed on the compute
+stream so the allocator cannot hand it to the next copy before the compute that read it is done.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from autooffload.runtime.chunks import ALIGN, Chunk, ChunkLayout, ParamSlot
+from autooffload.runtime.host import HostArena
+
+
+class Residency(enum.Enum):
+    HOST = "host"
+    IN_FLIGHT = "in_flight"
+    RESIDENT = "resident"
+
+
+def _view(flat: torch.Tensor, slot: ParamSlot, offset: int | None = None) -> torch.Tensor:
+    start = slot.offset if offset is None else offset
+    return flat[start : start + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+GradsReady = Callable[[Chunk, list[ParamSlot], "torch.cuda.Event | None"], None]
+
+
+class ChunkManager:
+    """Gathers, releases, prefetches and offloads the gradients of the chunks of one model."""
+
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        device: torch.device,
+        persistent: Sequence[int],
+        n_buffer: int,
+        pin_memory: bool,
+    ) -> None:
+        self.layout = layout
+        self.chunks = layout.chunks
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.persistent = set(persistent)
+        self.n_buffer = max(1, n_buffer)
+        self.host = HostArena([c.nbytes for c in self.chunks], pin=pin_memory and self.is_cuda)
+        self.staging_offsets: dict[int, int] = {}
+        staging_sizes = []
+        for chunk in self.chunks:
+            size = 0
+            for slot in chunk.trainable_slots:
+                self.staging_offsets[id(slot.param)] = size
+                size += (slot.nbytes + ALIGN - 1) // ALIGN * ALIGN
+            staging_sizes.append(size)
+        self.grad_staging = HostArena(staging_sizes, pin=pin_memory and self.is_cuda)
+        self.state = [Residency.HOST] * len(self.chunks)
+        self.gpu_flat: list[torch.Tensor] = []
+        self.ready_events: list[torch.cuda.Event | None] = [None] * len(self.chunks)
+        # Futures of CPU-side work that reads or writes a chunk's host bytes (optimizer updates,
+        # gradient accumulation); a copy that touches those bytes waits for them first.
+        self.host_busy: list[Future | None] = [None] * len(self.chunks)
+        self.staging_busy: list[Future | None] = [None] * len(self.chunks)
+        self.on_grads_ready: GradsReady | None = None
+        if self.is_cuda:
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+        self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "stall_s": 0.0, "gathers": 0}
+
+    # ---- setup / teardown -------------------------------------------------------------------
+
+    def adopt_params(self) -> None:
+        """Move every parameter's bytes into the host store, then point it at its GPU chunk."""
+        for chunk in self.chunks:
+            host = self.host.view(chunk.index)
+            for slot in chunk.slots:
+                _view(host, slot).copy_(slot.param.data)
+            flat = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
+            for slot in chunk.slots:
+                slot.param.data = _view(flat, slot)
+            self.gpu_flat.append(flat)
+            if chunk.index in self.persistent:
+                flat.copy_(host)
+                self.state[chunk.index] = Residency.RESIDENT
+            else:
+                flat.untyped_storage().resize_(0)
+
+    def host_view(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
+        """The parameter's compute copy in the host store."""
+        return _view(self.host.view(chunk.index), slot)
+
+    def staging_view(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
+        """The pinned host buffer the parameter's gradient is copied into."""
+        return _view(
+            self.grad_staging.view(chunk.index), slot, self.staging_offsets[id(slot.param)]
+        )
+
+    def set_persistent(self, persistent: Sequence[int], n_buffer: int) -> None:
+        """Change which chunks stay on the GPU (a re-plan); moves bytes as needed."""
+        self.synchronize()
+        new = set(persistent)
+        for index in sorted(self.persistent - new):
+            self._write_back(index)
+            self.persistent.discard(index)
+            self.release(index)
+        for index in sorted(new - self.persistent):
+            self.persistent.add(index)
+            self._wait(self.host_busy, index)
+            if self.state[index] != Residency.RESIDENT:
+                self.gather(index)
+        self.n_buffer = max(1, n_buffer)
+
+    def _write_back(self, index: int) -> None:
+        """Copy a resident chunk's GPU bytes to the host store (persistent chunks are updated
+        on the GPU, so their host copy is stale until written back)."""
+        if self.state[index] == Residency.RESIDENT:
+            self.host.view(index).copy_(self.gpu_flat[index])
+
+    def materialize(self, device: torch.device) -> None:
+        """Detach: give every parameter an ordinary tensor on ``device`` with its current bytes."""
+        self.synchronize()
+        for chunk in self.chunks:
+            if chunk.index in self.persistent:
+                source = self.gpu_flat[chunk.index]
+            else:
+                source = self.host.view(chunk.index)
+            for slot in chunk.slots:
+                slot.param.data = _view(source, slot).to(device, copy=True)
+        self.gpu_flat = []
+        self.host.free()
+        self.grad_staging.free()
+
+    # ---- residency ----------------------------------------------------------------------------
+
+    def _wait(self, futures: list[Future | None], index: int) -> None:
+        future = futures[index]
+        if future is not None and not future.done():
+            start = time.perf_counter()
+            future.result()
+            self.stats["stall_s"] += time.perf_counter() - start
+        futures[index] = None
+
+    def n_in_use(self) -> int:
+        return sum(
+            1 for i, s in enumerate(self.state) if s != Residency.HOST and i not in self.persistent
+        )
+
+    def _start_copy_in(self, index: int) -> None:
+        chunk = self.chunks[index]
+        flat = self.gpu_flat[index]
+        host = self.host.view(index)
+        self._wait(self.host_busy, index)
+        if self.is_cuda:
+            with torch.cuda.stream(self.h2d_stream):
+                flat.untyped_storage().resize_(chunk.nbytes)
+                flat.copy_(host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.h2d_stream)
+            self.ready_events[index] = event
+        else:
+            flat.untyped_storage().resize_(chunk.nbytes)
+            flat.copy_(host)
+        self.state[index] = Residency.IN_FLIGHT
+        self.stats["h2d_bytes"] += chunk.nbytes
+        self.stats["gathers"] += 1
+
+    def gather(self, index: int) -> None:
+        """Make chunk ``index`` usable by work queued next on the current stream."""
+        if self.state[index] == Residency.RESIDENT:
+            return
+        if self.state[index] == Residency.HOST:
+            self._start_copy_in(index)
+        event = self.ready_events[index]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            self.ready_events[index] = None
+        self.state[index] = Residency.RESIDENT
+
+    def prefetch(self, index: int) -> bool:
+        """Start copying chunk ``index`` in if a buffer is free and its host bytes are ready."""
+        if self.state[index] != Residency.HOST or index in self.persistent:
+            return False
+        if self.n_in_use() >= self.n_buffer:
+            return False
+        busy = self.host_busy[index]
+        if busy is not None and not busy.done():
+            return False
+        self._start_copy_in(index)
+        return True
+
+    def release(self, index: int) -> None:
+        """Free a non-persistent chunk's GPU memory once the work queued so far is done with it."""
+        if index in self.persistent or self.state[index] == Residency.HOST:
+            return
+        flat = self.gpu_flat[index]
+        if self.is_cuda and self.state[index] == Residency.RESIDENT:
+            flat.record_stream(torch.cuda.current_stream(self.device))
+        flat.untyped_storage().resize_(0)
+        self.ready_events[index] = None
+        self.state[index] = Residency.HOST
+
+    def release_all(self) -> None:
+        for index in range(len(self.chunks)):
+            self.release(index)
+
+    # ---- gradients -----------------------------------------------------------------------------
+
+    def offload_grads(self, index: int) -> None:
+        """Copy the gradients of an offloaded chunk to pinned host staging and free them on GPU.
+
+        The CPU optimizer side is told through ``on_grads_ready`` with the event to wait on.
+        """
+        if index in self.persistent:
+            return
+        chunk = self.chunks[index]
+        slots = [s for s in chunk.trainable_slots if s.param.grad is not None]
+        if not slots:
+            return
+        # The staging bytes are reused each backward: the last accumulation must have read them.
+        self._wait(self.staging_busy, index)
+        event = None
+        if self.is_cuda:
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h_stream):
+                for slot in slots:
+                    grad = slot.param.grad
+                    self.staging_view(slot, chunk).copy_(grad, non_blocking=True)
+                    grad.record_stream(self.d2h_stream)
+                event = torch.cuda.Event()
+                event.record(self.d2h_stream)
+        else:
+            for slot in slots:
+                self.staging_view(slot, chunk).copy_(slot.param.grad)
+        for slot in slots:
+            slot.param.grad = None
+            self.stats["d2h_bytes"] += slot.nbytes
+        if self.on_grads_ready is not None:
+            self.on_grads_ready(chunk, slots, event)
+
+    def synchronize(self) -> None:
+        """Wait for every copy and every CPU task that touches chunk bytes."""
+        for index in range(len(self.chunks)):
+            self._wait(self.host_busy, index)
+            self._wait(self.staging_busy, index)
+        if self.is_cuda:
+            self.h2d_stream.synchronize()
+            self.d2h_stream.synchronize()

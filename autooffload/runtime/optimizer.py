@@ -1,0 +1,216 @@
+"""CPU side of the split optimizer: fp32 masters, host gradients and a worker thread.
+
+The user's optimizer stays the user's object and updates the persistent (GPU) parameters
+itself: offloaded parameters carry no ``.grad`` on the GPU at step time, so torch optimizers
+skip them. For every offloaded trainable parameter this module keeps an fp32 master (or uses
+the host copy itself when the model is fp32, or when master weights are off), accumulates its
+gradients as they arrive from the GPU, and at ``optimizer.step()`` updates it with a CPU twin
+of the user's optimizer class, whose hyperparameters are copied from the user's
+``param_groups`` at every step so LR schedulers keep working. The work runs on one worker
+thread, in order: a chunk's update is queued after its gradient accumulation, and the next
+forward's copy of that chunk to the GPU waits for the update (``ChunkManager.host_busy``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from autooffload.errors import AttachError
+from autooffload.runtime.chunks import Chunk, ParamSlot
+from autooffload.runtime.manager import ChunkManager
+
+# torch.optim classes that run on CPU tensors; the fused CPU kernels are the fast path.
+CPU_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam")
+FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")
+
+
+def check_optimizer_class(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``AttachError`` if the optimizer's class has no CPU twin."""
+    cls = type(optimizer)
+    if cls.__module__.startswith("torch.optim") and cls.__name__ in CPU_OPTIMIZERS:
+        return
+    raise AttachError(
+        f"optimizer class {cls.__module__}.{cls.__name__} has no CPU path for offloaded"
+        f" parameters; use one of torch.optim.{{{', '.join(CPU_OPTIMIZERS)}}}, or keep every"
+        " trainable parameter on the GPU (AUTOOFFLOAD_OFFLOAD=0, or a larger AUTOOFFLOAD_N_PERSIST)"
+    )
+
+
+def _twin_group(group: dict, cls: type) -> dict:
+    hyper = {k: v for k, v in group.items() if k != "params"}
+    for key, value in list(hyper.items()):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            hyper[key] = value.item()
+    hyper["foreach"] = False
+    hyper["capturable"] = False
+    hyper["differentiable"] = False
+    hyper["fused"] = cls.__name__ in FUSED_ON_CPU or None
+    return hyper
+
+
+class CpuOptimizer:
+    """Masters, host gradients and the CPU twin optimizers of a model's offloaded parameters."""
+
+    def __init__(self, manager: ChunkManager, master_weights: bool) -> None:
+        self.manager = manager
+        self.master_weights = master_weights
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autooffload-cpu-optim")
+        self.masters: dict[int, torch.Tensor] = {}
+        self.grad_buffers: dict[int, torch.Tensor] = {}
+        self.twins: dict[int, torch.optim.Optimizer] = {}
+        self.twin_group_index: dict[int, list[int]] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.group_of_param: dict[int, int] = {}
+        self.busy_s = 0.0
+        self.updates = 0
+        manager.on_grads_ready = self._grads_ready
+        for chunk in manager.chunks:
+            if chunk.index in manager.persistent:
+                continue
+            self._make_masters(chunk)
+
+    def _make_masters(self, chunk: Chunk) -> None:
+        for slot in chunk.trainable_slots:
+            host = self.manager.host_view(slot, chunk)
+            if self.master_weights and host.dtype != torch.float32 and host.is_floating_point():
+                self.masters[id(slot.param)] = host.float()
+            else:
+                self.masters[id(slot.param)] = host
+
+    def offloaded_slots(self) -> list[tuple[Chunk, ParamSlot]]:
+        """Every trainable slot of a non-persistent chunk."""
+        return [
+            (chunk, slot)
+            for chunk in self.manager.chunks
+            if chunk.index not in self.manager.persistent
+            for slot in chunk.trainable_slots
+        ]
+
+    # ---- gradients --------------------------------------------------------------------------
+
+    def _grads_ready(
+        self, chunk: Chunk, slots: list[ParamSlot], event: torch.cuda.Event | None
+    ) -> None:
+        future = self.worker.submit(self._accumulate, chunk, slots, event)
+        self.manager.staging_busy[chunk.index] = future
+        self.manager.host_busy[chunk.index] = future
+
+    def _accumulate(
+        self, chunk: Chunk, slots: list[ParamSlot], event: torch.cuda.Event | None
+    ) -> None:
+        if event is not None:
+            event.synchronize()
+        start = time.perf_counter()
+        for slot in slots:
+            master = self.masters[id(slot.param)]
+            staged = self.manager.staging_view(slot, chunk)
+            if master.grad is None:
+                buffer = self.grad_buffers.get(id(slot.param))
+                if buffer is None:
+                    buffer = torch.empty_like(master)
+                    self.grad_buffers[id(slot.param)] = buffer
+                buffer.copy_(staged)
+                master.grad = buffer
+            else:
+                master.grad.add_(staged)
+        self.busy_s += time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Block until every queued accumulation and update is done."""
+        self.worker.submit(lambda: None).result()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the accumulated host gradients (the user's ``zero_grad``)."""
+        self.wait()
+        for master in self.masters.values():
+            if set_to_none:
+                master.grad = None
+            elif master.grad is not None:
+                master.grad.zero_()
+
+    def host_grads(self) -> list[torch.Tensor]:
+        """The accumulated fp32 gradients of offloaded params (after ``wait``)."""
+        return [m.grad for m in self.masters.values() if m.grad is not None]
+
+    # ---- optimizer ----------------------------------------------------------------------------
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Mirror ``optimizer`` for the offloaded params it owns."""
+        owned = {
+            id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]
+        }
+        if not any(pid in owned for pid in self.masters):
+            return
+        check_optimizer_class(optimizer)
+        self.optimizer = optimizer
+        self.group_of_param = owned
+        self.twins.clear()
+
+    def _twin(self, chunk: Chunk) -> torch.optim.Optimizer | None:
+        twin = self.twins.get(chunk.index)
+        if twin is not None:
+            return twin
+        assert self.optimizer is not None
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for slot in chunk.trainable_slots:
+            group = self.group_of_param.get(id(slot.param))
+            if group is not None:
+                by_group.setdefault(group, []).append(self.masters[id(slot.param)])
+        if not by_group:
+            return None
+        cls = type(self.optimizer)
+        groups = [
+            {"params": params, **_twin_group(self.optimizer.param_groups[g], cls)}
+            for g, params in by_group.items()
+        ]
+        kwargs = {}
+        if "fused" in inspect.signature(cls.__init__).parameters and cls.__name__ in FUSED_ON_CPU:
+            kwargs["fused"] = True
+        twin = cls(groups, **kwargs)
+        self.twins[chunk.index] = twin
+        self.twin_group_index[chunk.index] = list(by_group)
+        return twin
+
+    def step(self) -> None:
+        """Queue the update of every offloaded chunk, in forward order; returns at once."""
+        if self.optimizer is None:
+            return
+        for chunk in self.manager.chunks:
+            if chunk.index in self.manager.persistent or not chunk.trainable_slots:
+                continue
+            twin = self._twin(chunk)
+            if twin is None:
+                continue
+            hyper = [
+                _twin_group(self.optimizer.param_groups[g], type(self.optimizer))
+                for g in self.twin_group_index[chunk.index]
+            ]
+            future = self.worker.submit(self._update, chunk, twin, hyper)
+            self.manager.host_busy[chunk.index] = future
+
+    def _update(self, chunk: Chunk, twin: torch.optim.Optimizer, hyper: list[dict]) -> None:
+        start = time.perf_counter()
+        for group, values in zip(twin.param_groups, hyper, strict=True):
+            group.update(values)
+        twin.step()
+        for slot in chunk.trainable_slots:
+            master = self.masters[id(slot.param)]
+            host = self.manager.host_view(slot, chunk)
+            if master.data_ptr() != host.data_ptr():
+                host.copy_(master)
+        self.busy_s += time.perf_counter() - start
+        self.updates += 1
+
+    def clip_(self, coef: float) -> None:
+        """Scale the host gradients by ``coef`` (gradient clipping)."""
+        grads = self.host_grads()
+        if grads and not math.isclose(coef, 1.0):
+            torch._foreach_mul_(grads, coef)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown(wait=True)

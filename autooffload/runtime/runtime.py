@@ -1,0 +1,270 @@
+"""Runtime: wires blocks, chunks, the chunk manager and the CPU optimizer for one model."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from autooffload.errors import AttachError
+from autooffload.log import logger
+from autooffload.plan.types import Plan
+from autooffload.runtime.blocks import Group, discover_groups
+from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
+from autooffload.runtime.manager import ChunkManager, Residency
+from autooffload.runtime.optimizer import CpuOptimizer
+from autooffload.runtime.planning import initial_plan
+from autooffload.settings import Settings
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Runtime:
+    """Chunked weight offload for one model: hooks gather a group's chunks before it runs,
+    prefetch the next group's, release them after, and send offloaded gradients to the CPU."""
+
+    def __init__(self, model: nn.Module, settings: Settings, device: torch.device) -> None:
+        self.model = model
+        self.settings = settings
+        self.device = device
+        self.groups = discover_groups(model)
+        if not any(g.is_block for g in self.groups):
+            logger.debug("no repeated blocks found; every module with parameters is a group")
+        params_by_group = [(g.index, list(self._group_params(g))) for g in self.groups]
+        block_bytes = [
+            aligned_bytes([p for _, p in params])
+            for g, (_, params) in zip(self.groups, params_by_group, strict=True)
+            if g.is_block
+        ]
+        chunk_size = settings.chunk_size or default_chunk_size(block_bytes)
+        self.layout = build_layout(params_by_group, chunk_size)
+        self.plan: Plan = initial_plan(self, settings)
+        self.manager = ChunkManager(
+            self.layout,
+            device,
+            persistent=range(self.plan.n_persist),
+            n_buffer=self.plan.n_buffer,
+            pin_memory=True,
+        )
+        self.manager.adopt_params()
+        for module in model.modules():
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+        self.cpu_optim = CpuOptimizer(self.manager, settings.master_weights)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._handles: list[RemovableHandle] = []
+        self._trace: list[int] = []
+        self._last_trace: list[int] = [g.index for g in self.groups]
+        self._position = {g: i for i, g in enumerate(self._last_trace)}
+        self._backward_task: int | None = None
+        self._steps = 0
+        self._step_started = time.perf_counter()
+        self._install_hooks()
+        logger.info("%s", self.plan.summary())
+
+    @staticmethod
+    def _group_params(group: Group) -> Iterable[tuple[str, nn.Parameter]]:
+        recurse = group.is_block
+        seen: set[int] = set()
+        for name, param in group.module.named_parameters(recurse=recurse, remove_duplicate=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield f"{group.name}.{name}", param
+
+    # ---- hooks ----------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        for group in self.groups:
+            module = group.module
+            self._handles.append(
+                module.register_forward_pre_hook(lambda m, a, g=group: self._pre_forward(g))
+            )
+            self._handles.append(
+                module.register_forward_hook(
+                    lambda m, a, out, g=group: self._post_forward(g, out), always_call=True
+                )
+            )
+
+    def _chunks(self, group: Group) -> list[int]:
+        return self.layout.chunks_of_group[group.index]
+
+    def _pre_forward(self, group: Group) -> None:
+        if _in_backward():
+            self._ensure_end_callback()
+            for index in self._chunks(group):
+                self.manager.gather(index)
+            return
+        if self._trace and group.index == self._last_trace[0]:
+            self._trace_end()
+        self._trace.append(group.index)
+        for index in self._chunks(group):
+            self.manager.gather(index)
+        self._prefetch_after(group.index, forward=True)
+
+    def _post_forward(self, group: Group, output: object) -> None:
+        if _in_backward():
+            return
+        if torch.is_grad_enabled():
+            tensors = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads, g=group: self._pre_backward(g), mode="any"
+                )
+        position = self._position.get(group.index, len(self._position))
+        for index in self._chunks(group):
+            later = any(
+                self._position.get(user, -1) > position for user in self.layout.chunks[index].groups
+            )
+            if not later:
+                self.manager.release(index)
+
+    def _prefetch_after(self, group_index: int, forward: bool) -> None:
+        order = self._last_trace if forward else list(reversed(self._last_trace))
+        try:
+            start = order.index(group_index) + 1
+        except ValueError:
+            return
+        for next_group in order[start:]:
+            for index in self.layout.chunks_of_group[next_group]:
+                if (
+                    self.manager.state[index] == Residency.HOST
+                    and index not in self.manager.persistent
+                ):
+                    if not self.manager.prefetch(index):
+                        return
+
+    def _pre_backward(self, group: Group) -> None:
+        self._ensure_end_callback()
+        position = self._position.get(group.index, 0)
+        for index, state in enumerate(self.manager.state):
+            if state == Residency.HOST or index in self.manager.persistent:
+                continue
+            users = self.layout.chunks[index].groups
+            if all(self._position.get(u, -1) > position for u in users):
+                self.manager.offload_grads(index)
+                self.manager.release(index)
+        for index in self._chunks(group):
+            self.manager.gather(index)
+        self._prefetch_after(group.index, forward=False)
+
+    def _ensure_end_callback(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._backward_task:
+            self._backward_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        for index in range(len(self.layout.chunks)):
+            self.manager.offload_grads(index)
+            self.manager.release(index)
+        self._backward_task = None
+        self._trace_end()
+
+    def _trace_end(self) -> None:
+        """A forward (and its backward) ended: its group order drives the next prefetches."""
+        if self._trace:
+            self._last_trace = list(dict.fromkeys(self._trace))
+            self._position = {g: i for i, g in enumerate(self._last_trace)}
+            self._trace = []
+
+    # ---- optimizer integration ------------------------------------------------------------
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return id(param) in self._slot_index
+
+    @property
+    def _slot_index(self) -> dict:
+        cached = getattr(self, "_slot_cache", None)
+        if cached is None:
+            cached = self.layout.slot_of()
+            self._slot_cache = cached
+        return cached
+
+    def is_offloaded(self, param: torch.Tensor) -> bool:
+        entry = self._slot_index.get(id(param))
+        return entry is not None and entry[0].index not in self.manager.persistent
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if any(o is optimizer for o in self.optimizers):
+            return
+        self.optimizers.append(optimizer)
+        self.cpu_optim.bind(optimizer)
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The user's optimizer stepped the GPU params; queue the CPU update of the rest."""
+        if self.cpu_optim.optimizer is optimizer:
+            self.cpu_optim.step()
+        self._steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.cpu_optim.zero_grad(set_to_none)
+
+    def host_grads(self) -> list[torch.Tensor]:
+        self.cpu_optim.wait()
+        return self.cpu_optim.host_grads()
+
+    def synchronize(self) -> None:
+        self.cpu_optim.wait()
+        self.manager.synchronize()
+
+    def stats(self) -> dict[str, float]:
+        peak = torch.cuda.max_memory_allocated(self.device) if self.manager.is_cuda else 0
+        return {
+            "steps": self._steps,
+            "h2d_bytes": self.manager.stats["h2d_bytes"],
+            "d2h_bytes": self.manager.stats["d2h_bytes"],
+            "h2d_s": self.manager.stats["h2d_bytes"] / 55e9 if self.manager.is_cuda else 0.0,
+            "d2h_s": self.manager.stats["d2h_bytes"] / 55e9 if self.manager.is_cuda else 0.0,
+            "cpu_optim_s": self.cpu_optim.busy_s,
+            "stall_s": self.manager.stats["stall_s"],
+            "peak_bytes": peak,
+        }
+
+    # ---- teardown -------------------------------------------------------------------------
+
+    def detach(self, device: torch.device | str | None = None) -> nn.Module:
+        """Return the ordinary model, trained weights on ``device`` (default: the attach device)."""
+        target = torch.device(device) if device is not None else self.device
+        self.cpu_optim.wait()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.manager.materialize(target)
+        for module in self.model.modules():
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(target)
+        self.cpu_optim.shutdown()
+        return self.model
+
+
+def check_attachable(model: nn.Module) -> None:
+    """Refuse models autooffload must not manage (already sharded, dispatched, or meta)."""
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        raise AttachError(
+            "model is dispatched across devices with device_map; autooffload's weight offload"
+            " does not compose with it: load it without device_map or set AUTOOFFLOAD_OFFLOAD=0"
+        )
+    for param in model.parameters():
+        if param.device.type == "meta":
+            raise AttachError(
+                "model has parameters on the meta device; load its weights before attaching"
+                " (or set AUTOOFFLOAD_OFFLOAD=0)"
+            )
+        if type(param).__name__ == "DTensor" or hasattr(param, "_local_tensor"):
+            raise AttachError(
+                "model is sharded with FSDP2/DTensor; use FSDP2's CPUOffloadPolicy for weights"
+                " (autooffload keeps activation management and masking), or set"
+                " AUTOOFFLOAD_OFFLOAD=0"
+            )

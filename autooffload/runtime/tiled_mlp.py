@@ -1,0 +1,175 @@
+"""Tiled MLP: run a token-wise MLP over token tiles so its intermediate activations stay bounded.
+
+An MLP such as HF ``LlamaMLP`` (``down(act(gate(x)) * up(x))``) holds ``tokens x intermediate``
+activations, several times the hidden state, for its backward. :func:`tile_mlp` makes its
+forward a custom autograd function (the idea of Arctic Long Sequence Training's TiledMLP):
+
+* forward: the flattened tokens are split into tiles of ``tile_tokens``; each tile runs under
+  ``no_grad`` and writes its slice of the output; only the input is saved.
+* backward: tile by tile, the tile's forward is re-run with grad enabled (same autocast state,
+  RNG state restored) and differentiated with the tile's slice of the output gradient; input
+  gradients are written per tile, parameter gradients summed over tiles and returned to autograd
+  (so gradient hooks and accumulation happen once, as for the untiled MLP).
+
+Peak MLP memory is one tile's intermediates instead of the whole sequence's. Gradients equal the
+untiled ones up to summation order. The recompute runs with
+:func:`autooffload.runtime.activations.is_recomputing` true. Only for MLPs that treat every token
+independently (not capacity-routed MoE) and whose ``forward(x)`` returns one tensor; with
+dropout inside the MLP the masks are drawn per tile, so they differ from the untiled ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autooffload.errors import PlanError
+from autooffload.runtime.activations import recomputing
+
+_TILED_ATTR = "_autooffload_tiled_mlp"
+
+
+@dataclass(eq=False)
+class TiledMLP:
+    """What :func:`tile_mlp` installed on one MLP; :func:`untile_mlp` undoes it."""
+
+    mlp: nn.Module
+    tile_tokens: int
+    min_tokens: int
+    inner_forward: Callable[..., Any]
+    prior_forward: Callable[..., Any] | None
+    wrapper: Callable[..., Any] | None = None
+    active: bool = True
+
+
+def tile_mlp(mlp: nn.Module, tile_tokens: int, min_tokens: int | None = None) -> None:
+    """Run ``mlp`` in tiles of ``tile_tokens`` tokens when its input has more than ``min_tokens``.
+
+    ``min_tokens`` defaults to ``tile_tokens`` (tile only when there are at least two tiles).
+    Calling it again replaces the earlier tiling.
+    """
+    if tile_tokens < 1:
+        raise PlanError(f"tile_tokens for {type(mlp).__name__} is {tile_tokens}; use an int >= 1")
+    untile_mlp(mlp)
+    state = TiledMLP(
+        mlp=mlp,
+        tile_tokens=tile_tokens,
+        min_tokens=tile_tokens if min_tokens is None else min_tokens,
+        inner_forward=mlp.forward,
+        prior_forward=mlp.__dict__.get("forward"),
+    )
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return _run_mlp(state, args, kwargs)
+
+    functools.update_wrapper(forward, state.inner_forward)
+    state.wrapper = forward
+    mlp.__dict__["forward"] = forward
+    mlp.__dict__[_TILED_ATTR] = state
+
+
+def untile_mlp(mlp: nn.Module) -> None:
+    """Undo :func:`tile_mlp`: ``mlp.forward`` is again what it was before."""
+    state: TiledMLP | None = mlp.__dict__.pop(_TILED_ATTR, None)
+    if state is None:
+        return
+    state.active = False
+    if mlp.__dict__.get("forward") is not state.wrapper:
+        return  # wrapped again after us: ours passes through rather than drop the later wrapper
+    if state.prior_forward is None:
+        del mlp.__dict__["forward"]
+    else:
+        mlp.__dict__["forward"] = state.prior_forward
+
+
+def is_tiled(mlp: nn.Module) -> bool:
+    """Whether :func:`tile_mlp` is installed on ``mlp``."""
+    return _TILED_ATTR in mlp.__dict__
+
+
+def _run_mlp(state: TiledMLP, args: tuple, kwargs: dict) -> Any:
+    inner = state.inner_forward
+    if not state.active or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        return inner(*args, **kwargs)
+    x = args[0]
+    if x.dim() < 2 or x.numel() // x.shape[-1] <= state.min_tokens:
+        return inner(x)
+    if not torch.is_grad_enabled():
+        return _tiled_forward(inner, x, state.tile_tokens)
+    params = [p for p in state.mlp.parameters() if p.requires_grad]
+    return _TiledMLPFunction.apply(inner, state.tile_tokens, state.mlp, x, *params)
+
+
+def _tiled_forward(fn: Callable[..., Any], x: torch.Tensor, tile_tokens: int) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    out: torch.Tensor | None = None
+    for start in range(0, flat.shape[0], tile_tokens):
+        tile_out = fn(flat[start : start + tile_tokens])
+        if out is None:
+            out = tile_out.new_empty(flat.shape[0], *tile_out.shape[1:])
+        out[start : start + tile_out.shape[0]] = tile_out
+    return out.view(*x.shape[:-1], *out.shape[1:])
+
+
+class _TiledMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, fn: Callable, tile_tokens: int, mlp: nn.Module, x, *params):
+        ctx.fn, ctx.tile_tokens, ctx.mlp, ctx.params = fn, tile_tokens, mlp, params
+        device_type = x.device.type
+        ctx.autocast = (
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+        )
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.device_rng = torch.cuda.get_rng_state(x.device) if device_type == "cuda" else None
+        ctx.save_for_backward(x)
+        return _tiled_forward(fn, x, tile_tokens)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[3]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
+        grad_x = torch.empty_like(x) if need_x else None
+        param_grads: list[torch.Tensor | None] = [None] * len(ctx.params)
+        flat_x = x.reshape(-1, x.shape[-1])
+        flat_grad_x = grad_x.view(-1, x.shape[-1]) if need_x else None
+        flat_grad_out = grad_out.reshape(-1, *grad_out.shape[x.dim() - 1 :])
+        device_type, autocast_on, autocast_dtype = ctx.autocast
+        devices = [x.device] if ctx.device_rng is not None else []
+        with (
+            torch.random.fork_rng(devices=devices, device_type=device_type),
+            torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on),
+            recomputing(ctx.mlp),
+        ):
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.device_rng is not None:
+                torch.cuda.set_rng_state(ctx.device_rng, x.device)
+            for start in range(0, flat_x.shape[0], ctx.tile_tokens):
+                stop = start + ctx.tile_tokens
+                tile_x = flat_x[start:stop].detach().requires_grad_(need_x)
+                with torch.enable_grad():
+                    tile_out = ctx.fn(tile_x)
+                inputs = ([tile_x] if need_x else []) + [ctx.params[i] for i in wanted]
+                if not inputs:
+                    continue
+                grads = torch.autograd.grad(
+                    tile_out, inputs, flat_grad_out[start:stop], allow_unused=True
+                )
+                if need_x:
+                    flat_grad_x[start:stop] = grads[0]
+                    grads = grads[1:]
+                for i, grad in zip(wanted, grads):
+                    if grad is None:
+                        continue
+                    if param_grads[i] is None:
+                        param_grads[i] = grad
+                    else:
+                        param_grads[i] += grad
+        return (None, None, None, grad_x, *param_grads)
