@@ -102,7 +102,7 @@ class LabelMasker:
         ignored &= rows.unsqueeze(1)
         masked = base.masked_fill(ignored, IGNORE_INDEX)
         if count:
-            self._count(masked, rows)
+            self.count(masked, rows)
         return masked.squeeze(0) if squeeze else masked
 
     def _use_generation_mask(
@@ -135,7 +135,8 @@ class LabelMasker:
             self._media[device] = media
         return media
 
-    def _count(self, masked: torch.Tensor, rows: torch.Tensor) -> None:
+    def count(self, masked: torch.Tensor, rows: torch.Tensor) -> None:
+        """Add the ``rows`` of ``masked`` to the running all -100 count (warned once)."""
         n_rows = int(rows.sum())
         n_empty = int(((masked == IGNORE_INDEX).all(1) & rows).sum())
         self.stats.samples += n_rows
