@@ -1,0 +1,247 @@
+"""Exact trained spans with the real tokenizers and their real chat templates.
+
+Qwen3 (ChatML), Llama 3.1 and Gemma 3 render through their own chat templates. The Mistral v3
+SentencePiece tokenizer ships without a template, so its prompts are built by hand the way
+mistral-common's v3 instruct tokenizer builds them: ``<s>[INST] user[/INST] answer</s>...`` with
+the system prompt prepended to the last user message.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from _tokenizers import load_tokenizer
+
+from autooffload.masking import IGNORE_INDEX, MaskerCache, MaskingOptions
+
+SYSTEM = "You are a terse assistant."
+CHAT = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "Hi there, who are you?"},
+    {"role": "assistant", "content": "I am a helpful bot."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "It is 4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "It is 6."},
+]
+QWEN_EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def render(family: str, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` as the family's real template (or mistral-common) renders them."""
+    tokenizer = load_tokenizer(family)
+    if family != "mistral-v3-sp":
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    system = next((m["content"] for m in messages if m["role"] == "system"), None)
+    turns = [m for m in messages if m["role"] != "system"]
+    last_user = max(i for i, m in enumerate(turns) if m["role"] == "user")
+    ids = [tokenizer.bos_token_id]
+    for index, message in enumerate(turns):
+        content = message["content"]
+        encoded = tokenizer.encode(content, add_special_tokens=False)
+        if message["role"] == "user":
+            if system and index == last_user:
+                encoded = tokenizer.encode(f"{system}\n\n{content}", add_special_tokens=False)
+            ids += [3] + encoded + [4]  # [INST] ... [/INST]
+        else:
+            ids += encoded + [tokenizer.eos_token_id]
+    return ids
+
+
+def expected_turns(family: str, messages: list[dict]) -> list[tuple[str, str, str, bool]]:
+    """(role, exact content, end marker, end marker trainable) of each turn, in order."""
+    end = {"qwen3": "<|im_end|>", "llama3.1": "<|eot_id|>", "gemma3": "<end_of_turn>"}
+    turns = []
+    system = messages[0]["content"] if messages[0]["role"] == "system" else None
+    rest = messages[1:] if system else messages
+    last_assistant = max(i for i, m in enumerate(rest) if m["role"] == "assistant")
+    last_user = max(i for i, m in enumerate(rest) if m["role"] == "user")
+    if system and family in ("qwen3", "llama3.1"):
+        turns.append(("system", system, end[family], True))
+    for index, message in enumerate(rest):
+        role, content = message["role"], message["content"]
+        if family == "qwen3" and role == "assistant" and index == last_assistant:
+            content = QWEN_EMPTY_THINK + content
+        if family == "gemma3" and system and index == 0:
+            content = f"{system}\n\n{content}"  # Gemma folds the system prompt into the user turn
+        if family == "mistral-v3-sp":
+            if role == "user":
+                content = f"{system}\n\n{content}" if system and index == last_user else content
+                turns.append((role, content, "[/INST]", False))
+            else:
+                turns.append((role, content, "</s>", True))
+            continue
+        turns.append((role, content, end[family], True))
+    return turns
+
+
+def expected_spans(turns, roles: tuple[str, ...], eos: str) -> list[str]:
+    last = max((i for i, t in enumerate(turns) if t[0] in roles), default=-1)
+    spans = []
+    for index, (role, content, end, end_trainable) in enumerate(turns):
+        trained = role in roles
+        eos_on = end_trainable and (
+            eos == "all" or (trained and (eos == "turn" or (eos == "last" and index == last)))
+        )
+        if trained:
+            spans.append(content + (end if eos_on else ""))
+        elif eos_on:
+            spans.append(end)
+    return spans
+
+
+def trained_spans(tokenizer, ids: torch.Tensor, labels: torch.Tensor) -> list[str]:
+    """Each run of consecutive trained tokens, decoded."""
+    trained = (labels != IGNORE_INDEX).tolist()
+    spans, run = [], []
+    for token, keep in zip(ids.tolist(), trained):
+        if keep:
+            run.append(token)
+        elif run:
+            spans.append(tokenizer.decode(run))
+            run = []
+    if run:
+        spans.append(tokenizer.decode(run))
+    return spans
+
+
+def masker_for(family: str, roles=("assistant",), eos="turn", inputs=False, boundaries=None):
+    cache = MaskerCache(MaskingOptions(inputs, tuple(roles), eos), boundaries)
+    return cache.get(load_tokenizer(family))
+
+
+FAMILIES = ["qwen3", "llama3.1", "gemma3", "mistral-v3-sp"]
+EOS_MODES = ["turn", "last", "all", "none"]
+ROLE_SETS = [("assistant",), ("assistant", "user"), ("user",), (), ("system", "assistant")]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    ("roles", "eos"), itertools.product(ROLE_SETS, ["turn", "last", "all", "none"])
+)
+def test_trained_spans_are_exactly_the_role_contents(family, roles, eos):
+    ids = torch.tensor(render(family, CHAT))
+    labels = masker_for(family, roles, eos).mask(ids)
+    got = trained_spans(load_tokenizer(family), ids, labels)
+    assert got == expected_spans(expected_turns(family, CHAT), roles, eos)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_on_inputs_trains_everything(family):
+    ids = torch.tensor(render(family, CHAT))
+    labels = masker_for(family, inputs=True).mask(ids)
+    assert torch.equal(labels, ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_matches_each_sample(family, side):
+    tokenizer = load_tokenizer(family)
+    samples = [render(family, CHAT), render(family, CHAT[:3]), render(family, CHAT[:5])]
+    width = max(map(len, samples))
+    # Llama 3 has no pad token: pad with eos, as users do, so pad == the end-of-turn marker.
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(samples), width), pad)
+    attention = torch.zeros_like(ids)
+    for row, sample in enumerate(samples):
+        cols = slice(width - len(sample), width) if side == "left" else slice(0, len(sample))
+        ids[row, cols] = torch.tensor(sample)
+        attention[row, cols] = 1
+    masker = masker_for(family, ("assistant",), "turn")
+    labels = masker.mask(ids, ids.clone(), attention_mask=attention)
+    for row, sample in enumerate(samples):
+        alone = masker.mask(torch.tensor(sample))
+        cols = slice(width - len(sample), width) if side == "left" else slice(0, len(sample))
+        assert torch.equal(labels[row, cols], alone)
+        assert bool((labels[row][attention[row] == 0] == IGNORE_INDEX).all())
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma3"])
+@pytest.mark.parametrize("eos", ["turn", "last"])
+def test_truncated_final_turn_runs_to_the_end(family, eos):
+    tokenizer = load_tokenizer(family)
+    text = tokenizer.apply_chat_template(CHAT, tokenize=False)
+    cut = text.rindex("It is 6.") + len("It is")
+    ids = torch.tensor(tokenizer(text[:cut], add_special_tokens=False)["input_ids"])
+    got = trained_spans(tokenizer, ids, masker_for(family, eos=eos).mask(ids))
+    prefix = QWEN_EMPTY_THINK if family == "qwen3" else ""
+    ends = {"qwen3": "<|im_end|>", "llama3.1": "<|eot_id|>", "gemma3": "<end_of_turn>"}[family]
+    first = ["I am a helpful bot." + ends, "It is 4." + ends] if eos == "turn" else []
+    assert got[-1] == prefix + "It is"
+    if eos == "turn":
+        assert got == first + [prefix + "It is"]
+    else:  # the last trained turn is cut before its end marker: no end marker is trained
+        assert got == ["I am a helpful bot.", "It is 4.", prefix + "It is"]
+
+
+def test_mistral_truncated_final_turn():
+    tokenizer = load_tokenizer("mistral-v3-sp")
+    answer = tokenizer.encode("It is 6.", add_special_tokens=False)
+    ids = torch.tensor(render("mistral-v3-sp", CHAT)[:-3])  # cut "6", "." and </s>
+    got = trained_spans(tokenizer, ids, masker_for("mistral-v3-sp").mask(ids))
+    assert got == ["I am a helpful bot.</s>", "It is 4.</s>", tokenizer.decode(answer[:-2])]
+
+
+def test_mistral_inst_close_is_shared_not_consumed():
+    """[/INST] ends the user turn and starts the answer; it is never trained as either."""
+    ids = torch.tensor(render("mistral-v3-sp", CHAT))
+    labels = masker_for("mistral-v3-sp", ("assistant", "user"), "all").mask(ids)
+    assert bool((labels[ids == 4] == IGNORE_INDEX).all())
+    assert len(trained_spans(load_tokenizer("mistral-v3-sp"), ids, labels)) == 6
+
+
+def test_qwen3_think_content_is_trained():
+    messages = CHAT[:-1] + [
+        {"role": "assistant", "content": "It is 6.", "reasoning_content": "Add 3 and 3."}
+    ]
+    ids = torch.tensor(render("qwen3", messages))
+    got = trained_spans(load_tokenizer("qwen3"), ids, masker_for("qwen3").mask(ids))
+    assert got[-1] == "<think>\nAdd 3 and 3.\n</think>\n\nIt is 6.<|im_end|>"
+
+
+def test_override_with_include_start_and_token_ids():
+    tokenizer = load_tokenizer("qwen3")
+    start_ids = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    boundaries = [
+        {
+            "role": "assistant",
+            "start": start_ids,
+            "end": "<|im_end|>",
+            "include_start": True,
+            "include_end": False,
+        },
+    ]
+    ids = torch.tensor(render("qwen3", CHAT))
+    got = trained_spans(tokenizer, ids, masker_for("qwen3", boundaries=boundaries).mask(ids))
+    assert got == [
+        "<|im_start|>assistant\nI am a helpful bot.",
+        "<|im_start|>assistant\nIt is 4.",
+        "<|im_start|>assistant\n" + QWEN_EMPTY_THINK + "It is 6.",
+    ]
+
+
+def test_override_with_eos_token_and_open_end():
+    tokenizer = load_tokenizer("mistral-v3-sp")
+    boundaries = [
+        {
+            "role": "user",
+            "start": "[INST]",
+            "end": None,
+            "include_start": False,
+            "include_end": False,
+        },
+        {
+            "role": "assistant",
+            "start": "[/INST]",
+            "end": "eos_token",
+            "include_start": False,
+            "include_end": True,
+        },
+    ]
+    ids = torch.tensor(render("mistral-v3-sp", CHAT))
+    masker = masker_for("mistral-v3-sp", ("user",), boundaries=boundaries)
+    got = trained_spans(tokenizer, ids, masker.mask(ids))
+    assert got == ["Hi there, who are you?", "What is 2+2?", f"{SYSTEM}\n\nAnd 3+3?"]
