@@ -211,6 +211,10 @@ class ChunkManager:
         self.ready_events[index] = None
         self.state[index] = Residency.HOST
 
+    def resident_bytes(self) -> int:
+        """Bytes of chunk storage on the device now (persistent and in-use buffers)."""
+        return sum(self.chunks[i].nbytes for i, s in enumerate(self.state) if s != Residency.HOST)
+
     def release_all(self) -> None:
         for index in range(len(self.chunks)):
             self.release(index)

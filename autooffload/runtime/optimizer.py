@@ -206,6 +206,20 @@ class CpuOptimizer:
         self.busy_s += time.perf_counter() - start
         self.updates += 1
 
+    def release_chunk(self, chunk: Chunk) -> dict[int, dict]:
+        """Stop managing ``chunk`` (it became persistent): drop its masters, host grads and
+        twin; return the twin's state per param id, for the user's optimizer to take over."""
+        self.wait()
+        twin = self.twins.pop(chunk.index, None)
+        self.twin_group_index.pop(chunk.index, None)
+        states: dict[int, dict] = {}
+        for slot in chunk.trainable_slots:
+            master = self.masters.pop(id(slot.param), None)
+            self.grad_buffers.pop(id(slot.param), None)
+            if twin is not None and master is not None and master in twin.state:
+                states[id(slot.param)] = dict(twin.state[master])
+        return states
+
     def clip_(self, coef: float) -> None:
         """Scale the host gradients by ``coef`` (gradient clipping)."""
         grads = self.host_grads()

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from autooffload.errors import PlanError
+from autooffload.plan.hardware import measure_hardware
+from autooffload.plan.profile_types import HardwareProfile, ModelProfile
+from autooffload.plan.search import search
 from autooffload.plan.types import Plan
 from autooffload.settings import Settings
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
-
-# Share of the budget the default plan leaves for activations, buffers and transients until
-# the profiler measures them on the real batch.
-ACTIVATION_RESERVE = 0.4
 
 
 def budget_bytes(settings: Settings, device: torch.device) -> int | None:
@@ -64,20 +64,11 @@ def initial_plan(runtime: Runtime, settings: Settings) -> Plan:
     elif not settings.offload:
         n_persist = n_chunks
         source = "offload off"
-    elif budget is None:
-        n_persist = n_chunks if runtime.device.type == "cuda" else 0
-        source = "default"
     else:
-        buffers = n_buffer * max(c.nbytes for c in chunks) if chunks else 0
-        room = int(budget * (1 - ACTIVATION_RESERVE)) - buffers
-        n_persist, used = 0, 0
-        for chunk in chunks:
-            cost = persistent_cost(chunk.nbytes, chunk.trainable_bytes)
-            if used + cost > room:
-                break
-            used += cost
-            n_persist += 1
-        source = "default"
+        # Conservative first step: nothing persistent, every block checkpointed, so the
+        # profiling step cannot run out of memory; the plan from the real batch follows it.
+        n_persist = 0
+        source = "profiling step"
     persistent_bytes = sum(persistent_cost(c.nbytes, c.trainable_bytes) for c in chunks[:n_persist])
     n_off = n_chunks - n_persist
     streamed = min(n_buffer, n_off) * max((c.nbytes for c in chunks[n_persist:]), default=0)
@@ -90,4 +81,53 @@ def initial_plan(runtime: Runtime, settings: Settings) -> Plan:
         predicted_peak_bytes=persistent_bytes + streamed,
         bottleneck="not profiled yet (model states only)",
         source=source,
+    )
+
+
+def optim_state_bytes(optimizer: torch.optim.Optimizer | None, dtype: torch.dtype) -> int:
+    """GPU optimizer-state bytes per persistent trainable element (torch keeps states in the
+    param dtype): Adam-family 2 states, SGD with momentum / Adagrad / RMSprop 1."""
+    element = torch.empty((), dtype=dtype).element_size()
+    if optimizer is None:
+        return 2 * element
+    name = type(optimizer).__name__
+    if name in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam"):
+        return 2 * element
+    if name == "SGD":
+        return element if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
+    return element
+
+
+def plan_from_profile(runtime: Runtime, profile: ModelProfile) -> Plan:
+    """Search the plan for the measured ``profile`` under the budget; user knobs stay fixed."""
+    settings = runtime.settings
+    fixed: dict[str, int] = {}
+    for knob in ("n_persist", "n_buffer", "n_swap", "n_checkpoint"):
+        value = getattr(settings, knob)
+        if value is not None:
+            fixed[knob] = value
+    n_blocks = profile.n_blocks
+    mode = settings.activation_mode
+    if mode in ("keep", "off"):
+        fixed.update(n_swap=0, n_checkpoint=0)
+    elif mode == "checkpoint":
+        fixed.update(n_swap=0, n_checkpoint=n_blocks)
+    elif mode == "swap":
+        fixed.update(n_swap=n_blocks, n_checkpoint=0)
+    if not settings.offload:
+        fixed["n_persist"] = profile.n_chunks
+    hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
+    budget = budget_bytes(settings, runtime.device)
+    return search({profile.chunk_size: profile}, hw, budget, fixed)
+
+
+def hardware_profile(runtime: Runtime) -> HardwareProfile:
+    """The machine's measured profile (cached per machine in ``settings.cache_dir``)."""
+    optimizer = runtime.cpu_optim.optimizer
+    cls = type(optimizer) if optimizer is not None else torch.optim.AdamW
+    return measure_hardware(
+        runtime.device,
+        runtime.settings.cache_dir,
+        reprofile=runtime.settings.reprofile,
+        optimizer_cls=cls,
     )

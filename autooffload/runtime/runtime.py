@@ -10,14 +10,22 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from autooffload.errors import AttachError
+from autooffload.errors import AttachError, PlanError
 from autooffload.log import logger
+from autooffload.plan.profile import StepProfiler
 from autooffload.plan.types import Plan
+from autooffload.runtime.activations import (
+    ActivationSwapper,
+    apply_policy,
+    remove_policy,
+    restore_hf_gradient_checkpointing,
+    take_over_hf_gradient_checkpointing,
+)
 from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.manager import ChunkManager, Residency
 from autooffload.runtime.optimizer import CpuOptimizer
-from autooffload.runtime.planning import initial_plan
+from autooffload.runtime.planning import initial_plan, optim_state_bytes, plan_from_profile
 from autooffload.settings import Settings
 
 
@@ -66,7 +74,14 @@ class Runtime:
         self._backward_task: int | None = None
         self._steps = 0
         self._step_started = time.perf_counter()
+        self.swapper: ActivationSwapper | None = None
+        self.hf_checkpointing_taken = False
+        self.profiler: StepProfiler | None = None
+        self._backwards_this_step = 0
+        self._setup_activations()
         self._install_hooks()
+        if self.profiler is not None:
+            self.profiler = StepProfiler(self)
         logger.info("%s", self.plan.summary())
 
     @staticmethod
@@ -80,11 +95,90 @@ class Runtime:
 
     # ---- hooks ----------------------------------------------------------------------------
 
+    # ---- activations ----------------------------------------------------------------------
+
+    def _blocks_in_order(self) -> list[Group]:
+        blocks = [g for g in self.groups if g.is_block]
+        return sorted(blocks, key=lambda g: self.position(g.index))
+
+    def _setup_activations(self) -> None:
+        """Conservative start: every block checkpointed until the plan from the real batch."""
+        mode = self.settings.activation_mode
+        fixed_plan = self.settings.n_persist is not None and mode != "auto"
+        self.profiler = None if fixed_plan else True  # the StepProfiler is built after the hooks
+        if mode == "off" or not any(g.is_block for g in self.groups):
+            return
+        self.hf_checkpointing_taken = take_over_hf_gradient_checkpointing(self.model)
+        if self.hf_checkpointing_taken:
+            logger.info("activation management takes over HF gradient checkpointing per block")
+        policy = "checkpoint" if mode == "auto" else mode
+        for group in self._blocks_in_order():
+            self.apply_block_policy(group.module, policy)
+
+    def apply_block_policy(self, block: nn.Module, policy: str) -> None:
+        if policy in ("swap", "checkpoint_cpu") and self.swapper is None:
+            self.swapper = ActivationSwapper(self.device)
+        index = next(g.block_index for g in self.groups if g.module is block)
+        order = [g.module for g in self._blocks_in_order()]
+        apply_policy(
+            block,
+            policy,  # type: ignore[arg-type]
+            self.swapper,
+            block_index=order.index(block) if block in order else index,
+        )
+
+    def apply_plan(self, plan: Plan) -> None:
+        """Switch to ``plan``: persistent chunks (migrating optimizer state) and block policies."""
+        new_persistent = set(range(plan.n_persist))
+        promoted = sorted(new_persistent - self.manager.persistent)
+        demoted = sorted(self.manager.persistent - new_persistent)
+        if demoted:
+            raise PlanError(
+                f"re-plan would move {len(demoted)} persistent chunks back to the CPU, which this"
+                " version cannot do with live optimizer state; set AUTOOFFLOAD_N_PERSIST to fix"
+                " the persistent set"
+            )
+        self.cpu_optim.wait()
+        for index in promoted:
+            self._promote(index)
+        self.manager.set_persistent(sorted(new_persistent), plan.n_buffer)
+        self._slot_cache = None
+        if plan.block_policies and self.settings.activation_mode != "off":
+            for group, policy in zip(self._blocks_in_order(), plan.block_policies, strict=False):
+                self.apply_block_policy(group.module, policy)
+        self.plan = plan
+
+    def _promote(self, index: int) -> None:
+        """Chunk ``index`` becomes persistent: its CPU optimizer state moves to the user's
+        optimizer (in the param's dtype, on the GPU), its masters are dropped."""
+        chunk = self.layout.chunks[index]
+        states = self.cpu_optim.release_chunk(chunk)
+        optimizer = self.cpu_optim.optimizer
+        if optimizer is None:
+            return
+        for slot in chunk.trainable_slots:
+            state = states.get(id(slot.param))
+            if not state:
+                continue
+            group = optimizer.param_groups[self.cpu_optim.group_of_param[id(slot.param)]]
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            moved = {}
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    moved[key] = value
+                elif key == "step":
+                    moved[key] = value.to(self.device if on_device else "cpu", torch.float32)
+                else:
+                    moved[key] = value.to(self.device, slot.dtype).view(slot.shape)
+            optimizer.state[slot.param] = moved
+
     def _install_hooks(self) -> None:
         for group in self.groups:
             module = group.module
             self._handles.append(
-                module.register_forward_pre_hook(lambda m, a, g=group: self._pre_forward(g))
+                module.register_forward_pre_hook(
+                    lambda m, a, k, g=group: self._pre_forward(g, a, k), with_kwargs=True
+                )
             )
             self._handles.append(
                 module.register_forward_hook(
@@ -95,7 +189,17 @@ class Runtime:
     def _chunks(self, group: Group) -> list[int]:
         return self.layout.chunks_of_group[group.index]
 
-    def _pre_forward(self, group: Group) -> None:
+    def position(self, group_index: int) -> int:
+        return self._position.get(group_index, len(self._position) + group_index)
+
+    def weight_dtype(self) -> torch.dtype:
+        sizes: dict[torch.dtype, int] = {}
+        for chunk in self.layout.chunks:
+            for slot in chunk.slots:
+                sizes[slot.dtype] = sizes.get(slot.dtype, 0) + slot.nbytes
+        return max(sizes, key=sizes.__getitem__) if sizes else torch.float32
+
+    def _pre_forward(self, group: Group, args: tuple = (), kwargs: dict | None = None) -> None:
         if _in_backward():
             self._ensure_end_callback()
             for index in self._chunks(group):
@@ -107,6 +211,8 @@ class Runtime:
         for index in self._chunks(group):
             self.manager.gather(index)
         self._prefetch_after(group.index, forward=True)
+        if isinstance(self.profiler, StepProfiler):
+            self.profiler.on_pre_forward(group, args, kwargs or {})
 
     def _post_forward(self, group: Group, output: object) -> None:
         if _in_backward():
@@ -121,6 +227,8 @@ class Runtime:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads, g=group: self._pre_backward(g), mode="any"
                 )
+        if isinstance(self.profiler, StepProfiler):
+            self.profiler.on_post_forward(group)
         position = self._position.get(group.index, len(self._position))
         for index in self._chunks(group):
             later = any(
@@ -156,6 +264,12 @@ class Runtime:
                 self.manager.release(index)
         for index in self._chunks(group):
             self.manager.gather(index)
+        if isinstance(self.profiler, StepProfiler):
+            self.profiler.on_pre_backward(group)
+        if self.swapper is not None and group.is_block:
+            order = [g.index for g in self._blocks_in_order()]
+            if group.index in order and order.index(group.index) > 0:
+                self.swapper.prefetch(order.index(group.index) - 1)
         self._prefetch_after(group.index, forward=False)
 
     def _ensure_end_callback(self) -> None:
@@ -169,6 +283,7 @@ class Runtime:
             self.manager.offload_grads(index)
             self.manager.release(index)
         self._backward_task = None
+        self._backwards_this_step += 1
         self._trace_end()
 
     def _trace_end(self) -> None:
@@ -206,6 +321,27 @@ class Runtime:
         if self.cpu_optim.optimizer is optimizer:
             self.cpu_optim.step()
         self._steps += 1
+        if isinstance(self.profiler, StepProfiler) and self._backwards_this_step:
+            profiler, self.profiler = self.profiler, None
+            self._plan_from_profile(profiler, optimizer)
+        self._backwards_this_step = 0
+
+    def _plan_from_profile(self, profiler: StepProfiler, optimizer: torch.optim.Optimizer) -> None:
+        """First step done: profile, search, switch to the plan, log it once."""
+        profile = profiler.build(
+            optim_bytes_per_param=optim_state_bytes(optimizer, self.weight_dtype()),
+            grad_accumulation=self._backwards_this_step > 1,
+        )
+        plan = plan_from_profile(self, profile)
+        self.profile = profile
+        self.apply_plan(plan)
+        from autooffload import runtime as rt
+
+        rt._last_plan[:] = [plan]
+        logger.info("%s", plan.summary())
+        if self.settings.print_plan:
+            print(plan.summary(), flush=True)  # noqa: T201 - the launcher's --print-plan
+            raise SystemExit(0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.cpu_optim.zero_grad(set_to_none)
@@ -240,6 +376,11 @@ class Runtime:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for group in self.groups:
+            if group.is_block:
+                remove_policy(group.module)
+        if self.hf_checkpointing_taken:
+            restore_hf_gradient_checkpointing(self.model)
         self.manager.materialize(target)
         for module in self.model.modules():
             for name, buffer in list(module._buffers.items()):

@@ -1,0 +1,284 @@
+"""Profile the model on the user's real first batch: per-block time and activation bytes,
+non-block memory, and transient peaks, into a ``ModelProfile`` for the cost model.
+
+The first step runs under a conservative plan (no persistent chunks, every block
+checkpointed) so it cannot run out of memory; its update is real. While it runs the runtime
+reports group boundaries here; memory is read from the caching allocator at each boundary.
+After the step, one block of each block class is re-run once with its activations kept (the
+*probe*) to measure what keeping costs and how long a block takes without copy waits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autooffload.plan.profile_types import ChunkProfile, ModelProfile, UnitProfile
+
+if TYPE_CHECKING:
+    from autooffload.runtime.blocks import Group
+    from autooffload.runtime.runtime import Runtime
+
+
+def _tensor_bytes(values: Any) -> int:
+    from torch.utils._pytree import tree_flatten
+
+    seen: set[int] = set()
+    total = 0
+    for t in tree_flatten(values)[0]:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+class _Clock:
+    """Wall time on CPU; stream-ordered CUDA events on the GPU (copy waits excluded when the
+    start is recorded after the stream waited for its chunks)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+
+
+@dataclass
+class _Mark:
+    group: int
+    phase: str
+    allocated: int
+    time: Any
+
+
+@dataclass
+class StepProfiler:
+    """Collects boundary marks during the profiling step and builds the ``ModelProfile``."""
+
+    runtime: Runtime
+    marks: list[_Mark] = field(default_factory=list)
+    block_inputs: dict[type, tuple[int, tuple, dict]] = field(default_factory=dict)
+    input_bytes: dict[int, int] = field(default_factory=dict)
+    post_fwd_peak: int = 0
+    post_bwd_peak: int = 0
+    backward_started: bool = False
+    backwards: int = 0
+
+    def __post_init__(self) -> None:
+        self.clock = _Clock(self.runtime.device)
+        self.start_allocated = self.clock.allocated()
+
+    def _mark(self, group: Group, phase: str) -> None:
+        self.marks.append(_Mark(group.index, phase, self.clock.allocated(), self.clock.mark()))
+
+    def on_pre_forward(self, group: Group, args: tuple, kwargs: dict) -> None:
+        if group.is_block:
+            self.input_bytes.setdefault(group.index, _tensor_bytes(args[:1]))
+            cls = type(group.module)
+            if cls not in self.block_inputs:
+                detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+                self.block_inputs[cls] = (group.index, detached, dict(kwargs))
+        self._mark(group, "fwd")
+
+    def on_post_forward(self, group: Group) -> None:
+        if group.is_block and self._is_last_block(group):
+            self.clock.reset_peak()
+        self._mark(group, "fwd_end")
+
+    def on_pre_backward(self, group: Group) -> None:
+        if not self.backward_started:
+            self.backward_started = True
+            self.backwards += 1
+            self.post_fwd_peak = self.clock.peak()
+            self.end_forward_allocated = self.clock.allocated()
+            self.clock.reset_peak()
+        if group.is_block and self._is_last_block(group) and not self.post_bwd_peak:
+            self.post_bwd_peak = self.clock.peak()
+        self._mark(group, "bwd")
+
+    def _is_last_block(self, group: Group) -> bool:
+        blocks = [g for g in self.runtime.groups if g.is_block]
+        return (
+            bool(blocks)
+            and group.index == max(blocks, key=lambda g: self.runtime.position(g.index)).index
+        )
+
+    # ---- after the step -------------------------------------------------------------------
+
+    def _probe(self, block: nn.Module, group_index: int, args: tuple, kwargs: dict) -> UnitProfile:
+        """Run one block once with activations kept: saved bytes, transients, fwd/bwd time."""
+        from autooffload.runtime import activations
+
+        runtime = self.runtime
+        policy = activations.policy_of(block)
+        activations.remove_policy(block)
+        chunks = runtime.layout.chunks_of_group[group_index]
+        for index in chunks:
+            runtime.manager.gather(index)
+        params = [p for p in block.parameters() if p.requires_grad]
+        x = args[0].detach().requires_grad_(args[0].is_floating_point())
+        inputs = (x, *args[1:])
+        saved = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not isinstance(t, nn.Parameter):
+                saved[0] += t.numel() * t.element_size()
+            return t
+
+        try:
+            base = self.clock.allocated()
+            self.clock.reset_peak()
+            start = self.clock.mark()
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = block.forward(*inputs, **kwargs)
+            end = self.clock.mark()
+            outs = out if isinstance(out, tuple) else (out,)
+            first = outs[0]
+            kept = self.clock.allocated() - base if self.clock.cuda else saved[0]
+            kept = max(kept - first.numel() * first.element_size(), saved[0] // 2)
+            fwd_peak = self.clock.peak() - base
+            grad_inputs = [x] + params if x.requires_grad else params
+            self.clock.reset_peak()
+            before_bwd = self.clock.allocated()
+            bstart = self.clock.mark()
+            if grad_inputs and first.requires_grad:
+                torch.autograd.grad(first, grad_inputs, torch.ones_like(first))
+            bend = self.clock.mark()
+            bwd_peak = self.clock.peak() - before_bwd
+            fwd_s = self.clock.seconds(start, end)
+            bwd_s = self.clock.seconds(bstart, bend)
+        finally:
+            for index in chunks:
+                runtime.manager.release(index)
+            if policy != "keep":
+                runtime.apply_block_policy(block, policy)
+        return UnitProfile(
+            fwd_s=fwd_s,
+            bwd_s=bwd_s,
+            act_bytes_keep=int(kept),
+            act_bytes_checkpoint=self.input_bytes.get(group_index, 0),
+            fwd_transient_bytes=int(max(0, fwd_peak - kept)),
+            bwd_transient_bytes=int(max(0, bwd_peak)),
+            name=type(block).__name__,
+        )
+
+    def build(self, optim_bytes_per_param: int, grad_accumulation: bool) -> ModelProfile:
+        """The ``ModelProfile`` of this step (runs the probes)."""
+        runtime = self.runtime
+        probes: dict[type, UnitProfile] = {}
+        for cls, (group_index, args, kwargs) in self.block_inputs.items():
+            module = runtime.groups[group_index].module
+            probes[cls] = self._probe(module, group_index, args, kwargs)
+        order = sorted(runtime.groups, key=lambda g: runtime.position(g.index))
+        block_groups = [g for g in order if g.is_block]
+        unit_of: dict[int, int] = {}
+        unit = 0
+        for g in order:
+            if g.is_block:
+                unit = block_groups.index(g) + 1
+            elif block_groups and runtime.position(g.index) > runtime.position(
+                block_groups[-1].index
+            ):
+                unit = len(block_groups) + 1
+            unit_of[g.index] = unit
+        blocks = []
+        for g in block_groups:
+            probe = probes[type(g.module)]
+            blocks.append(
+                UnitProfile(
+                    fwd_s=probe.fwd_s,
+                    bwd_s=probe.bwd_s,
+                    act_bytes_keep=probe.act_bytes_keep,
+                    act_bytes_checkpoint=self.input_bytes.get(g.index, probe.act_bytes_checkpoint),
+                    fwd_transient_bytes=probe.fwd_transient_bytes,
+                    bwd_transient_bytes=probe.bwd_transient_bytes,
+                    name=g.name,
+                )
+            )
+        pre, post = self._edge_units(block_groups)
+        chunk_profiles = tuple(
+            ChunkProfile(
+                bytes=c.nbytes,
+                trainable_bytes=c.trainable_bytes,
+                trainable_numel=sum(s.numel for s in c.trainable_slots),
+                units=tuple(sorted({unit_of[g] for g in c.groups})),
+            )
+            for c in runtime.layout.chunks
+        )
+        tokens = 1
+        if self.block_inputs:
+            _, args, _ = next(iter(self.block_inputs.values()))
+            tokens = max(1, args[0].shape[:-1].numel())
+        chunk_size = max([runtime.layout.chunk_size] + [c.nbytes for c in runtime.layout.chunks])
+        return ModelProfile(
+            chunk_size=chunk_size,
+            chunks=chunk_profiles,
+            blocks=tuple(blocks),
+            pre=pre,
+            post=post,
+            batch_tokens=tokens,
+            static_bytes=max(0, self.start_allocated - runtime.manager.resident_bytes()),
+            optim_bytes_per_param=optim_bytes_per_param,
+            weight_dtype=str(runtime.weight_dtype()).replace("torch.", ""),
+            grad_accumulation=grad_accumulation,
+        )
+
+    def _edge_units(self, block_groups: list[Group]) -> tuple[UnitProfile, UnitProfile]:
+        fwd = [m for m in self.marks if m.phase in ("fwd", "fwd_end")]
+        if not fwd or not block_groups:
+            empty = UnitProfile(0.0, 0.0, 0)
+            return empty, empty
+        first_block = block_groups[0].index
+        last_block = block_groups[-1].index
+        start = fwd[0]
+        first_block_mark = next(m for m in fwd if m.group == first_block and m.phase == "fwd")
+        last_end = [m for m in fwd if m.group == last_block and m.phase == "fwd_end"][-1]
+        first_input = self.input_bytes.get(first_block, 0)
+        pre_act = max(0, first_block_mark.allocated - start.allocated - first_input)
+        end_alloc = getattr(self, "end_forward_allocated", last_end.allocated)
+        post_act = max(0, end_alloc - last_end.allocated)
+        pre_s = self.clock.seconds(start.time, first_block_mark.time)
+        bwd_marks = [m for m in self.marks if m.phase == "bwd"]
+        post_bwd_s = 0.0
+        if bwd_marks:
+            last_block_bwd = [m for m in bwd_marks if m.group == last_block]
+            if last_block_bwd:
+                post_bwd_s = self.clock.seconds(bwd_marks[0].time, last_block_bwd[0].time)
+        post_fwd_s = 0.0
+        if bwd_marks:
+            post_fwd_s = self.clock.seconds(last_end.time, bwd_marks[0].time)
+        pre = UnitProfile(pre_s, pre_s, pre_act, name="pre")
+        post = UnitProfile(
+            fwd_s=post_fwd_s,
+            bwd_s=post_bwd_s,
+            act_bytes_keep=post_act,
+            fwd_transient_bytes=max(0, self.post_fwd_peak - end_alloc),
+            bwd_transient_bytes=max(0, self.post_bwd_peak - end_alloc),
+            name="post",
+        )
+        return pre, post
