@@ -10,6 +10,20 @@ BLOCK_POLICIES = ("keep", "checkpoint", "swap")
 
 
 @dataclass(frozen=True)
+class Knobs:
+    """The searched knobs for one chunk layout (the chunk size is fixed by the layout's profile).
+
+    ``n_swap`` / ``n_checkpoint`` count blocks; which blocks get which policy is
+    ``plan.cost.assign_block_policies`` (swap the first blocks, checkpoint the next ones).
+    """
+
+    n_persist: int
+    n_buffer: int
+    n_swap: int = 0
+    n_checkpoint: int = 0
+
+
+@dataclass(frozen=True)
 class Plan:
     """One configuration of the runtime, chosen by the search or fixed by the user.
 
@@ -38,19 +52,25 @@ class Plan:
     def n_checkpoint(self) -> int:
         return sum(p == "checkpoint" for p in self.block_policies)
 
+    @property
+    def knobs(self) -> Knobs:
+        return Knobs(self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
+
     def summary(self) -> str:
         """A short multi-line human summary (logged once per attach)."""
         n_off = self.n_chunks - self.n_persist
         lines = [
-            f"plan ({self.source}): {self.n_chunks} chunks of {self.chunk_size / (1 << 20):.0f} MiB",
+            f"plan ({self.source}): {self.n_chunks} chunks of"
+            f" {self.chunk_size / (1 << 20):.0f} MiB",
             f"  persistent on GPU: {self.n_persist} chunks; offloaded to pinned CPU: {n_off} chunks"
             f" through {self.n_buffer} GPU buffers",
         ]
         if self.block_policies:
             n_keep = len(self.block_policies) - self.n_swap - self.n_checkpoint
             lines.append(
-                f"  activations: {n_keep} blocks keep, {self.n_checkpoint} checkpoint,"
-                f" {self.n_swap} swap"
+                f"  activations: {n_keep} blocks keep, {self.n_checkpoint} checkpoint"
+                f"{_block_ranges(self.block_policies, 'checkpoint')}, {self.n_swap} swap"
+                f"{_block_ranges(self.block_policies, 'swap')}"
             )
         if self.predicted_peak_bytes is not None:
             budget = "unbounded" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.2f}"
@@ -59,6 +79,20 @@ class Plan:
             )
         if self.predicted_step_s is not None:
             lines.append(
-                f"  predicted step {self.predicted_step_s * 1e3:.1f} ms (bottleneck: {self.bottleneck})"
+                f"  predicted step {self.predicted_step_s * 1e3:.1f} ms"
+                f" (bottleneck: {self.bottleneck})"
             )
         return "\n".join(lines)
+
+
+def _block_ranges(policies: tuple[str, ...], policy: str) -> str:
+    """Text like ' (blocks 0-9, 12)' naming the blocks that have ``policy``; '' when none do."""
+    spans: list[str] = []
+    start = None
+    for index, name in enumerate((*policies, "")):
+        if name == policy and start is None:
+            start = index
+        elif name != policy and start is not None:
+            spans.append(str(start) if start == index - 1 else f"{start}-{index - 1}")
+            start = None
+    return f" (blocks {', '.join(spans)})" if spans else ""

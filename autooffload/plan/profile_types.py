@@ -1,0 +1,217 @@
+"""What the planner works from: the machine (HardwareProfile) and the model (ModelProfile).
+
+Both are plain frozen dataclasses with ``to_dict`` / ``from_dict`` so they can be cached as JSON and
+built by hand in tests. The runtime's profiler fills a ``ModelProfile``; ``plan.hardware`` fills a
+``HardwareProfile``.
+
+Execution units: the step is a sequence of ``n_units = n_blocks + 2`` units in forward order.
+Unit 0 is the *pre* part (embeddings, a vision tower or anything before block 0), units
+``1 .. n_blocks`` are the repeated blocks (block ``j`` is unit ``j + 1``), and unit
+``n_blocks + 1`` is the *post* part (final norm, head, loss). Only blocks get an activation policy;
+pre and post always keep their activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from autooffload.errors import PlanError
+
+# Allocator fragmentation priors by weight dtype, used until ``cost.calibrate`` has measured the
+# real factor on this model (4-bit / 8-bit weights bring many small quant-state tensors).
+DEFAULT_FRAGMENTATION: dict[str, float] = {
+    "float32": 1.10,
+    "bfloat16": 1.10,
+    "float16": 1.10,
+    "int8": 1.20,
+    "nf4": 1.20,
+    "fp4": 1.20,
+}
+FALLBACK_FRAGMENTATION = 1.20
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Measured properties of one machine (GPU + host); see ``plan.hardware.measure_hardware``."""
+
+    h2d_bps: float
+    """Pinned host-to-device copy bandwidth, bytes/s, one direction alone."""
+    d2h_bps: float
+    """Device-to-pinned-host copy bandwidth, bytes/s, one direction alone."""
+    duplex_bps: float
+    """Aggregate bandwidth (H2D + D2H bytes per second) when both directions copy at once."""
+    cpu_optim_params_per_s: float
+    """CPU optimizer throughput, parameters updated per second (the optimizer class in use)."""
+    gpu_optim_params_per_s: float
+    """Device optimizer throughput for persistent parameters, parameters per second."""
+    gpu_free_bytes: int
+    """Free device memory when measured (refreshed on every ``measure_hardware`` call)."""
+    gpu_total_bytes: int
+    """Total device memory."""
+    cuda_context_bytes: int
+    """Device memory held by the CUDA context and library handles, outside the caching allocator."""
+    device_name: str
+    device_type: str = "cuda"
+    """"cuda" or "cpu" (the CPU-simulation mode: copies are host memcpy, the device is host RAM)."""
+    optimizer_name: str = ""
+    """Optimizer class and variant (e.g. "AdamW(fused)") the optimizer rates were measured with."""
+    cpu_threads: int = 0
+    torch_version: str = ""
+    driver_version: str = ""
+    hostname: str = ""
+    context_method: str = ""
+    """How ``cuda_context_bytes`` was obtained ("nvml", "used_minus_reserved", "none")."""
+    measure_s: float = 0.0
+    """Wall seconds the measurement took."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
+        """Build from ``to_dict`` output; raises ``KeyError``/``TypeError`` on a malformed dict."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class ChunkProfile:
+    """One parameter chunk of the layout (chunks are in forward execution order)."""
+
+    bytes: int
+    """Bytes the chunk occupies on the device when resident; also what one H2D gather copies."""
+    trainable_bytes: int = 0
+    """Bytes of its trainable parameters: their gradients (and the D2H copy per step)."""
+    trainable_numel: int = 0
+    """Number of trainable elements: the optimizer's work and its state size."""
+    units: tuple[int, ...] = ()
+    """Execution units whose forward/backward use the chunk, ascending (see module docstring)."""
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    """Time and memory of one execution unit (a block, or the pre/post part) on the real batch."""
+
+    fwd_s: float
+    """Forward time, seconds (also the recompute cost when checkpointed)."""
+    bwd_s: float
+    """Backward time without recompute, seconds."""
+    act_bytes_keep: int
+    """Bytes autograd saves for the backward when the unit keeps its activations."""
+    act_bytes_checkpoint: int = 0
+    """Bytes saved when checkpointed: the unit's inputs only."""
+    fwd_transient_bytes: int = 0
+    """Peak bytes above ``act_bytes_keep`` inside the forward (temporaries, outputs being built)."""
+    bwd_transient_bytes: int = 0
+    """Peak bytes above ``act_bytes_keep`` inside the backward (activation grads, temporaries)."""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The model as measured on the real first batch, for one chunk layout (one ``chunk_size``)."""
+
+    chunk_size: int
+    """Bytes of one chunk buffer (compute dtype); each of the ``n_buffer`` GPU buffers has it."""
+    chunks: tuple[ChunkProfile, ...]
+    blocks: tuple[UnitProfile, ...]
+    pre: UnitProfile
+    """Everything before block 0 (embeddings, vision tower, ...); its activations are kept."""
+    post: UnitProfile
+    """Everything after the last block (final norm, head, logits, loss); kept. The logits and the
+    loss's temporaries are its ``act_bytes_keep`` and transients (often the largest transient)."""
+    batch_tokens: int = 1
+    """Tokens per step (for tokens/s)."""
+    static_bytes: int = 0
+    """Allocator bytes live all step outside chunks and activations (inputs, buffers, workspace)."""
+    other_s: float = 0.0
+    """Per-step seconds outside the units (zero_grad, host code, loss scaling)."""
+    optim_bytes_per_param: int = 4
+    """GPU optimizer state bytes per persistent trainable element (AdamW bf16: 2 states x 2 B)."""
+    weight_dtype: str = "bfloat16"
+    """Storage dtype of the weights; selects the fragmentation factor."""
+    fragmentation: dict[str, float] = field(default_factory=dict)
+    """Calibrated allocator fragmentation factor per weight dtype (see ``cost.calibrate``)."""
+    grad_accumulation: bool = False
+    """True when gradients of persistent chunks stay allocated across forwards (accumulation)."""
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def n_units(self) -> int:
+        return len(self.blocks) + 2
+
+    @property
+    def units(self) -> tuple[UnitProfile, ...]:
+        """Pre, the blocks, post: in forward order."""
+        return (self.pre, *self.blocks, self.post)
+
+    @property
+    def fragmentation_factor(self) -> float:
+        """The calibrated factor for ``weight_dtype``, else its ``DEFAULT_FRAGMENTATION`` prior."""
+        if self.weight_dtype in self.fragmentation:
+            return float(self.fragmentation[self.weight_dtype])
+        return DEFAULT_FRAGMENTATION.get(self.weight_dtype, FALLBACK_FRAGMENTATION)
+
+    def with_fragmentation(self, factor: float) -> ModelProfile:
+        """A copy whose factor for ``weight_dtype`` is ``factor`` (after ``cost.calibrate``)."""
+        frag = dict(self.fragmentation)
+        frag[self.weight_dtype] = float(factor)
+        return replace(self, fragmentation=frag)
+
+    def validate(self) -> None:
+        """Raise ``PlanError`` if the profile is inconsistent (unit out of range, negative size)."""
+        n_units = self.n_units
+        if self.chunk_size <= 0:
+            raise PlanError(f"ModelProfile.chunk_size={self.chunk_size} must be > 0 bytes")
+        for index, chunk in enumerate(self.chunks):
+            if not chunk.units:
+                raise PlanError(f"chunk {index} has no units; every chunk is used by some unit")
+            if list(chunk.units) != sorted(set(chunk.units)):
+                raise PlanError(f"chunk {index} units={chunk.units} must be ascending and unique")
+            if chunk.units[0] < 0 or chunk.units[-1] >= n_units:
+                raise PlanError(
+                    f"chunk {index} units={chunk.units} out of range 0..{n_units - 1}"
+                    f" (pre=0, block j=j+1, post={n_units - 1})"
+                )
+            if min(chunk.bytes, chunk.trainable_bytes, chunk.trainable_numel) < 0:
+                raise PlanError(f"chunk {index} has a negative size: {chunk}")
+            if chunk.bytes > self.chunk_size:
+                raise PlanError(
+                    f"chunk {index} bytes={chunk.bytes} exceeds chunk_size={self.chunk_size}"
+                )
+        for unit in self.units:
+            sizes = (
+                unit.act_bytes_keep,
+                unit.act_bytes_checkpoint,
+                unit.fwd_transient_bytes,
+                unit.bwd_transient_bytes,
+            )
+            if min(sizes) < 0 or unit.fwd_s < 0 or unit.bwd_s < 0:
+                raise PlanError(f"unit {unit.name or '?'} has a negative time or size: {unit}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for chunk in data["chunks"]:
+            chunk["units"] = list(chunk["units"])
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
+        """Build from ``to_dict`` output (lists accepted where tuples are stored)."""
+        values = dict(data)
+        values["chunks"] = tuple(
+            ChunkProfile(**{**c, "units": tuple(c["units"])}) for c in data["chunks"]
+        )
+        values["blocks"] = tuple(UnitProfile(**b) for b in data["blocks"])
+        values["pre"] = UnitProfile(**data["pre"])
+        values["post"] = UnitProfile(**data["post"])
+        values["fragmentation"] = dict(data.get("fragmentation", {}))
+        return cls(**values)

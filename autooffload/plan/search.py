@@ -1,0 +1,440 @@
+"""Exhaustive, vectorised search over the knobs for the fastest plan that fits the memory budget.
+
+For each chunk layout (one ModelProfile per candidate chunk size) the search enumerates every
+``n_persist`` (0..n_chunks), every ``n_buffer`` from the smallest valid one up to the one beyond
+which the cost model predicts no gain, every ``n_swap`` and every ``n_checkpoint`` with
+``n_swap + n_checkpoint <= n_blocks``. It loops in Python over ``n_swap`` only (n_blocks + 1
+iterations) and evaluates the rest as numpy arrays: the chunk terms come from
+``cost.chunk_tables`` (one row per ``n_persist``), and the step time for every ``n_checkpoint`` is
+a prefix sum of the per-window recompute cost, because one more checkpoint only adds the
+recompute of one more block (``cost.assign_block_policies`` is nested). Work per layout is
+O(n_blocks^2 * n_chunks * n_units) simple array operations, with no pruning that could miss the
+optimum; ``tests/plan/test_search.py`` checks it against a brute force over ``cost``'s scalar
+functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autooffload.errors import PlanError
+from autooffload.plan.cost import (
+    ChunkTables,
+    assign_block_policies,
+    chunk_tables,
+    peak_breakdown,
+    predict_step_time,
+)
+from autooffload.plan.profile_types import HardwareProfile, ModelProfile
+from autooffload.plan.types import GiB, Knobs, Plan
+
+KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
+_KNOB_ENV = {name: f"AUTOOFFLOAD_{name.upper()}" for name in KNOBS}
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Every evaluated configuration that fits the budget (parallel arrays, one row each)."""
+
+    chunk_size: np.ndarray
+    n_persist: np.ndarray
+    n_buffer: np.ndarray
+    n_swap: np.ndarray
+    n_checkpoint: np.ndarray
+    peak_bytes: np.ndarray
+    step_s: np.ndarray
+    tokens_per_s: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.step_s)
+
+    def frontier(self) -> np.ndarray:
+        """Row indices of the Pareto frontier (no other row is both smaller and faster), by peak."""
+        order = np.lexsort((self.step_s, self.peak_bytes))
+        best = np.inf
+        keep = []
+        for row in order:
+            if self.step_s[row] < best:
+                best = self.step_s[row]
+                keep.append(row)
+        return np.array(keep, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class _Pick:
+    """One configuration and its predictions; ordered by (step_s, peak) for the choice."""
+
+    step_s: float
+    peak: int
+    chunk_size: int
+    knobs: Knobs
+
+
+def search(
+    profiles_by_chunk_size: dict[int, ModelProfile],
+    hw: HardwareProfile,
+    budget_bytes: int | None,
+    fixed: dict[str, int] | None = None,
+) -> Plan:
+    """The fastest configuration whose predicted peak fits ``budget_bytes`` (None: unbounded).
+
+    ``fixed`` pins any subset of ``chunk_size, n_persist, n_buffer, n_swap, n_checkpoint``; the
+    search completes the rest. Raises ``PlanError`` when nothing fits, naming the fixed knob that
+    makes it infeasible and its nearest feasible value, or the smallest budget that would fit.
+    """
+    fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
+    best, _ = _run(profiles_by_chunk_size, hw, budget_bytes, fixed)
+    if best is None:
+        raise _infeasible(profiles_by_chunk_size, hw, budget_bytes, fixed)
+    source = "search" if not fixed else ("user" if len(fixed) == len(KNOBS) else "user+search")
+    return make_plan(profiles_by_chunk_size[best.chunk_size], hw, best.knobs, budget_bytes, source)
+
+
+def search_all(
+    profiles_by_chunk_size: dict[int, ModelProfile],
+    hw: HardwareProfile,
+    budget_bytes: int | None,
+    fixed: dict[str, int] | None = None,
+) -> Candidates:
+    """Every feasible configuration the search evaluates, with its predicted peak and throughput
+    (``n_buffer`` values above the last useful one are not evaluated: they only add memory)."""
+    fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
+    return _run(profiles_by_chunk_size, hw, budget_bytes, fixed, collect=True)[1]
+
+
+def make_plan(
+    profile: ModelProfile,
+    hw: HardwareProfile,
+    knobs: Knobs,
+    budget_bytes: int | None,
+    source: str = "user",
+) -> Plan:
+    """A Plan for explicit knobs, with the cost model's predictions filled in."""
+    tables = chunk_tables(profile)
+    memory = peak_breakdown(profile, hw, knobs, tables)
+    step_s, breakdown, bottleneck = predict_step_time(profile, hw, knobs, tables)
+    breakdown.update({f"mem_{key}": value for key, value in memory.items()})
+    return Plan(
+        chunk_size=profile.chunk_size,
+        n_chunks=profile.n_chunks,
+        n_persist=knobs.n_persist,
+        n_buffer=knobs.n_buffer,
+        block_policies=assign_block_policies(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint),
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=int(memory["peak"]),
+        predicted_step_s=step_s,
+        bottleneck=bottleneck,
+        source=source,
+        breakdown=breakdown,
+    )
+
+
+def _check_fixed(profiles: dict[int, ModelProfile], fixed: dict[str, int]) -> dict[str, int]:
+    """Validate the names and ranges of fixed knobs (ranges that do not depend on the others)."""
+    if not profiles:
+        raise PlanError("profiles_by_chunk_size is empty; profile at least one chunk layout")
+    unknown = sorted(set(fixed) - set(KNOBS))
+    if unknown:
+        raise PlanError(f"unknown fixed knob(s) {unknown}; valid knobs: {', '.join(KNOBS)}")
+    fixed = {name: int(value) for name, value in fixed.items() if value is not None}
+    if "chunk_size" in fixed and fixed["chunk_size"] not in profiles:
+        raise PlanError(
+            f"chunk_size={fixed['chunk_size']} was not profiled; valid: {sorted(profiles)}"
+        )
+    chosen = [profiles[fixed["chunk_size"]]] if "chunk_size" in fixed else list(profiles.values())
+    n_blocks = chosen[0].n_blocks
+    max_chunks = max(p.n_chunks for p in chosen)
+    limits = {"n_persist": max_chunks, "n_swap": n_blocks, "n_checkpoint": n_blocks}
+    for name, high in limits.items():
+        if name in fixed and not 0 <= fixed[name] <= high:
+            raise PlanError(f"{name}={fixed[name]} is out of range; valid: 0..{high}")
+    if fixed.get("n_buffer", 1) < 1:
+        raise PlanError(f"n_buffer={fixed['n_buffer']} is out of range; valid: >= 1")
+    if fixed.get("n_swap", 0) + fixed.get("n_checkpoint", 0) > n_blocks:
+        raise PlanError(
+            f"n_swap={fixed['n_swap']} + n_checkpoint={fixed['n_checkpoint']} exceeds"
+            f" n_blocks={n_blocks}; valid: a sum <= {n_blocks}"
+        )
+    return fixed
+
+
+def _run(
+    profiles: dict[int, ModelProfile],
+    hw: HardwareProfile,
+    budget: int | None,
+    fixed: dict[str, int],
+    collect: bool = False,
+    by_peak: bool = False,
+) -> tuple[_Pick | None, Candidates]:
+    """Search every layout: the best pick (fastest feasible, or smallest peak with ``by_peak``)
+    and, with ``collect``, every feasible row."""
+    best = None
+    rows: list[tuple[np.ndarray, ...]] = []
+    for chunk_size in sorted(profiles):
+        if fixed.get("chunk_size", chunk_size) != chunk_size:
+            continue
+        pick = _search_layout(
+            profiles[chunk_size], hw, budget, fixed, rows if collect else None, by_peak
+        )
+        if pick is not None and (best is None or _order(pick, by_peak) < _order(best, by_peak)):
+            best = pick
+    columns = [np.concatenate(column) for column in zip(*rows)] if rows else [np.zeros(0)] * 8
+    return best, Candidates(*columns)
+
+
+def _order(pick: _Pick, by_peak: bool = False) -> tuple[float, float]:
+    return (pick.peak, pick.step_s) if by_peak else (pick.step_s, pick.peak)
+
+
+def _search_layout(
+    profile: ModelProfile,
+    hw: HardwareProfile,
+    budget: int | None,
+    fixed: dict[str, int],
+    rows: list[tuple[np.ndarray, ...]] | None,
+    by_peak: bool,
+) -> _Pick | None:
+    """Evaluate every configuration of one layout (see the module docstring for the shape)."""
+    tables = chunk_tables(profile)
+    n_blocks, n_units = profile.n_blocks, profile.n_units
+    if fixed.get("n_persist", 0) > profile.n_chunks:
+        return None
+    persist = _values(fixed, "n_persist", profile.n_chunks)
+    static = (
+        tables.persist_bytes
+        + profile.optim_bytes_per_param * tables.persist_numel
+        + profile.static_bytes
+        + (tables.persist_grad_total if profile.grad_accumulation else 0)
+    )
+    frag = profile.fragmentation_factor
+    if budget is not None:
+        # Prune n_persist whose static bytes alone (no activations) already exceed the budget.
+        least = static + tables.min_buffers * profile.chunk_size
+        fits = hw.cuda_context_bytes + np.ceil(frag * least[persist].astype(float)) <= budget
+        persist = persist[fits]
+    buffers, valid = _buffer_grid(tables, persist, fixed.get("n_buffer"))
+    if persist.size == 0 or not valid.any():
+        return None
+    units = profile.units
+    fwd_s = np.array([u.fwd_s for u in units])
+    bwd_s = np.array([u.bwd_s for u in units])
+    keep = np.array([u.act_bytes_keep for u in units], dtype=np.int64)
+    ckpt = np.array([u.act_bytes_checkpoint for u in units], dtype=np.int64)
+    fwd_transient = np.array([u.fwd_transient_bytes for u in units], dtype=np.int64)
+    bwd_transient = np.array([u.bwd_transient_bytes for u in units], dtype=np.int64)
+    h2d, d2h, duplex = hw.h2d_bps, hw.d2h_bps, hw.duplex_bps
+
+    # Chunk-traffic terms, shape (P, D, U): the same for every n_swap / n_checkpoint.
+    free = buffers[:, :, None] - tables.resident[persist][:, None, :]
+    fwd_next_count = _shift(tables.fwd_gather_count[persist], -1)
+    fwd_next_bytes = _shift(tables.fwd_gather_bytes[persist], -1).astype(float)
+    fwd_share = _share(fwd_next_count[:, None, :], free)
+    fwd_prefetch = fwd_share * fwd_next_bytes[:, None, :]
+    fwd_exposed = (1.0 - fwd_share) * fwd_next_bytes[:, None, :] / h2d
+    bwd_prev_count = _shift(tables.bwd_gather_count[persist], 1)
+    bwd_prev_bytes = _shift(tables.bwd_gather_bytes[persist], 1).astype(float)
+    bwd_share = _share(bwd_prev_count[:, None, :], free)
+    bwd_prefetch = bwd_share * bwd_prev_bytes[:, None, :]
+    bwd_exposed = (1.0 - bwd_share) * bwd_prev_bytes[:, None, :] / h2d
+    grads_out = _shift(tables.grad_d2h_bytes[persist], -1).astype(float)[:, None, :]
+    gpu_optim = tables.persist_numel[persist] / hw.gpu_optim_params_per_s
+    first_gather = tables.fwd_gather_bytes[persist, 0] / h2d
+    ready_numel = tables.cpu_ready_numel[persist]
+    ready = np.where(
+        ready_numel >= 0,
+        ready_numel / hw.cpu_optim_params_per_s + tables.fwd_gather_bytes[persist] / h2d,
+        -np.inf,
+    )[:, None, :]
+    head = tables.bwd_gather_bytes[persist, n_units - 1] / h2d
+    tail = tables.grad_d2h_bytes[persist, 0] / d2h
+    start = np.maximum(gpu_optim, first_gather)
+
+    # Memory terms: static bytes per (P, D); grads live in the backward per (P, U).
+    grads = tables.offload_grad_bytes[persist]
+    if not profile.grad_accumulation:
+        grads = grads + tables.persist_grad_bytes[persist]
+    static_pd = static[persist][:, None] + buffers * profile.chunk_size
+
+    best = None
+    unit_index = np.arange(n_units)
+    for n_swap in _values(fixed, "n_swap", n_blocks):
+        checkpoints = _values(fixed, "n_checkpoint", n_blocks - n_swap)
+        if checkpoints.size == 0:
+            continue
+        swapped = (unit_index >= 1) & (unit_index <= n_swap)
+        swap_out = np.where(swapped, keep, 0).astype(float)
+        swap_in = _shift(swap_out, 1)
+
+        # Step time, shape (K, P, D): forward windows, CPU-optimizer max-plus, backward + prefix.
+        fwd_xfer = _transfer(fwd_prefetch, swap_out, h2d, d2h, duplex)
+        fwd_windows = np.maximum(fwd_s, fwd_xfer) + fwd_exposed
+        after = np.cumsum(fwd_windows[..., ::-1], axis=-1)[..., ::-1]
+        t_fwd = np.maximum(start[:, None] + after[..., 0], (ready + after).max(axis=-1))
+        bwd_xfer = _transfer(bwd_prefetch + swap_in, grads_out, h2d, d2h, duplex)
+        base = np.maximum(bwd_s, bwd_xfer)
+        extra = np.maximum(bwd_s + fwd_s, bwd_xfer) - base
+        t_bwd = head[:, None] + tail[:, None] + (base + bwd_exposed).sum(axis=-1)
+        extra_before = np.concatenate([np.zeros((*extra.shape[:2], 1)), extra.cumsum(-1)], -1)
+        recompute = extra_before[..., n_swap + 1 + checkpoints] - extra_before[..., [n_swap + 1]]
+        step = (t_fwd + t_bwd)[None] + np.moveaxis(recompute, -1, 0) + profile.other_s
+
+        # Peak memory, shape (K, P, D): activation events for every n_checkpoint at once.
+        saved = np.tile(np.where(swapped, 0, keep), (checkpoints.size, 1))
+        in_ckpt = (unit_index > n_swap) & (unit_index <= n_swap + checkpoints[:, None])
+        saved = np.where(in_ckpt, ckpt, saved)
+        saved_before = np.cumsum(saved, axis=1) - saved
+        base_events = saved_before + _shift(np.where(swapped, keep, 0), 1) + keep
+        fwd_peak = (base_events + fwd_transient).max(axis=1)
+        bwd_peak = ((base_events + bwd_transient)[:, None, :] + grads[None]).max(axis=2)
+        dynamic = np.maximum(fwd_peak[:, None], bwd_peak)
+        allocated = static_pd[None] + dynamic[:, :, None]
+        peak = hw.cuda_context_bytes + np.ceil(frag * allocated.astype(float)).astype(np.int64)
+
+        ok = np.broadcast_to(valid[None], peak.shape)
+        if budget is not None:
+            ok = ok & (peak <= budget)
+        best = _better_pick(
+            best, peak, step, ok, profile, persist, buffers, n_swap, checkpoints, by_peak
+        )
+        if rows is not None and ok.any():
+            k_idx, p_idx, d_idx = np.nonzero(ok)
+            count = k_idx.size
+            rows.append(
+                (
+                    np.full(count, profile.chunk_size, dtype=np.int64),
+                    persist[p_idx],
+                    buffers[p_idx, d_idx],
+                    np.full(count, n_swap, dtype=np.int64),
+                    checkpoints[k_idx],
+                    peak[ok],
+                    step[ok],
+                    profile.batch_tokens / step[ok],
+                )
+            )
+    return best
+
+
+def _values(fixed: dict[str, int], name: str, high: int) -> np.ndarray:
+    """The values a knob takes: the fixed one, or 0..high."""
+    if name in fixed:
+        return np.array([fixed[name]] if fixed[name] <= high else [], dtype=np.int64)
+    return np.arange(high + 1, dtype=np.int64)
+
+
+def _buffer_grid(
+    tables: ChunkTables, persist: np.ndarray, fixed_buffers: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """n_buffer per (n_persist, offset) and whether it is evaluated: min_buffers[p] + offset, up to
+    useful_buffers[p]; a fixed n_buffer is one column, valid where it is >= min_buffers[p]."""
+    low = tables.min_buffers[persist]
+    if fixed_buffers is not None:
+        buffers = np.full((persist.size, 1), fixed_buffers, dtype=np.int64)
+        return buffers, buffers[:, 0:1] >= low[:, None]
+    high = tables.useful_buffers[persist]
+    offsets = np.arange(int((high - low).max()) + 1 if persist.size else 1)
+    buffers = low[:, None] + offsets[None, :]
+    return buffers, buffers <= high[:, None]
+
+
+def _shift(values: np.ndarray, by: int) -> np.ndarray:
+    """Along the last axis: by=-1 puts unit u+1's value at u, by=1 unit u-1's; zeros fill in."""
+    out = np.zeros_like(values)
+    if by < 0:
+        out[..., :by] = values[..., -by:]
+    else:
+        out[..., by:] = values[..., :-by]
+    return out
+
+
+def _share(count: np.ndarray, free: np.ndarray) -> np.ndarray:
+    """Vectorised ``cost._prefetch_share``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.clip(free / count, 0.0, 1.0)
+    return np.where(count == 0, 1.0, share)
+
+
+def _transfer(h2d_bytes, d2h_bytes, h2d: float, d2h: float, duplex: float) -> np.ndarray:
+    """Vectorised ``cost.transfer_s``."""
+    both = np.maximum(h2d_bytes / h2d, d2h_bytes / d2h)
+    return np.maximum(both, (h2d_bytes + d2h_bytes) / duplex)
+
+
+def _better_pick(
+    current: _Pick | None,
+    peak: np.ndarray,
+    step: np.ndarray,
+    ok: np.ndarray,
+    profile: ModelProfile,
+    persist: np.ndarray,
+    buffers: np.ndarray,
+    n_swap: int,
+    checkpoints: np.ndarray,
+    by_peak: bool = False,
+) -> _Pick | None:
+    """The better of ``current`` and the best allowed entry of (peak, step) [K, P, D]."""
+    if not ok.any():
+        return current
+    primary, secondary = (peak, step) if by_peak else (step, peak)
+    primary = np.where(ok, primary, np.inf)
+    candidates = np.flatnonzero(primary == primary.min())
+    index = candidates[np.argmin(secondary.ravel()[candidates])]
+    k_idx, p_idx, d_idx = np.unravel_index(index, peak.shape)
+    knobs = Knobs(int(persist[p_idx]), int(buffers[p_idx, d_idx]), n_swap, int(checkpoints[k_idx]))
+    pick = _Pick(
+        float(step[k_idx, p_idx, d_idx]), int(peak[k_idx, p_idx, d_idx]), profile.chunk_size, knobs
+    )
+    if current is None:
+        return pick
+    return pick if _order(pick, by_peak) < _order(current, by_peak) else current
+
+
+def _infeasible(
+    profiles: dict[int, ModelProfile],
+    hw: HardwareProfile,
+    budget: int | None,
+    fixed: dict[str, int],
+) -> PlanError:
+    """The error for an empty feasible set: which fixed knob to change and to what, or budget."""
+    budget_text = (
+        "unbounded budget" if budget is None else f"budget {budget / GiB:.2f} GiB ({budget} bytes)"
+    )
+    alternatives = []
+    for name in KNOBS:
+        if name not in fixed:
+            continue
+        freed = {key: value for key, value in fixed.items() if key != name}
+        found = _run(profiles, hw, budget, freed, collect=True)[1]
+        if len(found):
+            values = np.unique(getattr(found, name))
+            nearest = int(values[np.argmin(np.abs(values - fixed[name]))])
+            alternatives.append(f"{name}={nearest} (set {_KNOB_ENV[name]}={nearest} or unset it)")
+    asked = ", ".join(f"{name}={value}" for name, value in fixed.items())
+    smallest = _run(profiles, hw, None, fixed, by_peak=True)[0]
+    if smallest is None:
+        return PlanError(
+            f"{asked} leaves no valid configuration (n_buffer must cover one unit's chunks);"
+            f" unset {', '.join(_KNOB_ENV[name] for name in fixed)} and let the search choose"
+        )
+    best_peak = f"{smallest.peak / GiB:.2f} GiB"
+    if alternatives:
+        return PlanError(
+            f"{asked} cannot fit the {budget_text}: the smallest predicted peak with it is"
+            f" {best_peak}; nearest feasible: {' or '.join(alternatives)}"
+        )
+    if fixed:
+        return PlanError(
+            f"{asked} cannot fit the {budget_text} (smallest predicted peak {best_peak}), and no"
+            " single fixed knob can be changed to fit; unset them or raise AUTOOFFLOAD_BUDGET"
+        )
+    knobs = smallest.knobs
+    return PlanError(
+        f"no configuration fits the {budget_text}: the smallest predicted peak is {best_peak}"
+        f" (chunk_size={smallest.chunk_size}, n_persist={knobs.n_persist},"
+        f" n_buffer={knobs.n_buffer}, n_swap={knobs.n_swap}, n_checkpoint={knobs.n_checkpoint});"
+        f" set AUTOOFFLOAD_BUDGET >= {smallest.peak} bytes or use a smaller batch"
+    )
+
+
+__all__ = ["KNOBS", "Candidates", "make_plan", "search", "search_all"]

@@ -1,0 +1,50 @@
+"""Profiles survive JSON and reject inconsistent layouts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from conftest import make_hardware, make_profile
+
+from autooffload.errors import PlanError
+from autooffload.plan.profile_types import ChunkProfile, HardwareProfile, ModelProfile
+
+
+def test_model_profile_round_trips_through_json():
+    profile = make_profile(seed=3, tied=True).with_fragmentation(1.07)
+    restored = ModelProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert restored == profile
+    assert restored.fragmentation_factor == 1.07
+
+
+def test_hardware_profile_round_trips_and_ignores_unknown_keys():
+    hw = make_hardware()
+    data = json.loads(json.dumps(hw.to_dict()))
+    data["added_in_a_later_version"] = 1
+    assert HardwareProfile.from_dict(data) == hw
+
+
+def test_units_count_pre_blocks_post():
+    profile = make_profile(n_blocks=5)
+    assert profile.n_units == 7 and profile.units[0] is profile.pre
+    assert profile.units[-1] is profile.post
+    profile.validate()
+
+
+@pytest.mark.parametrize(
+    "chunk, match",
+    [
+        (ChunkProfile(1, units=()), "no units"),
+        (ChunkProfile(1, units=(3, 2)), "ascending"),
+        (ChunkProfile(1, units=(99,)), "out of range"),
+        (ChunkProfile(1 << 40, units=(1,)), "exceeds chunk_size"),
+        (ChunkProfile(-1, units=(1,)), "negative"),
+    ],
+)
+def test_validate_rejects_inconsistent_chunks(chunk, match):
+    profile = make_profile()
+    broken = replace(profile, chunks=(*profile.chunks, chunk))
+    with pytest.raises(PlanError, match=match):
+        broken.validate()

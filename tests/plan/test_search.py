@@ -1,0 +1,238 @@
+"""The search: the optimum of a brute force over the scalar cost model, overrides, errors, speed."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+
+import numpy as np
+import pytest
+from conftest import MiB, make_hardware, make_profile
+
+from autooffload.errors import PlanError
+from autooffload.plan.cost import chunk_tables, predict_peak_bytes, predict_step_time
+from autooffload.plan.search import search, search_all
+from autooffload.plan.types import Knobs
+
+SMALL = dict(n_blocks=4, chunk_size=48 * MiB, block_param_bytes=64 * MiB)
+
+
+_SCORED: dict[str, list] = {}
+
+
+def brute_force(profiles, hw, budget, fixed=None):
+    """Every valid configuration, scored by cost.py's scalar functions: [(step, peak, cs, knobs)].
+
+    ``n_buffer`` goes two past the search's last useful value, so the claim that more buffers
+    never help beyond it is checked too."""
+    key = repr((profiles, hw))
+    if key not in _SCORED:
+        _SCORED[key] = list(_score_all(profiles, hw))
+    wanted = {k: v for k, v in (fixed or {}).items() if k != "chunk_size"}
+    return [
+        row
+        for row in _SCORED[key]
+        if (budget is None or row[1] <= budget)
+        and (fixed or {}).get("chunk_size", row[2]) == row[2]
+        and all(getattr(row[3], name) == value for name, value in wanted.items())
+    ]
+
+
+def _score_all(profiles, hw):
+    for chunk_size, profile in profiles.items():
+        tables = chunk_tables(profile)
+        n_blocks = profile.n_blocks
+        for p, s, k in itertools.product(
+            range(profile.n_chunks + 1), range(n_blocks + 1), range(n_blocks + 1)
+        ):
+            if s + k > n_blocks:
+                continue
+            for b in range(int(tables.min_buffers[p]), int(tables.useful_buffers[p]) + 3):
+                knobs = Knobs(p, b, s, k)
+                peak = predict_peak_bytes(profile, hw, knobs)
+                yield predict_step_time(profile, hw, knobs)[0], peak, chunk_size, knobs
+
+
+def _profiles(seed, **kwargs):
+    profile = make_profile(seed=seed, **{**SMALL, **kwargs})
+    return {profile.chunk_size: profile}
+
+
+def _budgets(profiles, hw):
+    """Budgets from tight to loose across the range the configurations span."""
+    peaks = [row[1] for row in brute_force(profiles, hw, None)]
+    return [int(np.quantile(peaks, q)) for q in (0.02, 0.2, 0.5, 0.9)]
+
+
+@pytest.mark.parametrize(
+    "seed, kwargs",
+    [(0, {}), (1, {"lora": True}), (2, {"tied": True}), (3, {"fwd_s": 0.002})],
+)
+def test_search_returns_the_brute_force_optimum(seed, kwargs):
+    hw = make_hardware(h2d_bps=12e9, d2h_bps=12e9, duplex_bps=20e9)  # tight enough to trade off
+    profiles = _profiles(seed, **kwargs)
+    for budget in _budgets(profiles, hw):
+        rows = brute_force(profiles, hw, budget)
+        plan = search(profiles, hw, budget)
+        best = min(row[0] for row in rows)
+        assert plan.predicted_step_s == pytest.approx(best, rel=1e-9)
+        profile = profiles[plan.chunk_size]
+        assert predict_peak_bytes(profile, hw, plan.knobs) == plan.predicted_peak_bytes <= budget
+        assert plan.source == "search" and plan.budget_bytes == budget
+
+
+def test_vectorised_rows_equal_the_scalar_model():
+    hw = make_hardware(h2d_bps=8e9, d2h_bps=10e9, duplex_bps=14e9, cpu_optim_params_per_s=2e9)
+    profiles = _profiles(7, tied=True)
+    profile = profiles[SMALL["chunk_size"]]
+    found = search_all(profiles, hw, None)
+    assert len(found) > 100
+    for row in range(len(found)):
+        knobs = Knobs(
+            int(found.n_persist[row]),
+            int(found.n_buffer[row]),
+            int(found.n_swap[row]),
+            int(found.n_checkpoint[row]),
+        )
+        assert found.peak_bytes[row] == predict_peak_bytes(profile, hw, knobs)
+        assert found.step_s[row] == pytest.approx(predict_step_time(profile, hw, knobs)[0], 1e-9)
+
+
+def test_search_all_lists_every_feasible_config_and_the_plan_is_on_its_frontier():
+    hw = make_hardware(h2d_bps=12e9, d2h_bps=12e9, duplex_bps=20e9)
+    profiles = _profiles(4)
+    budget = _budgets(profiles, hw)[2]
+    found = search_all(profiles, hw, budget)
+    assert (found.peak_bytes <= budget).all()
+    # The buffers the search skips only add memory: every brute-force time is matched.
+    brute = {round(row[0], 12) for row in brute_force(profiles, hw, budget)}
+    assert {round(step, 12) for step in found.step_s} == brute
+    plan = search(profiles, hw, budget)
+    frontier = found.frontier()
+    assert plan.predicted_step_s == pytest.approx(found.step_s[frontier].min())
+    assert found.tokens_per_s.max() == pytest.approx(
+        profiles[plan.chunk_size].batch_tokens / plan.predicted_step_s
+    )
+
+
+def test_search_picks_the_best_chunk_size():
+    hw = make_hardware(h2d_bps=12e9, d2h_bps=12e9, duplex_bps=20e9)
+    profiles = {}
+    for chunk_size in (32 * MiB, 48 * MiB, 96 * MiB):
+        profiles.update(_profiles(5, chunk_size=chunk_size))
+    budget = _budgets({48 * MiB: profiles[48 * MiB]}, hw)[1]
+    plan = search(profiles, hw, budget)
+    best = min(row[0] for row in brute_force(profiles, hw, budget))
+    assert plan.predicted_step_s == pytest.approx(best, rel=1e-9)
+    per_size = [search({cs: p}, hw, budget).predicted_step_s for cs, p in profiles.items()]
+    assert plan.predicted_step_s == pytest.approx(min(per_size))
+
+
+@pytest.mark.parametrize(
+    "fixed",
+    [
+        {"n_swap": 1},
+        {"n_checkpoint": 2},
+        {"n_persist": 3},
+        {"n_buffer": 4},
+        {"n_swap": 1, "n_checkpoint": 1},
+    ],
+)
+def test_partial_override_is_kept_and_the_rest_searched(fixed):
+    hw = make_hardware(h2d_bps=12e9, d2h_bps=12e9, duplex_bps=20e9)
+    profiles = _profiles(6)
+    budget = _budgets(profiles, hw)[2]
+    plan = search(profiles, hw, budget, fixed)
+    for name, value in fixed.items():
+        assert getattr(plan, name) == value
+    best = min(row[0] for row in brute_force(profiles, hw, budget, fixed))
+    assert plan.predicted_step_s == pytest.approx(best, rel=1e-9)
+    assert plan.source == "user+search"
+
+
+def test_fully_fixed_plan_is_the_users():
+    hw = make_hardware()
+    profiles = _profiles(6)
+    fixed = dict(chunk_size=SMALL["chunk_size"], n_persist=2, n_buffer=4, n_swap=1, n_checkpoint=1)
+    plan = search(profiles, hw, None, fixed)
+    assert plan.source == "user" and plan.knobs == Knobs(2, 4, 1, 1)
+    assert plan.block_policies == ("swap", "checkpoint", "keep", "keep")
+
+
+def test_infeasible_override_names_knob_value_budget_and_nearest_feasible():
+    hw = make_hardware()
+    profiles = _profiles(8)
+    profile = profiles[SMALL["chunk_size"]]
+    budget = _budgets(profiles, hw)[1]
+    n_persist = profile.n_chunks
+    with pytest.raises(PlanError) as error:
+        search(profiles, hw, budget, {"n_persist": n_persist})
+    message = str(error.value)
+    assert f"n_persist={n_persist}" in message and str(budget) in message
+    alternative = int(re.search(r"nearest feasible: n_persist=(\d+)", message).group(1))
+    assert alternative < n_persist
+    assert search(profiles, hw, budget, {"n_persist": alternative}).n_persist == alternative
+    # It is the nearest: one more does not fit.
+    with pytest.raises(PlanError):
+        search(profiles, hw, budget, {"n_persist": alternative + 1})
+
+
+def test_infeasible_checkpoint_override_suggests_the_nearest_checkpoint_count():
+    hw = make_hardware()
+    profiles = _profiles(9)
+    fixed = {"n_swap": 0}
+    budget = min(row[1] for row in brute_force(profiles, hw, None, fixed))
+    with pytest.raises(PlanError, match=r"n_checkpoint=0.*nearest feasible: ") as error:
+        search(profiles, hw, budget, {**fixed, "n_checkpoint": 0})
+    found = re.search(r"n_checkpoint=(\d+) \(set AUTOOFFLOAD_N_CHECKPOINT", str(error.value))
+    alternative = int(found.group(1))
+    assert search(profiles, hw, budget, {**fixed, "n_checkpoint": alternative})
+    with pytest.raises(PlanError):
+        search(profiles, hw, budget, {**fixed, "n_checkpoint": alternative - 1})
+
+
+def test_nothing_fits_reports_the_smallest_peak():
+    hw = make_hardware()
+    profiles = _profiles(10)
+    smallest = min(row[1] for row in brute_force(profiles, hw, None))
+    with pytest.raises(PlanError, match=f"AUTOOFFLOAD_BUDGET >= {smallest} bytes"):
+        search(profiles, hw, smallest - 1)
+    assert search(profiles, hw, smallest).predicted_peak_bytes == smallest
+
+
+@pytest.mark.parametrize(
+    "fixed, match",
+    [
+        ({"n_persits": 1}, "unknown fixed knob"),
+        ({"chunk_size": 1}, "chunk_size=1 was not profiled"),
+        ({"n_swap": 3, "n_checkpoint": 3}, "exceeds n_blocks=4"),
+        ({"n_persist": 10_000}, "n_persist=10000 is out of range"),
+        ({"n_buffer": 0}, "n_buffer=0 is out of range"),
+    ],
+)
+def test_invalid_override_is_a_plan_error(fixed, match):
+    with pytest.raises(PlanError, match=match):
+        search(_profiles(0), make_hardware(), None, fixed)
+
+
+def test_eighty_layers_three_hundred_chunks_search_is_fast_and_sound():
+    hw = make_hardware()
+    profile = make_profile(
+        n_blocks=80, chunk_size=256 * MiB, block_param_bytes=800 * MiB, tensors_per_block=8
+    )
+    assert profile.n_chunks >= 300
+    budget = 40 << 30
+    started = time.perf_counter()
+    plan = search({profile.chunk_size: profile}, hw, budget)
+    elapsed = time.perf_counter() - started
+    print(f"\nsearch over 80 blocks x {profile.n_chunks} chunks took {elapsed:.2f} s")
+    print(plan.summary())
+    assert plan.predicted_peak_bytes <= budget
+    assert predict_peak_bytes(profile, hw, plan.knobs) == plan.predicted_peak_bytes
+    assert len(plan.summary().splitlines()) <= 8
+    started = time.perf_counter()
+    unbounded = search({profile.chunk_size: profile}, hw, None)  # nothing pruned by the budget
+    print(f"unbounded search took {time.perf_counter() - started:.2f} s")
+    everything_on_gpu = Knobs(profile.n_chunks, 1)
+    assert unbounded.predicted_step_s <= predict_step_time(profile, hw, everything_on_gpu)[0]
