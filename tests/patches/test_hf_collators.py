@@ -1,0 +1,195 @@
+"""The collator, processor and forward patches give assistant-only labels; disable() undoes it."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+import autooffload
+from autooffload.masking import IGNORE_INDEX
+
+TOKENIZERS = Path(__file__).resolve().parents[1] / "data" / "tokenizers"
+CHAT = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "Hi there, who are you?"},
+    {"role": "assistant", "content": "I am a helpful bot."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "It is 4."},
+]
+ANSWERS = ["I am a helpful bot.<|im_end|>", "<think>\n\n</think>\n\nIt is 4.<|im_end|>"]
+
+
+@functools.cache
+def tokenizer(name: str = "qwen3"):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TOKENIZERS / name)
+
+
+def spans(tok, ids: torch.Tensor, labels: torch.Tensor) -> list[str]:
+    out, run = [], []
+    for token, label in zip(ids.tolist(), labels.tolist()):
+        if label != IGNORE_INDEX:
+            run.append(token)
+        elif run:
+            out.append(tok.decode(run))
+            run = []
+    return out + ([tok.decode(run)] if run else [])
+
+
+def chat_features(tok, conversations):
+    rendered = [tok.apply_chat_template(c, tokenize=True, return_dict=True) for c in conversations]
+    return [{"input_ids": list(r["input_ids"])} for r in rendered]
+
+
+def test_transformers_lm_collator_masks_and_disable_restores():
+    from transformers import DataCollatorForLanguageModeling
+
+    autooffload.enable(device="cpu")
+    tok = tokenizer()
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    features = chat_features(tok, [CHAT, CHAT[:3]])
+    batch = collator(features)
+    assert spans(tok, batch["input_ids"][0], batch["labels"][0]) == ANSWERS
+    assert spans(tok, batch["input_ids"][1], batch["labels"][1]) == [
+        "<think>\n\n</think>\n\nI am a helpful bot.<|im_end|>"
+    ]
+    numpy_batch = collator(features, return_tensors="np")
+    assert (numpy_batch["labels"] == batch["labels"].numpy()).all()
+    autooffload.disable()
+    plain = collator(features)
+    assert torch.equal(plain["labels"][0], plain["input_ids"][0])
+
+
+def test_seq2seq_collator_keeps_prebuilt_masks_and_masks_the_rest():
+    from transformers import DataCollatorForSeq2Seq
+
+    autooffload.enable(device="cpu", train_on_eos="none")
+    tok = tokenizer()
+    features = chat_features(tok, [CHAT])
+    features[0]["labels"] = list(features[0]["input_ids"])
+    batch = DataCollatorForSeq2Seq(tok)(features)
+    assert spans(tok, batch["input_ids"][0], batch["labels"][0]) == [
+        "I am a helpful bot.",
+        "<think>\n\n</think>\n\nIt is 4.",
+    ]
+
+
+def test_plain_text_batches_are_untouched():
+    from transformers import DataCollatorForLanguageModeling
+
+    autooffload.enable(device="cpu")
+    tok = tokenizer()
+    features = [{"input_ids": tok.encode("Once upon a time.")}]
+    batch = DataCollatorForLanguageModeling(tok, mlm=False)(features)
+    assert torch.equal(batch["labels"], batch["input_ids"])
+
+
+def test_trl_text_collator_uses_the_sft_trainer_tokenizer():
+    sft = pytest.importorskip("trl.trainer.sft_trainer")
+    autooffload.enable(device="cpu", roles_to_train=["assistant", "user"])
+    tok = tokenizer()
+    features = chat_features(tok, [CHAT, CHAT[:3]])
+    collator = sft.DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id)
+    from autooffload.patches import hf_collators
+
+    hf_collators._session.bind(collator, tok)  # what the SFTTrainer.__init__ patch does
+    batch = collator(features)
+    assert spans(tok, batch["input_ids"][1], batch["labels"][1]) == [
+        "Hi there, who are you?<|im_end|>",
+        "<think>\n\n</think>\n\nI am a helpful bot.<|im_end|>",
+    ]
+
+
+def test_trl_vision_collator_masks_prompt_and_image_tokens():
+    sft = pytest.importorskip("trl.trainer.sft_trainer")
+    from PIL import Image
+    from transformers.models.gemma3 import Gemma3ImageProcessorPil, Gemma3Processor
+
+    autooffload.enable(device="cpu")
+    tok = tokenizer("gemma3")
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(), tokenizer=tok, chat_template=tok.chat_template
+    )
+    image = Image.new("RGB", (16, 16), (255, 0, 0))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Colour?"},  # TRL puts the image placeholder here
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": "Yes."},
+    ]
+    collator = sft.DataCollatorForVisionLanguageModeling(processor)
+    batch = collator([{"images": [image], "messages": copy.deepcopy(messages)} for _ in range(2)])
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert (ids == tok.image_token_id).sum() > 0
+    for row in range(2):
+        assert spans(tok, ids[row], labels[row]) == ["Red.<end_of_turn>", "Yes.<end_of_turn>"]
+    autooffload.disable()
+    unmasked = collator([{"images": [image], "messages": copy.deepcopy(messages)}])
+    assert bool((unmasked["labels"] == unmasked["input_ids"]).all())
+
+
+def tiny_causal_lm(vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config)
+
+
+def test_hand_written_collate_is_caught_at_the_forward():
+    from transformers import DataCollatorForLanguageModeling
+
+    tok = tokenizer()
+    model = tiny_causal_lm(len(tok))
+    texts = [tok.apply_chat_template(c, tokenize=False) for c in (CHAT, CHAT[:3])]
+
+    def collate_fn(texts):  # the pattern of many VLM fine-tuning scripts
+        batch = tok(texts, padding=True, return_tensors="pt")
+        batch["labels"] = batch["input_ids"].clone()
+        return batch
+
+    unmasked_loss = model(**collate_fn(texts)).loss
+    autooffload.enable(device="cpu", offload=False)
+    batch = collate_fn(texts)
+    masked_loss = model(**batch).loss
+    features = chat_features(tok, [CHAT, CHAT[:3]])
+    reference = DataCollatorForLanguageModeling(tok, mlm=False)(features)
+    expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits = expected.logits[:, :-1].reshape(-1, expected.logits.shape[-1])
+    target = reference["labels"][:, 1:].reshape(-1)
+    assert torch.allclose(masked_loss, torch.nn.functional.cross_entropy(logits, target))
+    assert not torch.allclose(masked_loss, unmasked_loss)
+    autooffload.disable()
+    assert torch.allclose(model(**collate_fn(texts)).loss, unmasked_loss)
+
+
+def test_forward_leaves_plain_text_alone():
+    tok = tokenizer()
+    model = tiny_causal_lm(len(tok))
+    batch = tok(["Once upon a time."], return_tensors="pt")
+    before = model(**batch, labels=batch["input_ids"].clone()).loss
+    autooffload.enable(device="cpu", offload=False)
+    tok("warm up")  # the tokenizer in use is known
+    assert torch.allclose(model(**batch, labels=batch["input_ids"].clone()).loss, before)
+
+
+def test_mask_false_installs_nothing():
+    from autooffload.patches import _registry
+
+    autooffload.enable(device="cpu", mask=False)
+    import transformers  # noqa: F401
+
+    assert not [r for r in _registry.records() if r.group.endswith("hf_collators")]
