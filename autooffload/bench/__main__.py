@@ -1,0 +1,189 @@
+"""Command line of the bench: parse, plan the runs, run them, print the table, write JSON / PNG."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from autooffload.bench import report
+from autooffload.bench.peers import PEERS, public_peers
+from autooffload.bench.runner import (
+    CommonSettings,
+    cap_label,
+    parse_caps,
+    parse_options,
+    parse_peers,
+    plan_runs,
+    resolve_workloads,
+    run_all,
+)
+from autooffload.bench.workloads import WORKLOADS, UnknownNameError
+
+DEFAULT_PEERS = "vanilla,fsdp2_offload,deepspeed_offload,autooffload"
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    workloads = ", ".join(WORKLOADS)
+    parser = argparse.ArgumentParser(
+        prog="python -m autooffload.bench",
+        description="Benchmark autooffload against vanilla PyTorch, FSDP2-offload and DeepSpeed.",
+    )
+    parser.add_argument("--workload", help=f"one or a comma list of: {workloads}")
+    parser.add_argument("--cap", help="GPU memory cap(s), e.g. 12GiB or 8GiB,12GiB,none (sweep)")
+    parser.add_argument(
+        "--vanilla-cap",
+        help="cap(s) for the vanilla peer only (e.g. none: one uncapped reference per repeat)",
+    )
+    parser.add_argument(
+        "--peers",
+        default=DEFAULT_PEERS,
+        help=f"comma list of {', '.join(public_peers())}; autooffload[k=v,...] for a fixed plan",
+    )
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
+    parser.add_argument("--repeat", type=int, default=1, help="repeats (peers alternate: ABAB)")
+    parser.add_argument("--bs", type=int, help="batch size (default: the workload's)")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the workload's)")
+    parser.add_argument(
+        "--gc",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gradient checkpointing on/off (default: the workload's)",
+    )
+    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
+    parser.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="write a PNG (default: the JSON path with .png)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the runs and exit")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
+    parser.add_argument(
+        "--autooffload-opt",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="settings passed to autooffload.enable() (e.g. n_persist=4)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument("--log-dir", type=Path, help="keep each worker's output here")
+    parser.add_argument("--verbose", action="store_true", help="stream worker output")
+    parser.add_argument("--from-json", type=Path, help="re-print table / plot of a results file")
+    parser.add_argument("--list", action="store_true", help="list workloads and peers")
+    return parser
+
+
+def _list() -> None:
+    print("workloads:")
+    for workload in WORKLOADS.values():
+        print(f"  {workload.describe()}  -- {workload.description}")
+    print("peers:")
+    for name in public_peers():
+        print(f"  {name}: {PEERS[name].description}")
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _plot_path(args: argparse.Namespace, out: Path) -> Path | None:
+    if args.plot is None:
+        return None
+    return Path(args.plot) if args.plot else out.with_suffix(".png")
+
+
+def _from_json(args: argparse.Namespace) -> int:
+    payload = report.build_payload_from_file(args.from_json)
+    print(report.format_table(payload["summary"]))
+    plot_path = _plot_path(args, args.from_json)
+    if plot_path:
+        report.plot(payload["summary"], plot_path, payload.get("command", ""))
+        print(f"plot: {plot_path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        _list()
+        return 0
+    if args.from_json:
+        return _from_json(args)
+    if not args.workload:
+        parser.error(f"--workload is required; valid workloads: {', '.join(WORKLOADS)}")
+    try:
+        workloads = resolve_workloads(args.workload, args.bs, args.seq, args.gc)
+        peers = parse_peers(args.peers, parse_options(args.autooffload_opt))
+        caps = parse_caps(args.cap)
+        vanilla_caps = parse_caps(args.vanilla_cap) if args.vanilla_cap else None
+    except (UnknownNameError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    device = args.device or _default_device()
+    runs = plan_runs(workloads, caps, peers, args.repeat, vanilla_caps)
+    date = dt.datetime.now()
+    out = (
+        args.out or RESULTS_DIR / f"{'+'.join(w.name for w in workloads)}-{date:%Y%m%d-%H%M%S}.json"
+    )
+    command = "python -m autooffload.bench " + shlex.join(argv)
+    if args.dry_run:
+        steps = f"{args.warmup} warm-up + {args.steps} timed steps"
+        print(f"dry run: {len(runs)} runs on {device}, {steps}")
+        for workload in workloads:
+            print(f"  {workload.describe()}")
+        for index, run in enumerate(runs):
+            reason = PEERS[run.peer.name].unavailable(run.workload, device)
+            print(f"  [{index}] {run.describe()}" + (f"  (skipped: {reason})" if reason else ""))
+        print(f"would write {out}")
+        return 0
+    meta: dict[str, Any] = {
+        "command": command,
+        "date": date.isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "device": device,
+        "args": {
+            "workloads": [w.name for w in workloads],
+            "caps": [cap_label(c) for c in caps],
+            "peers": [p.label for p in peers],
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "repeat": args.repeat,
+            "seed": args.seed,
+        },
+        "workloads": {w.name: report.workload_meta(w) for w in workloads},
+    }
+    common = CommonSettings(
+        device, args.steps, args.warmup, args.seed, args.timeout, args.log_dir, args.verbose
+    )
+
+    def save(results: list[dict[str, Any]]) -> None:
+        report.write_json(out, report.build_payload(results, meta))
+
+    results = run_all(runs, common, on_result=save)
+    payload = report.build_payload(results, meta)
+    report.write_json(out, payload)
+    print(report.format_table(payload["summary"]))
+    print(f"\nresults: {out}")
+    plot_path = _plot_path(args, out)
+    if plot_path:
+        report.plot(payload["summary"], plot_path, command)
+        print(f"plot: {plot_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

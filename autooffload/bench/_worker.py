@@ -1,0 +1,177 @@
+"""One benchmark run in a fresh process: apply the cap, set up one peer, time its steps, write JSON.
+
+Run as ``python -m autooffload.bench._worker SPEC.json``; the spec names the workload, peer,
+options, device, cap, steps and the path of the result file. The result is always written, with
+status "ok", "OOM", "skipped" or "error" (a harness crash is never the outcome of a peer failure).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+TRACEBACK_LINES = 15
+
+
+def _is_oom(exc: BaseException) -> bool:
+    # By name, so that a failed ``import torch`` cannot break the error path.
+    if type(exc).__name__ in ("OutOfMemoryError", "PlanError"):  # PlanError: nothing fits
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def _apply_cap(device: str, cap_bytes: int | None) -> dict[str, Any]:
+    """Limit this process's CUDA caching allocator to ``cap_bytes`` before anything is allocated."""
+    import torch
+
+    if device != "cuda":
+        return {}
+    torch.cuda.set_device(0)
+    total = torch.cuda.get_device_properties(0).total_memory
+    info: dict[str, Any] = {"device_total_gib": total / GiB}
+    if cap_bytes is not None:
+        fraction = min(1.0, cap_bytes / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, 0)
+        info["cap_fraction"] = fraction
+    return info
+
+
+def _versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "deepspeed"):
+        module = sys.modules.get(name)
+        versions[name] = getattr(module, "__version__", None) if module else None
+    autooffload = sys.modules.get("autooffload")
+    versions["autooffload"] = getattr(autooffload, "__version__", None) if autooffload else None
+    return versions
+
+
+def _memory(device: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+    }
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.is_initialized():
+            out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
+            out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+            out["device_name"] = torch.cuda.get_device_name(0)
+    else:
+        out["device_name"] = f"cpu ({platform.processor() or platform.machine()})"
+    return out
+
+
+def _train(trainee: Any, spec: dict[str, Any], workload: Any) -> dict[str, Any]:
+    """Warm-up then timed steps on the same batch; each step synchronised and timed."""
+    import torch
+
+    from autooffload.bench.models import accepted_batch, make_batch
+
+    device = spec["device"]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    batch_cpu = accepted_batch(trainee.model, make_batch(workload, seed=spec["seed"]))
+    warmup, steps = spec["warmup"], spec["steps"]
+    step_s: list[float] = []
+    losses: list[float] = []
+    for index in range(warmup + steps):
+        if index == warmup:
+            trainee.on_timing_start()
+        sync()
+        start = time.perf_counter()
+        batch = {k: v.to(device) for k, v in batch_cpu.items()}
+        loss = trainee.step(batch)
+        sync()
+        step_s.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    timed = step_s[warmup:]
+    median = statistics.median(timed)
+    return {
+        "step_s": step_s,
+        "losses": losses,
+        "step_s_median": median,
+        "tokens_per_s": workload.tokens_per_step / median,
+        "loss_first": losses[0],
+        "loss_final": losses[-1],
+    }
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one peer on one workload as ``spec`` says; the result dict (never raises)."""
+    started = time.perf_counter()
+    result: dict[str, Any] = {"status": "error", "reason": None}
+    device = spec["device"]
+    trainee = None
+    try:
+        import torch
+
+        result["cap_info"] = _apply_cap(device, spec.get("cap_bytes"))
+        torch.manual_seed(spec["seed"])
+
+        from autooffload.bench.peers import PeerContext, get_peer
+        from autooffload.bench.workloads import get_workload
+
+        workload = get_workload(spec["workload"], spec.get("bs"), spec.get("seq"), spec.get("gc"))
+        ctx = PeerContext(
+            workload, device, spec.get("cap_bytes"), spec["seed"], spec.get("options", {})
+        )
+        build_start = time.perf_counter()
+        trainee = get_peer(spec["peer"]).setup(ctx)
+        result["setup_s"] = time.perf_counter() - build_start
+        if device == "cuda":
+            result["peak_setup_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
+        result.update(_train(trainee, spec, workload))
+        result.update(trainee.report(spec["steps"]))
+        result["status"] = "ok"
+    except BaseException as exc:  # every failure becomes a status, never a crash of the harness
+        from autooffload.bench.peers import PeerUnavailable
+
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        result["message"] = f"{type(exc).__name__}: {first_line}"
+        if isinstance(exc, PeerUnavailable):
+            result.update(status="skipped", reason=str(exc))
+        elif _is_oom(exc):
+            message = str(exc).strip().splitlines()
+            result.update(
+                status="OOM", reason=f"{type(exc).__name__}: {message[0] if message else ''}"
+            )
+        else:
+            lines = traceback.format_exc().strip().splitlines()
+            result.update(status="error", reason="\n".join(lines[-TRACEBACK_LINES:]))
+        if isinstance(exc, KeyboardInterrupt):
+            result["reason"] = "interrupted"
+    finally:
+        if trainee is not None:
+            try:
+                trainee.close()
+            except Exception:
+                pass
+        result.update(_memory(device))
+        result["versions"] = _versions()
+        result["wall_s"] = time.perf_counter() - started
+        result["date"] = dt.datetime.now().isoformat(timespec="seconds")
+    return result
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    result = run(spec)
+    path = Path(spec["result_path"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, default=str))
+    os.replace(tmp, path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,349 @@
+"""The peers the bench compares: how each one sets up the model and optimizer and runs a step.
+
+Every peer runs inside its own worker process (``autooffload.bench._worker``) and trains the
+same model (same seed, same batch) with AdamW (lr from the workload, weight decay 0). A peer that
+cannot run in this environment raises :class:`PeerUnavailable` (reported as "skipped").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autooffload.bench.models import base_model, build_model, decoder_blocks
+from autooffload.bench.workloads import UnknownNameError, Workload
+
+
+class PeerUnavailable(Exception):
+    """The peer cannot run here (missing dependency, unsupported mode); the message says why."""
+
+
+@dataclass
+class PeerContext:
+    """What a peer's setup gets: the workload, where to run, the memory cap and its options."""
+
+    workload: Workload
+    device: str
+    cap_bytes: int | None
+    seed: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainee:
+    """A model and optimizer ready to train; ``step`` runs one forward/backward/update."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def on_timing_start(self) -> None:
+        """Called after warm-up, before the first timed step."""
+
+    def report(self, timed_steps: int) -> dict[str, Any]:
+        """Peer-specific fields for the result (breakdown, plan); never raises."""
+        return {}
+
+    def close(self) -> None:
+        """Release process-wide state (process groups, patches)."""
+
+
+def _adamw(model: nn.Module, ctx: PeerContext, fused: bool | None = None) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if fused is None:
+        fused = ctx.device == "cuda"
+    return torch.optim.AdamW(params, lr=ctx.workload.lr, weight_decay=0.0, fused=fused)
+
+
+def _setup_vanilla(ctx: PeerContext) -> Trainee:
+    model = build_model(ctx.workload, seed=ctx.seed)
+    model.to(ctx.device)
+    return Trainee(model, _adamw(model, ctx))
+
+
+# --- autooffload -------------------------------------------------------------------------------
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:
+        return None
+
+
+def _runtime_of(model: nn.Module) -> Any:
+    from autooffload import runtime as rt_module
+
+    runtime_of = getattr(rt_module, "runtime_of", None)
+    if runtime_of is None:
+        return None
+    for candidate in (model, base_model(model), next(iter(model.parameters()), None)):
+        found = _safe(lambda c=candidate: runtime_of(c)) if candidate is not None else None
+        if found is not None:
+            return found
+    return None
+
+
+STAT_KEYS = ("steps", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "cpu_optim_s", "stall_s")
+PLAN_FIELDS = ("chunk_size", "n_chunks", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
+
+
+class AutoOffloadTrainee(Trainee):
+    """The vanilla script under ``autooffload.enable()``; reports the runtime's stats and plan."""
+
+    stats_at_start: dict[str, Any] | None = None
+
+    def _stats(self) -> dict[str, Any] | None:
+        runtime = _safe(lambda: _runtime_of(self.model))
+        stats = _safe(runtime.stats) if runtime is not None else None
+        return dict(stats) if isinstance(stats, dict) else None
+
+    def on_timing_start(self) -> None:
+        self.stats_at_start = self._stats()
+
+    def report(self, timed_steps: int) -> dict[str, Any]:
+        import autooffload
+
+        out: dict[str, Any] = {"attached": _safe(lambda: _runtime_of(self.model) is not None)}
+        plan = _safe(lambda: autooffload.last_plan())
+        out["plan_summary"] = _safe(plan.summary) if plan is not None else None
+        out["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
+        out["predicted_step_s"] = getattr(plan, "predicted_step_s", None)
+        out["plan"] = {k: _safe(lambda k=k: getattr(plan, k)) for k in PLAN_FIELDS}
+        out["plan"]["bottleneck"] = getattr(plan, "bottleneck", None)
+        out["plan"]["source"] = getattr(plan, "source", None)
+        stats = self._stats()
+        out["stats"] = stats
+        out["breakdown"] = _per_step_breakdown(self.stats_at_start, stats, timed_steps)
+        return out
+
+    def close(self) -> None:
+        import autooffload
+
+        disable = getattr(autooffload, "disable", None)
+        if callable(disable):
+            _safe(disable)
+
+
+def _per_step_breakdown(
+    before: dict[str, Any] | None, after: dict[str, Any] | None, timed_steps: int
+) -> dict[str, float | None]:
+    """Per-step means of the runtime's counters over the timed steps (null where unknown)."""
+    breakdown: dict[str, float | None] = {}
+    for key in STAT_KEYS[1:]:
+        a = (after or {}).get(key)
+        b = (before or {}).get(key, 0) or 0
+        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and timed_steps > 0
+        breakdown[key] = (a - b) / timed_steps if ok else None
+    return breakdown
+
+
+def _setup_autooffload(ctx: PeerContext) -> Trainee:
+    try:
+        import autooffload
+    except Exception as exc:  # the package itself failed to import
+        raise RuntimeError(f"import autooffload failed: {exc!r}") from exc
+    enable = getattr(autooffload, "enable", None)
+    if not callable(enable):
+        raise RuntimeError(
+            "autooffload.enable is missing (autooffload/__init__.py does not define it yet): "
+            "the runtime has not landed"
+        )
+    overrides = dict(ctx.workload.autooffload_defaults)
+    overrides.update(ctx.options)
+    if ctx.cap_bytes is not None:
+        overrides.setdefault("budget", ctx.cap_bytes)
+    if ctx.device == "cpu":
+        overrides["device"] = "cpu"
+    enable(**overrides)
+    model = build_model(ctx.workload, seed=ctx.seed)
+    model.to(ctx.device)
+    return AutoOffloadTrainee(model, _adamw(model, ctx))
+
+
+# --- FSDP2 with CPUOffloadPolicy ---------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process_env() -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+
+
+class DistributedTrainee(Trainee):
+    """A trainee that owns a process group, destroyed on close."""
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _setup_fsdp2(ctx: PeerContext) -> Trainee:
+    if ctx.workload.mode == "qlora":
+        raise PeerUnavailable("FSDP2 cannot shard bitsandbytes 4-bit (Params4bit) weights")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    _single_process_env()
+    if ctx.device == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend="gloo", rank=0, world_size=1)
+    mesh = init_device_mesh(ctx.device, (1,))
+    model = build_model(ctx.workload, seed=ctx.seed)
+    if ctx.workload.dtype == "bfloat16":
+        # LoRA adapters are fp32 (PEFT's default): compute in bf16, keep fp32 grads and master.
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp_policy = MixedPrecisionPolicy()
+    # Pinning needs an accelerator; CPU-only runs (tests) use pageable memory.
+    offload = CPUOffloadPolicy(pin_memory=ctx.device == "cuda")
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    # Sharded params live on the CPU, so the optimizer runs there (fused CPU AdamW).
+    trainee = DistributedTrainee(model, _adamw(model, ctx, fused=True))
+    return trainee
+
+
+# --- DeepSpeed ZeRO-3 with param + optimizer offload -------------------------------------------
+
+
+class DeepSpeedTrainee(DistributedTrainee):
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.model.backward(loss)
+        self.model.step()
+        return loss.detach()
+
+
+def _deepspeed_unavailable(workload: Workload, device: str) -> str | None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed not importable (pip install deepspeed)"
+    if workload.mode == "qlora":
+        return "DeepSpeed ZeRO-3 cannot partition bitsandbytes 4-bit weights"
+    if device != "cuda":
+        return "DeepSpeed ZeRO-3 offload needs a CUDA device"
+    return None
+
+
+def _setup_deepspeed(ctx: PeerContext) -> Trainee:
+    reason = _deepspeed_unavailable(ctx.workload, ctx.device)
+    if reason:
+        raise PeerUnavailable(reason)
+    try:
+        import deepspeed
+    except Exception as exc:
+        raise PeerUnavailable(f"deepspeed not importable: {exc!r}") from exc
+    _single_process_env()
+    deepspeed.init_distributed(dist_backend="nccl")
+    model = build_model(ctx.workload, seed=ctx.seed)
+    config = {
+        "train_micro_batch_size_per_gpu": ctx.workload.bs,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": ctx.workload.dtype == "bfloat16"},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": ctx.workload.lr, "weight_decay": 0.0}},
+        "steps_per_print": 10**9,
+    }
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=params, config=config
+    )
+    return DeepSpeedTrainee(engine, optimizer)
+
+
+# --- test-only peers ---------------------------------------------------------------------------
+
+
+def _setup_oom(ctx: PeerContext) -> Trainee:
+    raise torch.cuda.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB (simulated by the _oom test peer)"
+    )
+
+
+def _setup_error(ctx: PeerContext) -> Trainee:
+    raise ValueError("simulated failure of the _error test peer")
+
+
+def _setup_crash(ctx: PeerContext) -> Trainee:
+    os._exit(7)
+
+
+@dataclass(frozen=True)
+class PeerDef:
+    """A peer: its setup function, a pre-flight availability check, and a one-line description."""
+
+    setup: Callable[[PeerContext], Trainee]
+    description: str
+    unavailable: Callable[[Workload, str], str | None] = lambda workload, device: None
+    hidden: bool = False
+    takes_options: bool = False
+
+
+PEERS: dict[str, PeerDef] = {
+    "vanilla": PeerDef(_setup_vanilla, "plain PyTorch/HF/PEFT: model.to(device), fused AdamW"),
+    "fsdp2_offload": PeerDef(
+        _setup_fsdp2,
+        "FSDP2 fully_shard per block + root, CPUOffloadPolicy(pin_memory=True), 1 GPU",
+        unavailable=lambda w, d: (
+            "FSDP2 cannot shard bitsandbytes 4-bit (Params4bit) weights"
+            if w.mode == "qlora"
+            else None
+        ),
+    ),
+    "deepspeed_offload": PeerDef(
+        _setup_deepspeed,
+        "DeepSpeed ZeRO-3, offload_param + offload_optimizer to CPU",
+        unavailable=_deepspeed_unavailable,
+    ),
+    "autooffload": PeerDef(
+        _setup_autooffload,
+        "autooffload.enable(budget=cap, **opts) + the vanilla script unchanged",
+        takes_options=True,
+    ),
+    "_oom": PeerDef(_setup_oom, "test: raises CUDA OOM", hidden=True),
+    "_error": PeerDef(_setup_error, "test: raises an error", hidden=True),
+    "_crash": PeerDef(_setup_crash, "test: the worker dies", hidden=True),
+}
+
+
+def public_peers() -> list[str]:
+    return [name for name, peer in PEERS.items() if not peer.hidden]
+
+
+def get_peer(name: str) -> PeerDef:
+    """The peer called ``name``; a clear error naming the valid peers otherwise."""
+    if name not in PEERS:
+        raise UnknownNameError(f"unknown peer {name!r}; valid peers: {', '.join(public_peers())}")
+    return PEERS[name]

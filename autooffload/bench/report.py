@@ -1,0 +1,307 @@
+"""Turn run results into ratios vs vanilla, a loss sanity check, a table, a JSON file and a plot."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from autooffload.bench.runner import failure_message
+
+GiB = 1 << 30
+SCHEMA = "autooffload.bench/1"
+
+# Loss sanity check (same seed, same init, same batch for every peer):
+# - the first step's loss (before any update) must agree within
+#   FIRST_TOL_ABS + FIRST_TOL_REL x |loss| (only kernel / dtype differences separate peers there);
+# - the final loss must agree within max(FINAL_TOL_ABS, FINAL_TOL_DROP x vanilla's loss drop): a
+#   peer that drops or mangles updates misses by a large part of the drop. Pure-bf16 vanilla
+#   against an fp32-master peer may legitimately differ by a few percent of the drop.
+FIRST_TOL_ABS, FIRST_TOL_REL = 0.02, 0.002
+FINAL_TOL_ABS, FINAL_TOL_DROP = 0.05, 0.10
+
+SUMMARY_NUMBERS = (
+    "tokens_per_s",
+    "step_s_median",
+    "peak_allocated_gib",
+    "peak_reserved_gib",
+    "host_rss_peak_gib",
+    "loss_first",
+    "loss_final",
+)
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(values) if values else None
+
+
+def _vanilla_reference(results: list[dict[str, Any]], workload: str, cap: str) -> dict | None:
+    """Median vanilla numbers for ``workload``: same cap if vanilla ran ok there, else best cap."""
+    ok = [r for r in results if r["workload"] == workload and r["peer"] == "vanilla"]
+    ok = [r for r in ok if r.get("status") == "ok"]
+    if not ok:
+        return None
+    same_cap = [r for r in ok if r["cap"] == cap]
+    if same_cap:
+        chosen = same_cap
+    else:  # e.g. vanilla only fits uncapped: compare against its fastest cap
+        by_cap: dict[str, list[dict]] = defaultdict(list)
+        for r in ok:
+            by_cap[r["cap"]].append(r)
+        chosen = max(by_cap.values(), key=lambda rs: _median([r["tokens_per_s"] for r in rs]) or 0)
+    ref = {k: _median([r.get(k) for r in chosen]) for k in SUMMARY_NUMBERS}
+    ref["cap"] = chosen[0]["cap"]
+    return ref
+
+
+def loss_check(result: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    """ "ok", "DIFF first" / "DIFF final" (beyond the tolerances above) or "n/a"."""
+    if result.get("status") != "ok" or ref is None or ref.get("loss_final") is None:
+        return "n/a"
+    first_tol = FIRST_TOL_ABS + FIRST_TOL_REL * abs(ref["loss_first"])
+    if abs(result["loss_first"] - ref["loss_first"]) > first_tol:
+        return "DIFF first"
+    drop = abs(ref["loss_first"] - ref["loss_final"])
+    if abs(result["loss_final"] - ref["loss_final"]) > max(FINAL_TOL_ABS, FINAL_TOL_DROP * drop):
+        return "DIFF final"
+    return "ok"
+
+
+def annotate(results: list[dict[str, Any]]) -> None:
+    """Add ratios vs vanilla, ``loss_vs_vanilla`` and ``loss_check`` to each result, in place."""
+    for result in results:
+        ref = _vanilla_reference(results, result["workload"], result["cap"])
+        result["ref_cap"] = ref["cap"] if ref else None
+        ok = result.get("status") == "ok" and ref is not None
+        tput, ref_tput = result.get("tokens_per_s"), (ref or {}).get("tokens_per_s")
+        result["tput_ratio"] = tput / ref_tput if ok and tput and ref_tput else None
+        peak, ref_peak = result.get("peak_allocated_gib"), (ref or {}).get("peak_allocated_gib")
+        result["mem_ratio"] = peak / ref_peak if ok and peak and ref_peak else None
+        ref_loss = (ref or {}).get("loss_final")
+        result["loss_vs_vanilla"] = result["loss_final"] - ref_loss if ok and ref_loss else None
+        result["loss_check"] = loss_check(result, ref)
+
+
+def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (workload, cap, peer label), medians over repeats, in first-seen order."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["workload"], r["cap"], r["peer_label"]), []).append(r)
+    rows = []
+    for (workload, cap, label), runs in groups.items():
+        ok = [r for r in runs if r.get("status") == "ok"]
+        row: dict[str, Any] = {"workload": workload, "cap": cap, "peer_label": label}
+        row["runs"] = len(runs)
+        row["ok"] = len(ok)
+        statuses = sorted({r.get("status", "?") for r in runs})
+        row["status"] = "ok" if len(ok) == len(runs) else "/".join(statuses)
+        failed = [r for r in runs if r.get("status") != "ok"]
+        row["reason"] = failed[0].get("reason") if failed else None
+        row["message"] = failure_message(failed[0]) if failed else None
+        for key in (*SUMMARY_NUMBERS, "tput_ratio", "mem_ratio", "loss_vs_vanilla"):
+            row[key] = _median([r.get(key) for r in ok])
+        predicted = _median([r.get("predicted_peak_bytes") for r in ok])
+        row["predicted_peak_gib"] = predicted / GiB if predicted is not None else None
+        row["predicted_step_s"] = _median([r.get("predicted_step_s") for r in ok])
+        checks = {r.get("loss_check") for r in ok}
+        row["loss_check"] = "ok" if checks == {"ok"} else ",".join(sorted(c or "?" for c in checks))
+        breakdown_keys = ("h2d_s", "d2h_s", "cpu_optim_s", "stall_s")
+        row["breakdown"] = {
+            k: _median([(r.get("breakdown") or {}).get(k) for r in ok]) for k in breakdown_keys
+        }
+        rows.append(row)
+    return rows
+
+
+def _fmt(value: Any, spec: str = ".2f", scale: float = 1.0) -> str:
+    if value is None:
+        return "-"
+    return format(value * scale, spec)
+
+
+TABLE_HEADER = (
+    "| workload | cap | peer | status | tok/s | x vanilla | step ms | peak alloc GiB"
+    " | reserved GiB | x vanilla mem | pred peak GiB | pred step ms | host RSS GiB | loss"
+    " | loss vs vanilla | H2D/D2H/CPU-opt/stall ms |"
+)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table (pastes into BENCHMARKS.md) plus notes with the reason of each failure."""
+    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    notes = []
+    for row in rows:
+        status = row["status"]
+        if row["message"] and status != "ok":
+            first = row["message"]
+            notes.append(
+                f"- {row['workload']} / {row['cap']} / {row['peer_label']}: {status}: {first}"
+            )
+            if status == "skipped":
+                status = f"skipped: {first[:60]}"
+        bd = row["breakdown"]
+        breakdown = (
+            "/".join(_fmt(bd[k], ".0f", 1e3) for k in ("h2d_s", "d2h_s", "cpu_optim_s", "stall_s"))
+            if any(v is not None for v in bd.values())
+            else "-"
+        )
+        check = row["loss_check"]
+        loss_vs = _fmt(row["loss_vs_vanilla"], "+.4f")
+        if check not in ("ok", "n/a", ""):
+            loss_vs += f" **{check}**"
+        cells = [
+            row["workload"],
+            row["cap"],
+            row["peer_label"],
+            status,
+            _fmt(row["tokens_per_s"], ".0f"),
+            _fmt(row["tput_ratio"], ".2f"),
+            _fmt(row["step_s_median"], ".0f", 1e3),
+            _fmt(row["peak_allocated_gib"]),
+            _fmt(row["peak_reserved_gib"]),
+            _fmt(row["mem_ratio"], ".2f"),
+            _fmt(row["predicted_peak_gib"]),
+            _fmt(row["predicted_step_s"], ".0f", 1e3),
+            _fmt(row["host_rss_peak_gib"], ".1f"),
+            _fmt(row["loss_final"], ".4f"),
+            loss_vs,
+            breakdown,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    if notes:
+        lines += ["", "Notes:", *notes]
+    return "\n".join(lines)
+
+
+def build_payload(results: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """The JSON document: schema tag, run metadata, environment, every run and the summary."""
+    annotate(results)
+    env_source = next((r for r in results if r.get("versions")), {})
+    environment = {
+        "device_name": env_source.get("device_name"),
+        "versions": env_source.get("versions"),
+    }
+    tolerances = {
+        "first_abs": FIRST_TOL_ABS,
+        "first_rel": FIRST_TOL_REL,
+        "final_abs": FINAL_TOL_ABS,
+        "final_frac_of_drop": FINAL_TOL_DROP,
+    }
+    return {
+        "schema": SCHEMA,
+        **meta,
+        "environment": environment,
+        "loss_tolerance": tolerances,
+        "runs": results,
+        "summary": summarise(results),
+    }
+
+
+def workload_meta(workload: Any) -> dict[str, Any]:
+    """What the JSON records about a workload: its batch shape, mode and model dims."""
+    return {
+        "description": workload.description,
+        "mode": workload.mode,
+        "arch": workload.arch,
+        "bs": workload.bs,
+        "seq": workload.seq,
+        "gc": workload.gc,
+        "dtype": workload.dtype,
+        "approx_params": workload.approx_params(),
+        "text_dims": workload.text_dims,
+        "vision_dims": workload.vision_dims or None,
+    }
+
+
+def build_payload_from_file(path: Path) -> dict[str, Any]:
+    """Re-read a results file and recompute its annotations and summary."""
+    payload = json.loads(Path(path).read_text())
+    meta = {k: v for k, v in payload.items() if k not in ("runs", "summary", "environment")}
+    return build_payload(payload["runs"], meta)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` to ``path`` atomically (parents created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str))
+    tmp.replace(path)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """PNG: throughput vs cap per peer (several caps) or a bar per peer (one cap), per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.5), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        mine = [r for r in rows if r["workload"] == workload]
+        caps = list(dict.fromkeys(r["cap"] for r in mine))
+        if len(caps) > 1:
+            _plot_sweep(ax, mine, caps)
+        else:
+            _plot_bars(ax, mine)
+        ax.set_title(f"{workload}" + (f" (cap {caps[0]})" if len(caps) == 1 else ""))
+        ax.set_ylabel("tokens/s (median)")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _cap_x(caps: list[str]) -> dict[str, float]:
+    from autooffload.bench.runner import parse_size  # noqa: PLC0415
+
+    numeric = {c: parse_size(c) for c in caps}
+    finite = [v / GiB for v in numeric.values() if v is not None]
+    top = max(finite) if finite else 1.0
+    return {c: (v / GiB if v is not None else top * 1.25) for c, v in numeric.items()}
+
+
+def _plot_sweep(ax: Any, rows: list[dict[str, Any]], caps: list[str]) -> None:
+    xs = _cap_x(caps)
+    for label in dict.fromkeys(r["peer_label"] for r in rows):
+        mine = sorted((r for r in rows if r["peer_label"] == label), key=lambda r: xs[r["cap"]])
+        ok = [r for r in mine if r["tokens_per_s"] is not None]
+        (line,) = ax.plot(
+            [xs[r["cap"]] for r in ok], [r["tokens_per_s"] for r in ok], "o-", label=label
+        )
+        failed = [r for r in mine if r["tokens_per_s"] is None and r["status"] != "skipped"]
+        if failed:
+            ax.plot(
+                [xs[r["cap"]] for r in failed], [0] * len(failed), "x", color=line.get_color(), ms=9
+            )
+    ax.set_xticks(sorted(xs.values()))
+    ax.set_xticklabels([c for c, _ in sorted(xs.items(), key=lambda kv: kv[1])])
+    ax.set_xlabel("GPU memory cap (x = OOM/error)")
+    ax.legend(fontsize=8)
+
+
+def _plot_bars(ax: Any, rows: list[dict[str, Any]]) -> None:
+    labels = [r["peer_label"] for r in rows]
+    values = [r["tokens_per_s"] or 0 for r in rows]
+    bars = ax.bar(range(len(rows)), values, color="tab:blue")
+    for bar, row in zip(bars, rows):
+        text = (
+            row["status"]
+            if row["tokens_per_s"] is None
+            else f"{_fmt(row['peak_allocated_gib'])} GiB"
+        )
+        ax.annotate(
+            text[:20],
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)

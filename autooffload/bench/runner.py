@@ -1,0 +1,320 @@
+"""Plan the runs (workloads x caps x peers x repeats, peers alternated) and run each in a worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autooffload.bench.peers import get_peer
+from autooffload.bench.workloads import UnknownNameError, Workload, get_workload, workload_to_dict
+
+GiB = 1 << 30
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOG_TAIL_LINES = 15
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(text: str) -> int | None:
+    """Bytes from ``12GiB``, ``12GB``, ``12000MB``, ``1073741824``; None for ``none``/``off``."""
+    value = text.strip()
+    if value.lower() in ("", "none", "off", "nocap", "uncapped"):
+        return None
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"invalid size {text!r}; use e.g. 12GiB, 12GB, 12000MB, 1073741824 or none"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_caps(text: str | None) -> list[int | None]:
+    """A comma list of caps (``8GiB,12GiB,none``); ``None`` text means one uncapped run."""
+    if text is None:
+        return [None]
+    return [parse_size(part) for part in text.split(",")]
+
+
+def cap_label(cap: int | None) -> str:
+    if cap is None:
+        return "none"
+    gib = cap / GiB
+    return f"{gib:g}GiB" if abs(gib - round(gib, 2)) < 1e-9 else f"{cap}B"
+
+
+def parse_value(text: str) -> Any:
+    """``4`` -> 4, ``0.5`` -> 0.5, ``true`` -> True, ``none`` -> None, else the string."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_options(items: list[str]) -> dict[str, Any]:
+    """``["n_persist=4", "n_buffer=2"]`` -> ``{"n_persist": 4, "n_buffer": 2}``."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"invalid option {item!r}; expected KEY=VALUE (e.g. n_persist=4)")
+        options[key.strip()] = parse_value(value)
+    return options
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """A peer with its options; ``label`` names it in tables (``autooffload[n_persist=0]``)."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if not self.options:
+            return self.name
+        inner = ",".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.name}[{inner}]"
+
+
+def parse_peers(text: str, autooffload_opts: dict[str, Any] | None = None) -> list[PeerSpec]:
+    """``vanilla,autooffload[n_persist=0,n_buffer=4]`` -> peer specs (names validated)."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    specs = []
+    for part in (p.strip() for p in parts):
+        if not part:
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9_]+)(?:\[(.*)\])?", part)
+        if not match:
+            raise UnknownNameError(f"cannot parse peer {part!r}; expected NAME or NAME[k=v,...]")
+        name = match.group(1)
+        peer = get_peer(name)
+        options: dict[str, Any] = {}
+        if peer.takes_options:
+            options.update(autooffload_opts or {})
+        if match.group(2):
+            if not peer.takes_options:
+                raise UnknownNameError(f"peer {name!r} takes no options (got {part!r})")
+            options.update(parse_options([o for o in match.group(2).split(",") if o.strip()]))
+        specs.append(PeerSpec(name, options))
+    if not specs:
+        raise UnknownNameError("no peers given")
+    return specs
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: a peer on a workload under a cap; ``repeat`` counts from 0."""
+
+    workload: Workload
+    peer: PeerSpec
+    cap: int | None
+    repeat: int
+
+    def describe(self) -> str:
+        cap = cap_label(self.cap)
+        return f"{self.workload.name} | cap {cap} | {self.peer.label} | rep {self.repeat}"
+
+
+def plan_runs(
+    workloads: list[Workload],
+    caps: list[int | None],
+    peers: list[PeerSpec],
+    repeat: int,
+    vanilla_caps: list[int | None] | None = None,
+) -> list[RunSpec]:
+    """The runs in execution order: per workload, per repeat, per cap, every peer (A B A B ...).
+
+    ``vanilla_caps`` (when given) replaces ``caps`` for the vanilla peer, e.g. ``[None]`` runs the
+    reference once uncapped per repeat instead of once per cap.
+    """
+    runs = []
+    for workload in workloads:
+        for rep in range(repeat):
+            done_vanilla: set[int | None] = set()
+            for cap in caps:
+                for peer in peers:
+                    if peer.name == "vanilla" and vanilla_caps is not None:
+                        for vcap in vanilla_caps:
+                            if vcap not in done_vanilla:
+                                done_vanilla.add(vcap)
+                                runs.append(RunSpec(workload, peer, vcap, rep))
+                        continue
+                    runs.append(RunSpec(workload, peer, cap, rep))
+    return runs
+
+
+@dataclass
+class CommonSettings:
+    """What every run shares: device, steps, seed, timeout and where worker logs go."""
+
+    device: str
+    steps: int
+    warmup: int
+    seed: int = 0
+    timeout_s: float = 1800.0
+    log_dir: Path | None = None
+    verbose: bool = False
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> dict[str, Any]:
+    """Run ``run`` in a fresh ``python -m autooffload.bench._worker`` process; its result dict."""
+    record: dict[str, Any] = {
+        "workload": run.workload.name,
+        **{k: v for k, v in workload_to_dict(run.workload).items() if k != "name"},
+        "peer": run.peer.name,
+        "peer_label": run.peer.label,
+        "options": run.peer.options,
+        "cap": cap_label(run.cap),
+        "cap_bytes": run.cap,
+        "repeat": run.repeat,
+        "order": index,
+        "device": common.device,
+        "steps": common.steps,
+        "warmup": common.warmup,
+    }
+    reason = get_peer(run.peer.name).unavailable(run.workload, common.device)
+    if reason:
+        return {**record, "status": "skipped", "reason": reason}
+    spec_path = workdir / f"run{index:03d}.spec.json"
+    result_path = workdir / f"run{index:03d}.result.json"
+    log_dir = common.log_dir or workdir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"run{index:03d}-{run.workload.name}-{run.peer.name}.log"
+    spec = {
+        "workload": run.workload.name,
+        "bs": run.workload.bs,
+        "seq": run.workload.seq,
+        "gc": run.workload.gc,
+        "peer": run.peer.name,
+        "options": run.peer.options,
+        "device": common.device,
+        "cap_bytes": run.cap,
+        "steps": common.steps,
+        "warmup": common.warmup,
+        "seed": common.seed,
+        "result_path": str(result_path),
+    }
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cmd = [sys.executable, "-m", "autooffload.bench._worker", str(spec_path)]
+    with open(log_path, "w") as log:
+        out = None if common.verbose else log
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=common.timeout_s)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            return {
+                **record,
+                "status": "timeout",
+                "reason": f"killed after {common.timeout_s:.0f} s",
+            }
+    record["log"] = str(log_path) if common.log_dir else None
+    if result_path.exists():
+        return {**record, **json.loads(result_path.read_text())}
+    tail = _tail(log_path)
+    reason = f"worker exited with code {code} and wrote no result"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        hint = "; host out of memory?" if -code == signal.SIGKILL else ""
+        reason += f" (killed by {name}{hint})"
+    record["message"] = reason
+    return {**record, "status": "error", "reason": reason + ("\n" + tail if tail else "")}
+
+
+def run_all(
+    runs: list[RunSpec],
+    common: CommonSettings,
+    on_result: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run every run in order with a progress bar; ``on_result`` sees the results so far."""
+    from tqdm import tqdm
+
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="autooffload-bench-") as tmp:
+        bar = tqdm(runs, unit="run", desc="bench", dynamic_ncols=True, file=sys.stderr)
+        for index, run in enumerate(bar):
+            bar.set_postfix_str(run.describe())
+            result = run_one(run, common, Path(tmp), index)
+            results.append(result)
+            bar.write(_one_line(result))
+            if on_result is not None:
+                on_result(results)
+    return results
+
+
+def _one_line(result: dict[str, Any]) -> str:
+    head = f"{result['workload']} cap={result['cap']} {result['peer_label']}: {result['status']}"
+    if result["status"] == "ok":
+        step_ms = result["step_s_median"] * 1e3
+        peak = result.get("peak_allocated_gib") or 0
+        return (
+            f"{head} {result['tokens_per_s']:.0f} tok/s, step {step_ms:.0f} ms,"
+            f" peak {peak:.2f} GiB, loss {result['loss_final']:.4f}"
+        )
+    return f"{head} ({failure_message(result)})"
+
+
+def failure_message(result: dict[str, Any]) -> str:
+    """One line saying why a run did not finish ok."""
+    if result.get("message"):
+        return result["message"]
+    reason = (result.get("reason") or "").strip().splitlines()
+    return reason[-1] if reason else "no reason given"
+
+
+def resolve_workloads(
+    names: str, bs: int | None, seq: int | None, gc: bool | None
+) -> list[Workload]:
+    """Comma-separated workload names -> workloads with overrides (clear error if unknown)."""
+    return [get_workload(n.strip(), bs, seq, gc) for n in names.split(",") if n.strip()]

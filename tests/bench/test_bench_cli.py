@@ -1,0 +1,174 @@
+"""End to end on the CPU: `python -m autooffload.bench` runs llama-tiny through every CPU peer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+import autooffload
+from autooffload.bench.__main__ import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RUN_KEYS = {
+    "workload": str,
+    "peer": str,
+    "peer_label": str,
+    "cap": str,
+    "status": str,
+    "repeat": int,
+    "bs": int,
+    "seq": int,
+}
+OK_KEYS = {
+    "tokens_per_s": float,
+    "step_s_median": float,
+    "step_s": list,
+    "losses": list,
+    "loss_first": float,
+    "loss_final": float,
+    "host_rss_peak_gib": float,
+    "versions": dict,
+    "device_name": str,
+    "date": str,
+    "loss_check": str,
+}
+
+
+def _runtime_landed() -> bool:
+    """True once the autooffload runtime exists: then its peer must run ok, not be skipped."""
+    package = Path(autooffload.__file__ or "").parent if autooffload.__file__ else None
+    has_runtime = package is not None and (package / "runtime" / "__init__.py").exists()
+    return has_runtime and callable(getattr(autooffload, "enable", None))
+
+
+def check_schema(payload: dict) -> None:
+    """The JSON document the bench writes: top-level metadata, runs and summary rows."""
+    assert payload["schema"] == "autooffload.bench/1"
+    for key in ("command", "date", "device", "args", "workloads", "environment", "summary"):
+        assert key in payload, key
+    assert payload["command"].startswith("python -m autooffload.bench")
+    for run in payload["runs"]:
+        for key, kind in RUN_KEYS.items():
+            assert isinstance(run[key], kind), (key, run[key])
+        assert run["status"] in ("ok", "OOM", "error", "skipped", "timeout")
+        if run["status"] == "ok":
+            for key, kind in OK_KEYS.items():
+                assert isinstance(run[key], kind), (key, run.get(key))
+            assert run["tokens_per_s"] > 0
+            assert len(run["step_s"]) == run["warmup"] + run["steps"]
+        else:
+            assert run["reason"], run
+    for row in payload["summary"]:
+        assert {"workload", "cap", "peer_label", "status", "tokens_per_s"} <= set(row)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
+    out = tmp_path_factory.mktemp("bench") / "tiny.json"
+    peers = "vanilla,fsdp2_offload,deepspeed_offload,autooffload,_oom,_error,_crash,vanilla"
+    argv = ["--workload", "llama-tiny", "--device", "cpu", "--peers", peers]
+    argv += ["--steps", "2", "--warmup", "1", "--out", str(out), "--plot"]
+    assert main(argv) == 0
+    return json.loads(out.read_text()), str(out), out.with_suffix(".png")
+
+
+def _run(payload: dict, label: str) -> dict:
+    return next(r for r in payload["runs"] if r["peer_label"] == label)
+
+
+def test_writes_valid_json_and_png(tiny_run: tuple[dict, str, Path]) -> None:
+    payload, _, png = tiny_run
+    check_schema(payload)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_vanilla_and_fsdp2_run_ok_on_cpu_and_losses_agree(
+    tiny_run: tuple[dict, str, Path],
+) -> None:
+    payload, _, _ = tiny_run
+    vanilla = _run(payload, "vanilla")
+    assert vanilla["status"] == "ok", vanilla.get("reason")
+    assert vanilla["loss_final"] < vanilla["loss_first"]  # the repeated batch is being learnt
+    fsdp2 = _run(payload, "fsdp2_offload")
+    assert fsdp2["status"] == "ok", fsdp2.get("reason")
+    assert fsdp2["loss_check"] == "ok"
+
+
+def test_autooffload_peer_ok_once_runtime_landed(tiny_run: tuple[dict, str, Path]) -> None:
+    payload, _, _ = tiny_run
+    run = _run(payload, "autooffload")
+    if _runtime_landed():
+        assert run["status"] == "ok", run.get("reason")
+        assert run["loss_check"] == "ok", (run["loss_final"], run["loss_vs_vanilla"])
+        assert "plan" in run and "breakdown" in run
+    else:
+        assert run["status"] in ("error", "skipped")
+        assert "autooffload" in run["reason"]
+
+
+def test_oom_is_reported_and_the_harness_goes_on(tiny_run: tuple[dict, str, Path]) -> None:
+    payload, _, _ = tiny_run
+    run = _run(payload, "_oom")
+    assert run["status"] == "OOM"
+    assert "out of memory" in run["reason"].lower()
+    labels = [r["peer_label"] for r in payload["runs"]]
+    assert labels.index("_oom") < len(labels) - 1  # later runs still happened
+    assert payload["runs"][-1]["status"] == "ok"
+
+
+def test_errors_and_dead_workers_are_statuses(tiny_run: tuple[dict, str, Path]) -> None:
+    payload, _, _ = tiny_run
+    error = _run(payload, "_error")
+    assert error["status"] == "error"
+    assert "simulated failure" in error["reason"] and "Traceback" in error["reason"]
+    crash = _run(payload, "_crash")
+    assert crash["status"] == "error"
+    assert "exited with code 7" in crash["reason"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed here")
+def test_missing_deepspeed_is_skipped_with_reason(tiny_run: tuple[dict, str, Path]) -> None:
+    payload, _, _ = tiny_run
+    run = _run(payload, "deepspeed_offload")
+    assert run["status"] == "skipped"
+    assert "deepspeed not importable" in run["reason"]
+
+
+def test_table_marks_failures(tiny_run: tuple[dict, str, Path], capsys) -> None:
+    _, out, _ = tiny_run
+    assert main(["--from-json", out]) == 0
+    table = capsys.readouterr().out
+    assert "| llama-tiny | none | vanilla | ok |" in table
+    assert "skipped: deepspeed not importable" in table
+    assert "_oom: OOM: OutOfMemoryError" in table
+
+
+def test_dry_run_prints_runs_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "never.json"
+    argv = ["--workload", "llama-8b-lora,llama-8b-qlora", "--cap", "8GiB,none", "--dry-run"]
+    argv += ["--peers", "vanilla,fsdp2_offload,autooffload[n_persist=0,n_buffer=4]"]
+    argv += ["--repeat", "2", "--out", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "dry run: 24 runs" in text
+    assert "autooffload[n_persist=0,n_buffer=4]" in text
+    assert "skipped: FSDP2 cannot shard bitsandbytes" in text
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--workload", "llama-99b"], ["unknown workload 'llama-99b'", "llama-1b-full"]),
+        (["--workload", "llama-tiny", "--peers", "vanilla,zero9"], ["unknown peer", "autooffload"]),
+        (["--workload", "llama-tiny", "--cap", "12 bananas"], ["invalid size", "12GiB"]),
+    ],
+)
+def test_bad_names_are_clear_errors(argv: list[str], names: list[str], capsys) -> None:
+    assert main([*argv, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    for name in names:
+        assert name in err

@@ -1,0 +1,129 @@
+"""Run planning, option parsing, ratios, the loss check, the table and the plots (no workers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autooffload.bench import report
+from autooffload.bench.runner import (
+    PeerSpec,
+    parse_caps,
+    parse_peers,
+    parse_size,
+    plan_runs,
+)
+from autooffload.bench.workloads import UnknownNameError, get_workload
+
+GiB = 1 << 30
+
+
+def test_sizes_and_caps() -> None:
+    assert parse_size("12GiB") == 12 * GiB
+    assert parse_size("12GB") == 12 * 10**9
+    assert parse_size("12000MB") == 12 * 10**9
+    assert parse_size("1073741824") == GiB
+    assert parse_caps("8GiB,none") == [8 * GiB, None]
+    assert parse_caps(None) == [None]
+
+
+def test_peer_options_in_brackets_and_from_cli() -> None:
+    peers = parse_peers("vanilla,autooffload,autooffload[n_persist=0,n_buffer=4]", {"x": True})
+    assert [p.label for p in peers] == [
+        "vanilla",
+        "autooffload[x=True]",
+        "autooffload[x=True,n_persist=0,n_buffer=4]",
+    ]
+    assert peers[2].options == {"x": True, "n_persist": 0, "n_buffer": 4}
+    with pytest.raises(UnknownNameError, match="takes no options"):
+        parse_peers("vanilla[a=1]")
+
+
+def test_runs_alternate_peers_and_vanilla_cap() -> None:
+    w = get_workload("llama-tiny")
+    peers = [PeerSpec("vanilla"), PeerSpec("autooffload")]
+    runs = plan_runs([w], [GiB, 2 * GiB], peers, repeat=2, vanilla_caps=[None])
+    order = [(r.peer.name, r.cap, r.repeat) for r in runs]
+    assert order == [
+        ("vanilla", None, 0),
+        ("autooffload", GiB, 0),
+        ("autooffload", 2 * GiB, 0),
+        ("vanilla", None, 1),
+        ("autooffload", GiB, 1),
+        ("autooffload", 2 * GiB, 1),
+    ]
+
+
+def _ok(peer: str, cap: str, tps: float, peak: float, first: float, final: float) -> dict:
+    return {
+        "workload": "w",
+        "peer": peer.split("[")[0],
+        "peer_label": peer,
+        "cap": cap,
+        "status": "ok",
+        "tokens_per_s": tps,
+        "step_s_median": 1 / tps,
+        "peak_allocated_gib": peak,
+        "peak_reserved_gib": peak,
+        "host_rss_peak_gib": 1.0,
+        "loss_first": first,
+        "loss_final": final,
+    }
+
+
+def test_ratios_use_uncapped_vanilla_when_capped_vanilla_ooms() -> None:
+    results = [
+        _ok("vanilla", "none", 1000.0, 20.0, 10.0, 8.0),
+        {
+            "workload": "w",
+            "peer": "vanilla",
+            "peer_label": "vanilla",
+            "cap": "12GiB",
+            "status": "OOM",
+            "reason": "OutOfMemoryError: x",
+            "message": "OutOfMemoryError: x",
+        },
+        _ok("autooffload", "12GiB", 600.0, 10.0, 10.0, 8.05),
+        _ok("fsdp2_offload", "12GiB", 100.0, 9.0, 10.0, 9.9),
+    ]
+    report.annotate(results)
+    auto, fsdp = results[2], results[3]
+    assert auto["ref_cap"] == "none"
+    assert auto["tput_ratio"] == pytest.approx(0.6)
+    assert auto["mem_ratio"] == pytest.approx(0.5)
+    assert auto["loss_check"] == "ok"
+    assert fsdp["loss_check"] == "DIFF final"  # lost most of the drop: flagged
+    table = report.format_table(report.summarise(results))
+    assert "**DIFF final**" in table
+    assert "| w | 12GiB | vanilla | OOM |" in table
+
+
+def test_first_step_mismatch_is_flagged() -> None:
+    results = [_ok("vanilla", "none", 1.0, 1.0, 10.0, 8.0), _ok("x", "none", 1.0, 1.0, 10.5, 8.0)]
+    report.annotate(results)
+    assert results[1]["loss_check"] == "DIFF first"
+
+
+def test_sweep_and_bar_plots_are_pngs(tmp_path: Path) -> None:
+    results = [
+        _ok("vanilla", "none", 1000.0, 20.0, 10.0, 8.0),
+        _ok("autooffload", "8GiB", 500.0, 7.0, 10.0, 8.0),
+        _ok("autooffload", "12GiB", 700.0, 11.0, 10.0, 8.0),
+        {
+            "workload": "w",
+            "peer": "fsdp2_offload",
+            "peer_label": "fsdp2_offload",
+            "cap": "8GiB",
+            "status": "OOM",
+            "reason": "r",
+            "message": "r",
+        },
+    ]
+    report.annotate(results)
+    rows = report.summarise(results)
+    sweep, bars = tmp_path / "sweep.png", tmp_path / "bars.png"
+    report.plot(rows, sweep)
+    report.plot([r for r in rows if r["cap"] == "8GiB"], bars)
+    for path in (sweep, bars):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
