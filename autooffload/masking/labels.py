@@ -78,15 +78,23 @@ class LabelMasker:
             assistant_mask = None if assistant_mask is None else assistant_mask.unsqueeze(0)
         if labels is not None and labels.shape != input_ids.shape:
             return labels.squeeze(0) if squeeze else labels
-        result = self.scanner.scan(input_ids, details=assistant_mask is not None)
+        pad = self.pad_token_id
+        # Only a pad id that is also an end marker (pad = eos) needs the end markers painted.
+        pad_is_marker = attention_mask is None and pad in self.scanner.marker_token_ids
+        result = self.scanner.scan(
+            input_ids, details=assistant_mask is not None, end_markers=pad_is_marker
+        )
         if not bool(result.has_chat.any()):
             return None if labels is None else (labels.squeeze(0) if squeeze else labels)
 
         base = input_ids if labels is None else labels
         rows = result.has_chat
+        masked_before = None
         if labels is not None:
-            aligned = ((labels == input_ids) | (labels == IGNORE_INDEX)).all(1)
-            rows = rows & aligned
+            foreign = labels != input_ids
+            if bool(foreign.any()):  # not a plain copy: keep the caller's -100s, skip foreign rows
+                masked_before = labels == IGNORE_INDEX
+                rows = rows & ~(foreign & ~masked_before).any(1)
         trained = result.trained
         if assistant_mask is not None:
             generation = assistant_mask.to(torch.bool)
@@ -94,15 +102,19 @@ class LabelMasker:
         ignored = ~trained
         if attention_mask is not None:
             ignored |= attention_mask == 0
-        elif self.pad_token_id is not None:
-            # Without an attention mask a pad id equal to a trained end marker (pad = eos) is kept.
-            ignored |= (input_ids == self.pad_token_id) & ~result.end_markers
-        if self.media_ids:
+        elif pad is not None:
+            pads = input_ids == pad
+            ignored |= pads & ~result.end_markers if pad_is_marker else pads
+        if len(self.media_ids) <= 4:  # a few compares are much cheaper than isin here
+            for media_id in self.media_ids:
+                ignored |= input_ids == media_id
+        else:
             ignored |= torch.isin(input_ids, self._media_tensor(input_ids.device))
         ignored &= rows.unsqueeze(1)
         masked = base.masked_fill(ignored, IGNORE_INDEX)
         if count:
-            self.count(masked, rows)
+            kept = ~ignored if masked_before is None else ~ignored & ~masked_before
+            self._tally(int(rows.sum()), int((rows & ~kept.any(1)).sum()))
         return masked.squeeze(0) if squeeze else masked
 
     def _use_generation_mask(
@@ -137,8 +149,10 @@ class LabelMasker:
 
     def count(self, masked: torch.Tensor, rows: torch.Tensor) -> None:
         """Add the ``rows`` of ``masked`` to the running all -100 count (warned once)."""
-        n_rows = int(rows.sum())
         n_empty = int(((masked == IGNORE_INDEX).all(1) & rows).sum())
+        self._tally(int(rows.sum()), n_empty)
+
+    def _tally(self, n_rows: int, n_empty: int) -> None:
         self.stats.samples += n_rows
         self.stats.all_masked += n_empty
         if n_empty:
