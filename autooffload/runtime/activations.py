@@ -23,9 +23,12 @@ The swap protocol, in plain words (CUDA; on a CPU "device" the same code runs wi
 1. Pack (forward, compute stream). A saved tensor that is small, a parameter (or a view of one),
    or not an ordinary strided tensor is kept as it is. Otherwise the D2H stream first waits for
    the compute stream (the tensor must be computed before it is read), then copies it into a
-   pinned buffer from :class:`HostBufferPool` and records a D2H event. The device tensor is
-   marked with ``record_stream(d2h_stream)``: autograd drops it as soon as pack returns, and the
-   caching allocator must not hand its memory to a new kernel before the copy has read it.
+   pinned buffer from :class:`HostBufferPool` and records a D2H event. The swapper keeps the
+   device tensor alive meanwhile: its memory must not go to a new kernel before the copy has
+   read it. When block ``i``'s forward ends, the compute stream waits for the D2H events of the
+   blocks before ``i`` and their device tensors are dropped, so block ``i - 1``'s copies overlap
+   block ``i``'s compute, at most two blocks of copies are in flight, and the memory is freed at a
+   known point (the allocator reuses it in stream order); the last ones go when backward starts.
    The same tensor saved twice (same base tensor, storage offset, shape, strides and dtype, the
    base still alive) is copied once; both saves share one record.
 2. Prefetch (backward). ``prefetch(i)``, called by the runtime from block ``i + 1``'s pre-backward
@@ -234,6 +237,7 @@ class ActivationSwapper:
         self._in_backward = False
         self._last_forward_index = -1
         self._unpacking_index: int | None = None
+        self._in_flight: dict[int, tuple[torch.cuda.Event, list[torch.Tensor]]] = {}
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -261,13 +265,27 @@ class ActivationSwapper:
         if self._in_backward or block_index <= self._last_forward_index:
             self._saved.clear()  # a new forward: old dedupe keys may point at reused memory
             self._in_backward = False
+            self.release_in_flight()
         self._last_forward_index = block_index
         records = self._records[block_index]
         records[:] = [r for r in records if r() is not None]
         param_ptrs = self.param_storage_ptrs | {p.untyped_storage().data_ptr() for p in params}
         pack = functools.partial(self._pack, block_index=block_index, param_ptrs=param_ptrs)
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            self.release_in_flight(before=block_index)
+
+    def release_in_flight(self, before: int | None = None) -> None:
+        """Drop the device tensors whose D2H is done, for blocks before ``before`` (all: None).
+
+        The compute stream waits for those blocks' D2H events first, so their memory is reused
+        only after the copies have read it.
+        """
+        for index in [i for i in self._in_flight if before is None or i < before]:
+            event, _ = self._in_flight.pop(index)
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def prefetch(self, block_index: int) -> None:
         """Start bringing block ``block_index``'s swapped tensors back (no-op if none)."""
@@ -332,7 +350,9 @@ class ActivationSwapper:
         with torch.cuda.stream(self.d2h_stream):
             host.copy_(t, non_blocking=True)
         record.d2h_event = self.d2h_stream.record_event()
-        t.record_stream(self.d2h_stream)
+        _, tensors = self._in_flight.get(block_index, (None, []))
+        tensors.append(t)
+        self._in_flight[block_index] = (record.d2h_event, tensors)
         return record
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -381,6 +401,7 @@ class ActivationSwapper:
     def _enter_backward(self) -> None:
         if not self._in_backward:
             self._unpacking_index = None
+            self.release_in_flight()
         self._in_backward = True
         self._last_forward_index = -1
         self._saved.clear()
