@@ -1,0 +1,93 @@
+"""build_layout: params laid into aligned chunks in group order, big params alone, ties once."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autooffload.runtime.chunks import ALIGN, aligned_bytes, build_layout
+
+
+def _params(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
+    return [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
+
+
+def _named(prefix: str, params: list[nn.Parameter]) -> list[tuple[str, nn.Parameter]]:
+    return [(f"{prefix}.{i}", p) for i, p in enumerate(params)]
+
+
+def test_params_keep_group_order_and_every_offset_is_64_byte_aligned():
+    # 15 floats = 60 bytes: the next param must start at 64, not 60.
+    first = _params((15,), (3, 5), (7,))
+    second = _params((4, 4), (1,))
+    layout = build_layout([(0, _named("a", first)), (1, _named("b", second))], chunk_size=1 << 20)
+    assert len(layout.chunks) == 1
+    slots = layout.chunks[0].slots
+    assert [s.param for s in slots] == first + second
+    assert [s.name for s in slots] == ["a.0", "a.1", "a.2", "b.0", "b.1"]
+    assert all(s.offset % ALIGN == 0 for s in slots)
+    assert [s.offset for s in slots] == [0, 64, 128, 192, 256]
+    assert [s.nbytes for s in slots] == [60, 60, 28, 64, 4]
+    assert layout.chunks[0].nbytes == 320 == aligned_bytes(first + second)
+    assert all(s.shape == s.param.shape and s.dtype == s.param.dtype for s in slots)
+
+
+def test_a_param_that_does_not_fit_starts_the_next_chunk():
+    params = _params((16,), (16,), (16,), (16,))  # 64 bytes each
+    layout = build_layout([(0, _named("p", params))], chunk_size=128)
+    assert [[s.param for s in c.slots] for c in layout.chunks] == [params[:2], params[2:]]
+    assert [c.index for c in layout.chunks] == [0, 1]
+    assert all(c.nbytes <= 128 for c in layout.chunks)
+
+
+def test_a_param_larger_than_the_chunk_size_gets_a_chunk_of_its_own():
+    small_a, big, small_b = _params((8,), (100,), (8,))
+    layout = build_layout([(0, _named("p", [small_a, big, small_b]))], chunk_size=128)
+    assert [[s.param for s in c.slots] for c in layout.chunks] == [[small_a], [big], [small_b]]
+    assert layout.chunks[1].nbytes == 448 > layout.chunk_size
+
+
+def test_chunks_of_group_lists_every_chunk_a_group_needs_in_order():
+    block_0 = _params((16,), (16,), (16,))
+    block_1 = _params(
+        (16,),
+    )
+    layout = build_layout([(0, _named("b0", block_0)), (1, _named("b1", block_1))], 128)
+    assert layout.chunks_of_group == {0: [0, 1], 1: [1]}
+    assert layout.chunks[1].groups == {0, 1}
+
+
+def test_tied_weight_is_stored_once_and_its_chunk_serves_both_users(make_llama):
+    model = make_llama(tied=True)
+    embed = model.model.embed_tokens
+    groups = [
+        (0, list(embed.named_parameters())),
+        (1, list(model.model.norm.named_parameters())),
+        (2, list(model.lm_head.named_parameters())),
+    ]
+    # The embedding fills a chunk exactly, so the norm starts the next one.
+    chunk_size = aligned_bytes([embed.weight])
+    layout = build_layout(groups, chunk_size=chunk_size)
+    stored = [s for c in layout.chunks for s in c.slots if s.param is embed.weight]
+    assert len(stored) == 1
+    assert len(layout.chunks) == 2
+    assert layout.chunks[0].groups == {0, 2}
+    assert layout.chunks[1].groups == {1}
+    assert layout.chunks_of_group == {0: [0], 1: [1], 2: [0]}
+    assert layout.total_bytes == aligned_bytes([embed.weight, model.model.norm.weight])
+
+
+def test_trainable_slots_follow_requires_grad():
+    trainable, frozen = _params((4,), (4,))
+    frozen.requires_grad_(False)
+    layout = build_layout([(0, _named("p", [trainable, frozen]))], chunk_size=1 << 20)
+    chunk = layout.chunks[0]
+    assert [s.param for s in chunk.trainable_slots] == [trainable]
+    assert chunk.trainable_bytes == 16
+
+
+def test_bf16_params_take_their_own_element_size():
+    params = _params((10,), (10,), dtype=torch.bfloat16)
+    layout = build_layout([(0, _named("p", params))], chunk_size=1 << 20)
+    assert [s.nbytes for s in layout.chunks[0].slots] == [20, 20]
+    assert [s.offset for s in layout.chunks[0].slots] == [0, 64]
