@@ -28,21 +28,9 @@ _FALSE = ("0", "false", "no", "off")
 _AUTO = ("auto", "none")
 
 # Decimal units are SI (GB = 10**9); binary units and the bare letters are powers of two.
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {unit: 2 ** (10 * power) for power, unit in enumerate("kmgt", start=1)}
+_UNITS |= {unit + "ib": 2 ** (10 * power) for power, unit in enumerate("kmgt", start=1)}
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)$")
 
 _SIZE_TEXT = "a size such as 12GiB, 12GB, 12000MB or 1073741824 (bytes)"
