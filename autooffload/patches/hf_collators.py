@@ -55,7 +55,7 @@ class _MaskingSession:
         self.cache = MaskerCache(options, settings.role_boundaries)
         self._last_seen: Callable[[], Any] = lambda: None
         self._owners: dict[int, tuple[Any, Any]] = {}
-        self.masked_labels: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        self.masked_labels = _TensorIdSet()
         self.hooked_classes: set[type] = set()
 
     def saw(self, tokenizer_or_processor: Any) -> None:
@@ -116,6 +116,22 @@ class _MaskingSession:
 
 
 _session: _MaskingSession | None = None
+
+
+class _TensorIdSet:
+    """Tensors seen, by identity: a WeakSet would compare tensors by value (and raise)."""
+
+    def __init__(self) -> None:
+        self._ids: set[int] = set()
+
+    def add(self, tensor: torch.Tensor) -> None:
+        key = id(tensor)
+        if key not in self._ids:
+            self._ids.add(key)
+            weakref.finalize(tensor, self._ids.discard, key)
+
+    def __contains__(self, tensor: object) -> bool:
+        return id(tensor) in self._ids
 
 
 def install(settings: Any, target: str) -> None:
