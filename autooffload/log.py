@@ -11,7 +11,7 @@ _warned: set[str] = set()
 
 
 def configure(level: str) -> None:
-    """Set the package logger's level ("debug", "info", "warning", "error") and give it a handler."""
+    """Set the package logger level (debug, info, warning, error) and give it a handler."""
     logger.setLevel(getattr(logging, level.upper()))
     if not logger.handlers:
         handler = logging.StreamHandler()

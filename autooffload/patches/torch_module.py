@@ -21,9 +21,11 @@ def _unique_param_bytes(model: nn.Module) -> int:
 
 
 def _attach_device(settings: Settings) -> str:
+    """The device type whose ``.to()`` attaches: ``settings.device``, else cuda when present,
+    else cpu (the CPU simulation: the same machinery with host "device" buffers)."""
     if settings.device is not None:
         return torch.device(settings.device).type
-    return "cuda"
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def should_attach(model: nn.Module, settings: Settings, device: torch.device) -> bool:

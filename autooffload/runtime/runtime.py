@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from torch.utils.hooks import RemovableHandle
 from autooffload.errors import AttachError, PlanError
 from autooffload.log import logger
 from autooffload.plan.profile import StepProfiler
+from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.types import Plan
 from autooffload.runtime.activations import (
     ActivationSwapper,
@@ -318,21 +320,27 @@ class Runtime:
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The user's optimizer stepped the GPU params; queue the CPU update of the rest."""
+        profiler = self.profiler if isinstance(self.profiler, StepProfiler) else None
+        profile = None
+        if profiler is not None and self._backwards_this_step:
+            # Probe before the CPU update starts: it would compete for the host cores that
+            # launch the probe's kernels and inflate the measured block times.
+            self.profiler = None
+            self.cpu_optim.wait()
+            profile = profiler.build(
+                optim_bytes_per_param=optim_state_bytes(optimizer, self.weight_dtype()),
+                grad_accumulation=self._backwards_this_step > 1,
+            )
         if self.cpu_optim.optimizer is optimizer:
             self.cpu_optim.step()
         self._steps += 1
-        if isinstance(self.profiler, StepProfiler) and self._backwards_this_step:
-            profiler, self.profiler = self.profiler, None
-            self._plan_from_profile(profiler, optimizer)
+        if profile is not None:
+            self._switch_to_searched_plan(profile)
         self._backwards_this_step = 0
 
-    def _plan_from_profile(self, profiler: StepProfiler, optimizer: torch.optim.Optimizer) -> None:
-        """First step done: profile, search, switch to the plan, log it once."""
-        profile = profiler.build(
-            optim_bytes_per_param=optim_state_bytes(optimizer, self.weight_dtype()),
-            grad_accumulation=self._backwards_this_step > 1,
-        )
-        plan = plan_from_profile(self, profile)
+    def _switch_to_searched_plan(self, profile: ModelProfile) -> None:
+        """First step done: search the plan for the measured profile, switch, log it once."""
+        plan = replace(plan_from_profile(self, profile), chunk_size=self.layout.chunk_size)
         self.profile = profile
         self.apply_plan(plan)
         from autooffload import runtime as rt
@@ -356,6 +364,11 @@ class Runtime:
 
     def stats(self) -> dict[str, float]:
         peak = torch.cuda.max_memory_allocated(self.device) if self.manager.is_cuda else 0
+        retries = (
+            torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+            if self.manager.is_cuda
+            else 0
+        )
         return {
             "steps": self._steps,
             "h2d_bytes": self.manager.stats["h2d_bytes"],
@@ -365,6 +378,7 @@ class Runtime:
             "cpu_optim_s": self.cpu_optim.busy_s,
             "stall_s": self.manager.stats["stall_s"],
             "peak_bytes": peak,
+            "alloc_retries": retries,
         }
 
     # ---- teardown -------------------------------------------------------------------------
