@@ -47,12 +47,16 @@ def _apply_cap(device: str, cap_bytes: int | None) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str | None]:
+    from importlib import metadata
+
     versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "deepspeed"):
-        module = sys.modules.get(name)
-        versions[name] = getattr(module, "__version__", None) if module else None
-    autooffload = sys.modules.get("autooffload")
-    versions["autooffload"] = getattr(autooffload, "__version__", None) if autooffload else None
+    names = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "deepspeed")
+    for name in (*names, "autooffload"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            module = sys.modules.get(name)
+            versions[name] = getattr(module, "__version__", None) if module else None
     return versions
 
 

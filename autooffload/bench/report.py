@@ -251,7 +251,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
         ax.set_ylabel("tokens/s (median)")
         ax.grid(alpha=0.3)
     if title:
-        fig.suptitle(title, fontsize=9)
+        import textwrap
+
+        fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -272,6 +274,11 @@ def _plot_sweep(ax: Any, rows: list[dict[str, Any]], caps: list[str]) -> None:
     for label in dict.fromkeys(r["peer_label"] for r in rows):
         mine = sorted((r for r in rows if r["peer_label"] == label), key=lambda r: xs[r["cap"]])
         ok = [r for r in mine if r["tokens_per_s"] is not None]
+        if not ok and all(r["status"] == "skipped" for r in mine):
+            continue
+        if [r["cap"] for r in mine] == ["none"] and ok:  # uncapped reference: a line across
+            ax.axhline(ok[0]["tokens_per_s"], ls="--", color="gray", label=f"{label} (uncapped)")
+            continue
         (line,) = ax.plot(
             [xs[r["cap"]] for r in ok], [r["tokens_per_s"] for r in ok], "o-", label=label
         )
