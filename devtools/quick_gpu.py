@@ -69,6 +69,11 @@ def bench(size, attach, cap=None, gc_on=False, steps=8, **kw):
             r = rt.runtime_of(model); p = r.plan
             res.update(pred_peak=round(p.predicted_peak_bytes/GiB,2), pred_step=round(p.predicted_step_s,3), stats={k: round(v,3) if isinstance(v,float) else v for k,v in r.stats().items()})
             print(p.summary())
+            prof = getattr(r, "profile", None)
+            if prof is not None:
+                for u in (prof.pre, prof.blocks[0], prof.blocks[-1], prof.post):
+                    print("UNIT", u.name, f"fwd {u.fwd_s*1e3:.2f}ms bwd {u.bwd_s*1e3:.2f}ms keep {u.act_bytes_keep/2**20:.0f}MiB ckpt {u.act_bytes_checkpoint/2**20:.0f}MiB tf {u.fwd_transient_bytes/2**20:.0f} tb {u.bwd_transient_bytes/2**20:.0f}")
+                print("PROFILE static", prof.static_bytes/2**20, "tokens", prof.batch_tokens, "breakdown", {k: round(v, 4) for k, v in p.breakdown.items()})
     except torch.OutOfMemoryError as e:
         res["status"] = "OOM"
     print("RESULT", json.dumps(res), flush=True)

@@ -34,13 +34,37 @@ def should_attach(model: nn.Module, settings: Settings, device: torch.device) ->
 
     if not settings.offload or device.type != _attach_device(settings):
         return False
-    if rt.runtime_of(model) is not None:
+    if rt.runtime_of(model) is not None or _runtime_inside(model) is not None:
         return False
     if not any(p.requires_grad for p in model.parameters()):
         return False
     if settings.force_attach:
         return True
     return _unique_param_bytes(model) >= settings.attach_threshold
+
+
+def _runtime_inside(module: nn.Module) -> Any:
+    """The runtime of an attached model nested in ``module`` (a PEFT or DDP wrapper), if any."""
+    from autooffload import runtime as rt
+
+    for runtime in rt.runtimes():
+        if any(m is runtime.model for m in module.modules()):
+            return runtime
+    return None
+
+
+def _move_around(instance: nn.Module, runtime: Any, device: torch.device) -> nn.Module:
+    """Move what a wrapper adds around an attached model (new adapters, buffers) to ``device``;
+    the attached model's own params stay where the runtime keeps them."""
+    for param in instance.parameters():
+        if not runtime.manages(param):
+            param.data = param.data.to(device)
+    inner = {id(b) for b in runtime.model.buffers()}
+    for module in instance.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and id(buffer) not in inner:
+                module._buffers[name] = buffer.to(device)
+    return instance
 
 
 def _move(instance: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> Any:
@@ -61,6 +85,12 @@ def _move(instance: nn.Module, device: torch.device | None, dtype: torch.dtype |
             return instance
         rt.detach(instance, device)
         return instance
+    inside = _runtime_inside(instance) if device is not None else None
+    if inside is not None and dtype is None:
+        if device.type != inside.device.type:
+            rt.detach(inside.model, device)
+            return NotImplemented
+        return _move_around(instance, inside, device)
     if device is None or not should_attach(instance, settings, device):
         return NotImplemented
     if dtype is not None:
