@@ -41,7 +41,7 @@ def test_defaults_match_the_contract():
         True,
         True,
         False,
-        True,
+        False,
     )
     assert s.budget is None and s.device is None and s.role_boundaries is None
     assert s.activation_mode == "auto" and s.train_on_eos == "turn" and s.log == "info"

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
 
 
+BUDGET_MARGIN_SHARE = 0.04
+BUDGET_MARGIN_MIN = 256 << 20
+
+
 def budget_bytes(settings: Settings, device: torch.device) -> int | None:
     """The GPU memory budget in bytes: ``settings.budget`` (bytes or a fraction of the device),
     capped by what the device has free; ``None`` on the CPU simulation without a budget."""
@@ -118,6 +122,10 @@ def plan_from_profile(runtime: Runtime, profile: ModelProfile) -> Plan:
         fixed["n_persist"] = profile.n_chunks
     hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
     budget = budget_bytes(settings, runtime.device)
+    if budget is not None and runtime.device.type == "cuda":
+        # Headroom for what the model does not see: allocator growth at the cap costs a
+        # cudaFree + synchronize per retry, far more than the memory it saves.
+        budget -= max(BUDGET_MARGIN_MIN, int(BUDGET_MARGIN_SHARE * budget))
     return search({profile.chunk_size: profile}, hw, budget, fixed)
 
 
