@@ -274,6 +274,38 @@ def test_zero_grad_keeping_zeroed_tensors_matches_plain(make_llama, make_batches
     assert_same_training(plain, offloaded)
 
 
+def test_auto_plan_switch_after_profiling_keeps_training_exact(
+    make_llama, make_batches, offload_cpu
+):
+    """No knobs: the first steps run a conservative plan and are profiled, then the searched
+    plan takes over (chunks may turn persistent, their optimizer state moving to the user's
+    optimizer; block activation policies change). The trajectory must not notice."""
+    base = make_llama()
+    data = make_batches(STEPS)
+    plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu, clip=1.0)
+    model = copy.deepcopy(base)
+    offload_cpu()
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    assert runtime is not None and runtime.plan.source != "search"
+    offloaded = train(model, data, attach=None, offload_cpu=offload_cpu, clip=1.0)
+    assert runtime.plan.source == "search", "the plan was never switched after profiling"
+    assert_same_training(plain, offloaded)
+
+
+@pytest.mark.parametrize("mode", ["keep", "checkpoint", "swap"])
+def test_every_activation_policy_matches_plain(make_llama, make_batches, offload_cpu, mode):
+    plain, offloaded, _ = compare(
+        make_llama,
+        make_batches,
+        offload_cpu,
+        accum=2,
+        n_data=2 * STEPS,
+        attach={"n_persist": 1, "activation_mode": mode},
+    )
+    assert_same_training(plain, offloaded)
+
+
 def test_optimizer_created_before_the_move_matches_plain(make_llama, make_batches, offload_cpu):
     """A script that builds its optimizer first and moves the model after still trains it."""
     base = make_llama()

@@ -1,0 +1,178 @@
+"""The CPU optimizer twin: supported classes, fp32 master weights, the user's hyperparameters."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from autooffload import runtime as rt
+from autooffload.errors import AttachError
+from autooffload.runtime.optimizer import CPU_OPTIMIZERS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _SignDescent(torch.optim.Optimizer):
+    """A user-written optimizer: autooffload has no CPU twin for it."""
+
+    def __init__(self, params, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad.sign(), alpha=-group["lr"])
+
+
+class _MyAdamW(torch.optim.AdamW):
+    """A subclass may change ``step``; the twin would silently run plain AdamW instead."""
+
+
+@pytest.mark.parametrize("optimizer_class", [_SignDescent, _MyAdamW])
+def test_unsupported_optimizer_over_offloaded_params_names_the_supported_ones(
+    make_llama, offload_cpu, optimizer_class
+):
+    model = make_llama()
+    offload_cpu(n_persist=1)
+    model.to("cpu")
+    with pytest.raises(AttachError) as error:
+        optimizer_class(model.parameters(), lr=1e-3)
+    message = str(error.value)
+    assert optimizer_class.__name__ in message
+    for name in CPU_OPTIMIZERS:
+        assert name in message
+    assert "AUTOOFFLOAD_N_PERSIST" in message or "AUTOOFFLOAD_OFFLOAD" in message
+
+
+def test_unsupported_optimizer_is_fine_when_every_chunk_is_persistent(
+    make_llama, offload_cpu, chunk_count
+):
+    """Nothing to update on the CPU: the user's optimizer does all the work itself."""
+    model = make_llama()
+    offload_cpu(n_persist=chunk_count(model))
+    model.to("cpu")
+    assert rt.runtime_of(model) is not None
+    optimizer = _SignDescent(model.parameters(), lr=1e-2)
+    before = model.lm_head.weight.detach().clone()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert not torch.equal(model.lm_head.weight, before)
+
+
+@pytest.mark.parametrize("name", CPU_OPTIMIZERS)
+def test_every_listed_optimizer_class_is_accepted(make_llama, offload_cpu, name):
+    model = make_llama(n_layers=2)
+    offload_cpu(n_persist=0)
+    model.to("cpu")
+    optimizer = getattr(torch.optim, name)(model.parameters(), lr=1e-3)
+    runtime = rt.runtime_of(model)
+    assert any(o is optimizer for o in runtime.optimizers)
+    before = {
+        s.name: runtime.manager.host_view(s, c).clone()
+        for c in runtime.layout.chunks
+        for s in c.slots
+    }
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    runtime.synchronize()
+    changed = [
+        s.name
+        for c in runtime.layout.chunks
+        for s in c.slots
+        if not torch.equal(runtime.manager.host_view(s, c), before[s.name])
+    ]
+    assert len(changed) == len(before), f"{name} left offloaded params untouched"
+
+
+class _Adders(nn.Module):
+    """out = sum_i W_i @ x with x = 1: every weight's gradient of out.sum() is exactly 1."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4, bias=False) for _ in range(2)])
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight.fill_(1.0)
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(layer(x) for layer in self.layers)
+
+
+def _train_adders(model: nn.Module, steps: int = 20) -> torch.Tensor:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.ones(1, 4, dtype=torch.bfloat16)
+    for _ in range(steps):
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return optimizer
+
+
+def test_fp32_master_weights_keep_updates_smaller_than_bf16_spacing(offload_cpu):
+    """20 SGD steps of 1e-3 from 1.0: bf16 alone rounds each back to 1.0 (its spacing there is
+    2**-8); the fp32 master accumulates them to 0.98."""
+    plain = _Adders(torch.bfloat16)
+    _train_adders(plain)
+    assert torch.equal(plain.layers[0].weight, torch.ones(4, 4, dtype=torch.bfloat16))
+
+    model = _Adders(torch.bfloat16)
+    offload_cpu(n_persist=0, master_weights=True, chunk_size=64)
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    _train_adders(model)
+    runtime.synchronize()
+    masters = list(runtime.cpu_optim.masters.values())
+    assert len(masters) == 2 and all(m.dtype == torch.float32 for m in masters)
+    torch.testing.assert_close(masters[0], torch.full((4, 4), 0.98), rtol=0, atol=1e-6)
+    chunk = runtime.layout.chunks[0]
+    host = runtime.manager.host_view(chunk.slots[0], chunk)
+    assert torch.equal(host, torch.full((4, 4), 0.98).bfloat16())
+
+
+def test_without_master_weights_bf16_training_matches_plain_bf16(offload_cpu):
+    plain = _Adders(torch.bfloat16)
+    _train_adders(plain)
+    model = _Adders(torch.bfloat16)
+    offload_cpu(n_persist=0, master_weights=False, chunk_size=64)
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    _train_adders(model)
+    runtime.synchronize()
+    assert all(m.dtype == torch.bfloat16 for m in runtime.cpu_optim.masters.values())
+    for chunk in runtime.layout.chunks:
+        for slot in chunk.slots:
+            host = runtime.manager.host_view(slot, chunk)
+            assert torch.equal(host, torch.ones(4, 4, dtype=torch.bfloat16))
+
+
+def test_step_returns_before_the_cpu_update_yet_the_next_forward_sees_it(make_llama, offload_cpu):
+    """The update is queued on the worker thread; each chunk's next gather waits for it."""
+    model = make_llama(n_layers=2)
+    # A fixed plan: the profiled steps of the auto plan wait for the CPU optimizer on purpose.
+    offload_cpu(n_persist=0, activation_mode="keep")
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    gate = threading.Event()
+    runtime.cpu_optim.worker.submit(gate.wait)
+    optimizer.step()
+    assert runtime.cpu_optim.updates == 0, "step() waited for the CPU update"
+    gate.set()
+    model.eval()
+    with torch.no_grad():
+        after_step = model(input_ids=ids).logits
+    runtime.synchronize()
+    assert runtime.cpu_optim.updates == len(runtime.layout.chunks)
+    with torch.no_grad():
+        settled = model(input_ids=ids).logits
+    assert torch.equal(after_step, settled), "the forward read weights the update had not written"
