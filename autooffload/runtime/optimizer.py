@@ -67,6 +67,8 @@ class CpuOptimizer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.group_of_param: dict[int, int] = {}
         self.busy_s = 0.0
+        self.update_s = 0.0
+        self.updated_params = 0
         self.updates = 0
         manager.on_grads_ready = self._grads_ready
         for chunk in manager.chunks:
@@ -203,7 +205,10 @@ class CpuOptimizer:
             host = self.manager.host_view(slot, chunk)
             if master.data_ptr() != host.data_ptr():
                 host.copy_(master)
-        self.busy_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.busy_s += elapsed
+        self.update_s += elapsed
+        self.updated_params += sum(s.numel for s in chunk.trainable_slots)
         self.updates += 1
 
     def release_chunk(self, chunk: Chunk) -> dict[int, dict]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from autooffload.errors import PlanError
+from autooffload.log import logger
 from autooffload.plan.hardware import measure_hardware
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import search
@@ -102,7 +103,9 @@ def optim_state_bytes(optimizer: torch.optim.Optimizer | None, dtype: torch.dtyp
     return element
 
 
-def plan_from_profile(runtime: Runtime, profile: ModelProfile) -> Plan:
+def plan_from_profile(
+    runtime: Runtime, profile: ModelProfile, cpu_optim_rate: float | None = None
+) -> Plan:
     """Search the plan for the measured ``profile`` under the budget; user knobs stay fixed."""
     settings = runtime.settings
     fixed: dict[str, int] = {}
@@ -121,6 +124,13 @@ def plan_from_profile(runtime: Runtime, profile: ModelProfile) -> Plan:
     if not settings.offload:
         fixed["n_persist"] = profile.n_chunks
     hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
+    if cpu_optim_rate is not None:
+        logger.debug(
+            "CPU optimizer measured in the profiling step: %.2f Gparam/s (hardware probe %.2f)",
+            cpu_optim_rate / 1e9,
+            hw.cpu_optim_params_per_s / 1e9,
+        )
+        hw = replace(hw, cpu_optim_params_per_s=cpu_optim_rate)
     budget = budget_bytes(settings, runtime.device)
     if budget is not None and runtime.device.type == "cuda":
         # Headroom for what the model does not see: allocator growth at the cap costs a
