@@ -77,7 +77,16 @@ class ChunkManager:
         if self.is_cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
-        self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "stall_s": 0.0, "gathers": 0}
+        self.stats = {
+            "h2d_bytes": 0,
+            "d2h_bytes": 0,
+            "h2d_s": 0.0,
+            "d2h_s": 0.0,
+            "stall_s": 0.0,
+            "gathers": 0,
+        }
+        # (stat, start, end) CUDA events of copies not yet added to the stats.
+        self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     # ---- setup / teardown -------------------------------------------------------------------
 
@@ -165,9 +174,12 @@ class ChunkManager:
         if self.is_cuda:
             with torch.cuda.stream(self.h2d_stream):
                 flat.untyped_storage().resize_(chunk.nbytes)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.h2d_stream)
                 flat.copy_(host, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(self.h2d_stream)
+            self._timed.append(("h2d_s", start, event))
             self.ready_events[index] = event
         else:
             flat.untyped_storage().resize_(chunk.nbytes)
@@ -238,12 +250,15 @@ class ChunkManager:
         if self.is_cuda:
             self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.d2h_stream):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.d2h_stream)
                 for slot in slots:
                     grad = slot.param.grad
                     self.staging_view(slot, chunk).copy_(grad, non_blocking=True)
                     grad.record_stream(self.d2h_stream)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(self.d2h_stream)
+            self._timed.append(("d2h_s", start, event))
         else:
             for slot in slots:
                 self.staging_view(slot, chunk).copy_(slot.param.grad)
@@ -252,6 +267,17 @@ class ChunkManager:
             self.stats["d2h_bytes"] += slot.nbytes
         if self.on_grads_ready is not None:
             self.on_grads_ready(chunk, slots, event)
+
+    def fold_copy_times(self, wait: bool = False) -> None:
+        """Add the measured durations of finished copies to ``stats`` (all of them if ``wait``)."""
+        pending = []
+        for stat, start, end in self._timed:
+            if wait or end.query():
+                end.synchronize()
+                self.stats[stat] += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((stat, start, end))
+        self._timed = pending
 
     def synchronize(self) -> None:
         """Wait for every copy and every CPU task that touches chunk bytes."""

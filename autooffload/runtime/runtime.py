@@ -378,6 +378,7 @@ class Runtime:
                 if seconds > 0 and params > 0:
                     measured_rate = params / seconds
         self._steps += 1
+        self.manager.fold_copy_times()
         if profile is not None:
             self._switch_to_searched_plan(profile, measured_rate)
         self._backwards_this_step = 0
@@ -408,6 +409,7 @@ class Runtime:
         self.manager.synchronize()
 
     def stats(self) -> dict[str, float]:
+        self.manager.fold_copy_times(wait=True)
         peak = torch.cuda.max_memory_allocated(self.device) if self.manager.is_cuda else 0
         retries = (
             torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
@@ -418,8 +420,8 @@ class Runtime:
             "steps": self._steps,
             "h2d_bytes": self.manager.stats["h2d_bytes"],
             "d2h_bytes": self.manager.stats["d2h_bytes"],
-            "h2d_s": self.manager.stats["h2d_bytes"] / 55e9 if self.manager.is_cuda else 0.0,
-            "d2h_s": self.manager.stats["d2h_bytes"] / 55e9 if self.manager.is_cuda else 0.0,
+            "h2d_s": self.manager.stats["h2d_s"],
+            "d2h_s": self.manager.stats["d2h_s"],
             "cpu_optim_s": self.cpu_optim.busy_s,
             "stall_s": self.manager.stats["stall_s"],
             "peak_bytes": peak,
