@@ -1,0 +1,229 @@
+"""On a GPU: bf16 training attached equals plain bf16 training, a model too big for the memory
+cap trains, and ``disable()`` leaves no pinned memory or threads behind."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import threading
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import autooffload
+from autooffload import runtime as rt
+
+pytestmark = pytest.mark.gpu
+
+STEPS = 20
+VOCAB = 512
+# bf16 keeps 8 bits of mantissa (relative spacing 2**-8 = 0.4%). The attached run updates
+# offloaded params with the fused CPU AdamW and persistent ones with the fused CUDA AdamW; both
+# compute in fp32 and round to bf16, but they may round the last bit differently, and while the
+# model memorises its two batches such 1-ulp differences feed back through the weights. On an
+# H100 (torch 2.11) the losses, which fall from 6.3 to 3.8 over the 20 steps, differed by at most
+# 1.4e-2 with every chunk offloaded and 4e-3 with 3 of 6 persistent; the final losses by 0.4%.
+# A stale chunk, a skipped update or a lost gradient moves them by 0.1 or more.
+LOSS_ATOL = 5e-2
+FINAL_LOSS_RTOL = 1e-2
+# fp32 masters round differently from a bf16-only run by design (they keep the sub-ulp part of
+# every update): measured max 4.8e-2 per step and 0.13% at the end, so a looser bound.
+MASTER_LOSS_ATOL = 1e-1
+MASTER_FINAL_LOSS_RTOL = 2e-2
+
+
+@pytest.fixture(autouse=True)
+def _clean_gpu():
+    yield
+    autooffload.disable()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def tiny_bf16_llama(tied: bool = True) -> LlamaForCausalLM:
+    """4 layers, hidden 256: the lead's reference model for the bf16 comparison."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(config).to(torch.bfloat16).train()
+
+
+def train_bf16(model: LlamaForCausalLM, attach: dict | None, steps: int = STEPS) -> list[float]:
+    if attach is not None:
+        autooffload.enable(force_attach=True, chunk_size=1 << 20, mask=False, **attach)
+    model.to("cuda")
+    assert (rt.runtime_of(model) is not None) == (attach is not None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    # Two fixed batches in turn: random tokens cannot be learned, memorised ones can, so the
+    # loss falls and a run that stops updating some weights shows up in it.
+    generator = torch.Generator().manual_seed(1)
+    pool = [torch.randint(0, VOCAB, (2, 64), generator=generator).cuda() for _ in range(2)]
+    losses = []
+    for step in range(steps):
+        ids = pool[step % len(pool)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    if attach is not None:
+        autooffload.disable()
+    return losses
+
+
+@pytest.mark.parametrize("n_persist", [0, 3])
+def test_bf16_training_matches_plain_bf16(n_persist):
+    base = tiny_bf16_llama()
+    plain = train_bf16(copy.deepcopy(base), attach=None)
+    offloaded = train_bf16(
+        copy.deepcopy(base), attach={"n_persist": n_persist, "master_weights": False}
+    )
+    assert plain[-1] < plain[0] - 0.5, "the reference did not learn; the comparison is moot"
+    torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(plain), atol=LOSS_ATOL, rtol=0)
+    assert math.isclose(offloaded[-1], plain[-1], rel_tol=FINAL_LOSS_RTOL)
+
+
+def test_bf16_training_with_fp32_masters_follows_plain_bf16():
+    base = tiny_bf16_llama()
+    plain = train_bf16(copy.deepcopy(base), attach=None)
+    offloaded = train_bf16(copy.deepcopy(base), attach={"n_persist": 1, "master_weights": True})
+    torch.testing.assert_close(
+        torch.tensor(offloaded), torch.tensor(plain), atol=MASTER_LOSS_ATOL, rtol=0
+    )
+    assert math.isclose(offloaded[-1], plain[-1], rel_tol=MASTER_FINAL_LOSS_RTOL)
+
+
+# ---- a model larger than the memory cap ----------------------------------------------------------
+
+CAP_BYTES = 3 << 30
+
+
+def big_config() -> LlamaConfig:
+    """~0.66B params, 1.3 GB in bf16: full FT needs ~5.3 GB (8 B/param) before activations."""
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+
+
+def big_bf16_llama(device: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(big_config())
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def full_ft_steps(model: LlamaForCausalLM, steps: int) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 32000, (1, 256), generator=torch.Generator().manual_seed(0)).cuda()
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture
+def memory_cap():
+    """Cap this process at CAP_BYTES of the GPU, as a smaller GPU would."""
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
+    yield CAP_BYTES
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_model_that_does_not_fit_under_the_cap_trains_when_attached(memory_cap):
+    vanilla = big_bf16_llama("cuda")
+    with pytest.raises(torch.OutOfMemoryError):
+        full_ft_steps(vanilla, steps=1)
+    del vanilla
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+    model = big_bf16_llama("cpu")
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 4 * n_bytes > memory_cap, "vanilla full FT of this model would fit under the cap"
+    autooffload.enable(budget=memory_cap, mask=False)
+    model.to("cuda")
+    assert rt.runtime_of(model) is not None, "a 1.3 GB model was not attached (threshold 1 GiB)"
+    losses = full_ft_steps(model, steps=3)
+    assert all(math.isfinite(loss) for loss in losses), losses
+    assert torch.cuda.max_memory_allocated() <= memory_cap
+
+
+# ---- teardown ---------------------------------------------------------------------------------
+
+
+def _pinned_pool_bytes() -> int:
+    """Bytes the pinned host allocator holds (in use or cached for reuse)."""
+    torch.cuda.synchronize()
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+
+
+def _autooffload_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("autooffload")]
+
+
+def _attach_and_train(steps: int = 3) -> LlamaForCausalLM:
+    model = tiny_bf16_llama(tied=False)
+    autooffload.enable(force_attach=True, chunk_size=1 << 20, n_persist=1, mask=False)
+    model.to("cuda")
+    runtime = rt.runtime_of(model)
+    assert runtime is not None and runtime.manager.host.pinned
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert _autooffload_threads(), "the CPU optimizer never started its worker"
+    return model
+
+
+def test_disable_leaves_no_pinned_memory_or_threads():
+    """The pinned allocator caches freed blocks instead of returning them to CUDA, so a leak
+    shows as growth: a second attach/train/disable of the same model must reuse the blocks the
+    first one freed, and would need new ones if anything still held the first arena."""
+    threads_before = _autooffload_threads()
+    first = _attach_and_train()
+    assert _pinned_pool_bytes() > 0
+    autooffload.disable()
+    del first
+    gc.collect()
+    assert _autooffload_threads() == threads_before, "the CPU optimizer thread outlived disable()"
+    pool_after_first = _pinned_pool_bytes()
+
+    second = _attach_and_train()
+    autooffload.disable()
+    assert _pinned_pool_bytes() == pool_after_first, "pinned host memory outlived disable()"
+    assert _autooffload_threads() == threads_before
+    assert all(p.is_cuda and not p.is_pinned() for p in second.parameters())
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    assert second(input_ids=ids, labels=ids).loss.isfinite()
