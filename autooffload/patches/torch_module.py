@@ -3,6 +3,7 @@ it whole; ``zero_grad`` also clears the host gradients of offloaded parameters."
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -14,6 +15,10 @@ from autooffload.patches import _registry
 from autooffload.settings import Settings, current
 
 TARGETS = ("torch",)
+
+# True while an own .to()/.cuda()/.cpu() falls through to torch's implementation (which uses
+# _apply): those are the moves of models that are not attached, or handled above.
+_moving: ContextVar[bool] = ContextVar("autooffload_moving", default=False)
 
 
 def _unique_param_bytes(model: nn.Module) -> int:
@@ -100,10 +105,18 @@ def _move(instance: nn.Module, device: torch.device | None, dtype: torch.dtype |
     return instance
 
 
+def _call_through(wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    token = _moving.set(True)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _moving.reset(token)
+
+
 def _to_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
     result = _move(instance, device, dtype)
-    return wrapped(*args, **kwargs) if result is NotImplemented else result
+    return _call_through(wrapped, args, kwargs) if result is NotImplemented else result
 
 
 def _cuda_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -118,7 +131,28 @@ def _cuda_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         else index
     )
     result = _move(instance, device, None)
-    return wrapped(*args, **kwargs) if result is NotImplemented else result
+    return _call_through(wrapped, args, kwargs) if result is NotImplemented else result
+
+
+def _cpu_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = _move(instance, torch.device("cpu"), None)
+    return _call_through(wrapped, args, kwargs) if result is NotImplemented else result
+
+
+def _apply_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``float()``, ``half()``, ``bfloat16()``, ``type()``... on an attached model would rewrite
+    parameters whose storage the runtime owns: refuse with the fix instead of corrupting them."""
+    from autooffload import runtime as rt
+
+    if rt.runtimes() and not _moving.get():
+        for runtime in rt.runtimes():
+            if any(m is instance for m in runtime.model.modules()) or _runtime_inside(instance):
+                raise AttachError(
+                    f"cannot convert or move {type(instance).__name__} while it is attached"
+                    " (autooffload manages its parameters); convert the model before moving it"
+                    " to the GPU, or call autooffload.runtime.detach(model) first"
+                )
+    return wrapped(*args, **kwargs)
 
 
 def _zero_grad_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -135,6 +169,8 @@ def _zero_grad_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
 def install(settings: Settings, target: str) -> None:
     _registry.wrap(nn.Module, "to", _to_wrapper, __name__)
     _registry.wrap(nn.Module, "cuda", _cuda_wrapper, __name__)
+    _registry.wrap(nn.Module, "cpu", _cpu_wrapper, __name__)
+    _registry.wrap(nn.Module, "_apply", _apply_wrapper, __name__)
     _registry.wrap(nn.Module, "zero_grad", _zero_grad_wrapper, __name__)
 
 

@@ -82,12 +82,14 @@ def clip_grad_norm_with_host(
         return wrapped(params, max_norm, norm_type, error_if_nonfinite, foreach)
     norm_type = float(norm_type)
     device_grads = [p.grad for p in params if p.grad is not None]
-    host_grads = [g for r in owners for g in r.host_grads()]
     norms = []
     if device_grads:
         norms.append(torch.nn.utils.get_total_norm(device_grads, norm_type, False, foreach))
-    if host_grads:
-        norms.append(torch.nn.utils.get_total_norm(host_grads, norm_type, False, False))
+    ids = {id(p) for p in params}
+    for runtime in owners:
+        host_norm = runtime.cpu_optim.host_grad_norm(norm_type, ids)
+        if host_norm is not None:
+            norms.append(host_norm)
     device = device_grads[0].device if device_grads else owners[0].device
     parts = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
     total = parts.max() if math.isinf(norm_type) else torch.linalg.vector_norm(parts, norm_type)
@@ -104,7 +106,7 @@ def clip_grad_norm_with_host(
         )
     coef_value = float(coef)
     for runtime in owners:
-        runtime.cpu_optim.clip_(coef_value)
+        runtime.cpu_optim.clip_(coef_value, ids)
     return total
 
 

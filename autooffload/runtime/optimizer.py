@@ -66,6 +66,10 @@ class CpuOptimizer:
         self.twin_group_index: dict[int, list[int]] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.group_of_param: dict[int, int] = {}
+        self.grad_sumsq: dict[int, float] = {}
+        # Gradient clipping is applied lazily: the coefficient scales the host gradients in
+        # the update task, on the worker, instead of a pass over them on the critical path.
+        self.clip_coef = 1.0
         self.busy_s = 0.0
         self.update_s = 0.0
         self.updated_params = 0
@@ -120,6 +124,9 @@ class CpuOptimizer:
                 master.grad = buffer
             else:
                 master.grad.add_(staged)
+            # The norm is taken here, off the critical path, so clip_grad_norm_ only sums it.
+            norm = torch.linalg.vector_norm(master.grad, 2, dtype=torch.float32)
+            self.grad_sumsq[id(slot.param)] = float(norm) ** 2
         self.busy_s += time.perf_counter() - start
 
     def wait(self) -> None:
@@ -134,10 +141,38 @@ class CpuOptimizer:
                 master.grad = None
             elif master.grad is not None:
                 master.grad.zero_()
+        self.grad_sumsq.clear()
+        self.clip_coef = 1.0
 
     def host_grads(self) -> list[torch.Tensor]:
-        """The accumulated fp32 gradients of offloaded params (after ``wait``)."""
-        return [m.grad for m in self.masters.values() if m.grad is not None]
+        """The accumulated gradients of offloaded params, pending clipping applied."""
+        self.wait()
+        grads = [m.grad for m in self.masters.values() if m.grad is not None]
+        if grads and self.clip_coef != 1.0:
+            torch._foreach_mul_(grads, self.clip_coef)
+            self.grad_sumsq = {k: v * self.clip_coef**2 for k, v in self.grad_sumsq.items()}
+            self.clip_coef = 1.0
+        return grads
+
+    def host_grad_norm(self, norm_type: float, param_ids: set[int]) -> torch.Tensor | None:
+        """Norm of the host gradients of ``param_ids`` (None without any). The 2-norm over all
+        of them comes from the per-param sums of squares taken during accumulation."""
+        self.wait()
+        present = [
+            pid for pid in param_ids if pid in self.masters and self.masters[pid].grad is not None
+        ]
+        if not present:
+            return None
+        if norm_type != 2.0 or not self.covers_all(param_ids):
+            self.host_grads()  # apply any pending coefficient first
+            grads = [self.masters[pid].grad for pid in present]
+            return torch.nn.utils.get_total_norm(grads, norm_type, False, False)
+        total = sum(self.grad_sumsq.get(pid, 0.0) for pid in present)
+        return torch.tensor(math.sqrt(total) * self.clip_coef, dtype=torch.float32)
+
+    def covers_all(self, param_ids: set[int]) -> bool:
+        """Whether ``param_ids`` includes every offloaded param that has a host gradient."""
+        return all(pid in param_ids for pid, m in self.masters.items() if m.grad is not None)
 
     # ---- optimizer ----------------------------------------------------------------------------
 
@@ -192,11 +227,22 @@ class CpuOptimizer:
                 _twin_group(self.optimizer.param_groups[g], type(self.optimizer))
                 for g in self.twin_group_index[chunk.index]
             ]
-            future = self.worker.submit(self._update, chunk, twin, hyper)
+            future = self.worker.submit(self._update, chunk, twin, hyper, self.clip_coef)
             self.manager.host_busy[chunk.index] = future
+        self.clip_coef = 1.0
 
-    def _update(self, chunk: Chunk, twin: torch.optim.Optimizer, hyper: list[dict]) -> None:
+    def _update(
+        self, chunk: Chunk, twin: torch.optim.Optimizer, hyper: list[dict], clip_coef: float
+    ) -> None:
         start = time.perf_counter()
+        if clip_coef != 1.0:
+            grads = [
+                self.masters[id(s.param)].grad
+                for s in chunk.trainable_slots
+                if self.masters[id(s.param)].grad is not None
+            ]
+            if grads:
+                torch._foreach_mul_(grads, clip_coef)
         for group, values in zip(twin.param_groups, hyper, strict=True):
             group.update(values)
         twin.step()
@@ -225,11 +271,25 @@ class CpuOptimizer:
                 states[id(slot.param)] = dict(twin.state[master])
         return states
 
-    def clip_(self, coef: float) -> None:
-        """Scale the host gradients by ``coef`` (gradient clipping)."""
-        grads = self.host_grads()
-        if grads and not math.isclose(coef, 1.0):
+    def clip_(self, coef: float, param_ids: set[int]) -> None:
+        """Scale the host gradients of ``param_ids`` by ``coef`` (gradient clipping). Over all
+        of them it is lazy: the update task applies it (``host_grads`` does for readers)."""
+        if math.isclose(coef, 1.0):
+            return
+        if self.covers_all(param_ids):
+            self.clip_coef *= coef
+            return
+        self.host_grads()
+        grads = [
+            self.masters[pid].grad
+            for pid in param_ids
+            if pid in self.masters and self.masters[pid].grad is not None
+        ]
+        if grads:
             torch._foreach_mul_(grads, coef)
+        for pid in param_ids:
+            if pid in self.grad_sumsq:
+                self.grad_sumsq[pid] *= coef**2
 
     def shutdown(self) -> None:
         self.worker.shutdown(wait=True)
