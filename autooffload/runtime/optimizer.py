@@ -62,9 +62,11 @@ class CpuOptimizer:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autooffload-cpu-optim")
         self.masters: dict[int, torch.Tensor] = {}
         self.grad_buffers: dict[int, torch.Tensor] = {}
-        self.twins: dict[int, torch.optim.Optimizer] = {}
-        self.twin_group_index: dict[int, list[int]] = {}
-        self.optimizer: torch.optim.Optimizer | None = None
+        # Twins and their user-group indices, keyed by (chunk index, id(user optimizer)).
+        self.twins: dict[tuple[int, int], torch.optim.Optimizer] = {}
+        self.twin_group_index: dict[tuple[int, int], list[int]] = {}
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.optimizer_of_param: dict[int, torch.optim.Optimizer] = {}
         self.group_of_param: dict[int, int] = {}
         self.grad_sumsq: dict[int, float] = {}
         # Gradient clipping is applied lazily: the coefficient scales the host gradients in
@@ -177,58 +179,78 @@ class CpuOptimizer:
     # ---- optimizer ----------------------------------------------------------------------------
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
-        """Mirror ``optimizer`` for the offloaded params it owns."""
+        """Mirror ``optimizer`` for the offloaded params it owns (several optimizers may each
+        own a part of the model)."""
         owned = {
             id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]
         }
         if not any(pid in owned for pid in self.masters):
             return
         check_optimizer_class(optimizer)
-        self.optimizer = optimizer
-        self.group_of_param = owned
-        self.twins.clear()
+        if not any(o is optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
+        for pid, group in owned.items():
+            self.optimizer_of_param[pid] = optimizer
+            self.group_of_param[pid] = group
+        for key in [k for k in self.twins if k[1] == id(optimizer)]:
+            del self.twins[key]
 
-    def _twin(self, chunk: Chunk) -> torch.optim.Optimizer | None:
-        twin = self.twins.get(chunk.index)
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The first bound optimizer (most scripts have exactly one)."""
+        return self.optimizers[0] if self.optimizers else None
+
+    def _twin(self, chunk: Chunk, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+        """The CPU twin of ``optimizer`` over ``chunk``'s masters it owns (built on first use)."""
+        key = (chunk.index, id(optimizer))
+        twin = self.twins.get(key)
         if twin is not None:
             return twin
-        assert self.optimizer is not None
         by_group: dict[int, list[torch.Tensor]] = {}
         for slot in chunk.trainable_slots:
-            group = self.group_of_param.get(id(slot.param))
-            if group is not None:
-                by_group.setdefault(group, []).append(self.masters[id(slot.param)])
+            pid = id(slot.param)
+            if self.optimizer_of_param.get(pid) is optimizer and pid in self.masters:
+                by_group.setdefault(self.group_of_param[pid], []).append(self.masters[pid])
         if not by_group:
             return None
-        cls = type(self.optimizer)
+        cls = type(optimizer)
         groups = [
-            {"params": params, **_twin_group(self.optimizer.param_groups[g], cls)}
+            {"params": params, **_twin_group(optimizer.param_groups[g], cls)}
             for g, params in by_group.items()
         ]
         kwargs = {}
         if "fused" in inspect.signature(cls.__init__).parameters and cls.__name__ in FUSED_ON_CPU:
             kwargs["fused"] = True
         twin = cls(groups, **kwargs)
-        self.twins[chunk.index] = twin
-        self.twin_group_index[chunk.index] = list(by_group)
+        self.twins[key] = twin
+        self.twin_group_index[key] = list(by_group)
         return twin
 
-    def step(self) -> None:
-        """Queue the update of every offloaded chunk, in forward order; returns at once."""
-        if self.optimizer is None:
+    def twins_of(self, chunk: Chunk) -> list[torch.optim.Optimizer]:
+        """Every CPU twin built over ``chunk`` (one per optimizer owning part of it)."""
+        return [twin for (index, _), twin in self.twins.items() if index == chunk.index]
+
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Queue the update of ``optimizer``'s offloaded params (default: the first bound
+        optimizer), chunk by chunk in forward order; returns at once."""
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        if optimizer is None or not any(o is optimizer for o in self.optimizers):
             return
+        owned = {pid for pid, o in self.optimizer_of_param.items() if o is optimizer}
+        if self.clip_coef != 1.0 and not self.covers_all(owned):
+            self.host_grads()  # the pending coefficient covers other optimizers' grads too
         for chunk in self.manager.chunks:
             if chunk.index in self.manager.persistent or not chunk.trainable_slots:
                 continue
-            twin = self._twin(chunk)
+            twin = self._twin(chunk, optimizer)
             if twin is None:
                 continue
             hyper = [
-                _twin_group(self.optimizer.param_groups[g], type(self.optimizer))
-                for g in self.twin_group_index[chunk.index]
+                _twin_group(optimizer.param_groups[g], type(optimizer))
+                for g in self.twin_group_index[(chunk.index, id(optimizer))]
             ]
-            future = self.worker.submit(self._update, chunk, twin, hyper, self.clip_coef)
-            self.manager.host_busy[chunk.index] = future
+            args = (chunk, twin, hyper, self.clip_coef)
+            self.manager.host_busy[chunk.index] = self.worker.submit(self._update, *args)
         self.clip_coef = 1.0
 
     def _update(
@@ -236,39 +258,44 @@ class CpuOptimizer:
     ) -> None:
         start = time.perf_counter()
         if clip_coef != 1.0:
-            grads = [
-                self.masters[id(s.param)].grad
-                for s in chunk.trainable_slots
-                if self.masters[id(s.param)].grad is not None
-            ]
+            grads = [p.grad for g in twin.param_groups for p in g["params"] if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, clip_coef)
         for group, values in zip(twin.param_groups, hyper, strict=True):
             group.update(values)
         twin.step()
+        updated = {id(p) for group in twin.param_groups for p in group["params"]}
+        n_updated = 0
         for slot in chunk.trainable_slots:
             master = self.masters[id(slot.param)]
+            if id(master) not in updated:
+                continue
+            n_updated += slot.numel
             host = self.manager.host_view(slot, chunk)
             if master.data_ptr() != host.data_ptr():
                 host.copy_(master)
         elapsed = time.perf_counter() - start
         self.busy_s += elapsed
         self.update_s += elapsed
-        self.updated_params += sum(s.numel for s in chunk.trainable_slots)
+        self.updated_params += n_updated
         self.updates += 1
 
     def release_chunk(self, chunk: Chunk) -> dict[int, dict]:
         """Stop managing ``chunk`` (it became persistent): drop its masters, host grads and
-        twin; return the twin's state per param id, for the user's optimizer to take over."""
+        twins; return the twins' state per param id, for the user's optimizer to take over."""
         self.wait()
-        twin = self.twins.pop(chunk.index, None)
-        self.twin_group_index.pop(chunk.index, None)
         states: dict[int, dict] = {}
+        for key in [k for k in self.twins if k[0] == chunk.index]:
+            twin = self.twins.pop(key)
+            self.twin_group_index.pop(key, None)
+            for slot in chunk.trainable_slots:
+                master = self.masters.get(id(slot.param))
+                if master is not None and master in twin.state:
+                    states[id(slot.param)] = dict(twin.state[master])
         for slot in chunk.trainable_slots:
-            master = self.masters.pop(id(slot.param), None)
+            self.masters.pop(id(slot.param), None)
             self.grad_buffers.pop(id(slot.param), None)
-            if twin is not None and master is not None and master in twin.state:
-                states[id(slot.param)] = dict(twin.state[master])
+            self.grad_sumsq.pop(id(slot.param), None)
         return states
 
     def clip_(self, coef: float, param_ids: set[int]) -> None:

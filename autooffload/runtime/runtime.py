@@ -90,6 +90,7 @@ class Runtime:
         self.hf_checkpointing_taken = False
         self.profiler: StepProfiler | None = None
         self._backwards_this_step = 0
+        self._pending_profile: tuple[ModelProfile, float | None] | None = None
         self._setup_activations()
         self._install_hooks()
         if self.profiler is not None:
@@ -180,12 +181,10 @@ class Runtime:
         optimizer (in the param's dtype, on the GPU), its masters are dropped."""
         chunk = self.layout.chunks[index]
         states = self.cpu_optim.release_chunk(chunk)
-        optimizer = self.cpu_optim.optimizer
-        if optimizer is None:
-            return
         for slot in chunk.trainable_slots:
             state = states.get(id(slot.param))
-            if not state:
+            optimizer = self.cpu_optim.optimizer_of_param.get(id(slot.param))
+            if not state or optimizer is None:
                 continue
             group = optimizer.param_groups[self.cpu_optim.group_of_param[id(slot.param)]]
             on_device = bool(group.get("fused") or group.get("capturable"))
@@ -234,6 +233,9 @@ class Runtime:
             return
         if self._trace and group.index == self._last_trace[0]:
             self._trace_end()
+        if self._pending_profile is not None:
+            pending, self._pending_profile = self._pending_profile, None
+            self._switch_to_searched_plan(*pending)
         self._trace.append(group.index)
         for index in self._chunks(group):
             self.manager.gather(index)
@@ -365,10 +367,10 @@ class Runtime:
                 grad_accumulation=self._backwards_this_step > 1,
             )
         measured_rate = None
-        if self.cpu_optim.optimizer is optimizer:
+        if any(o is optimizer for o in self.cpu_optim.optimizers):
             if profile is not None:
                 before = (self.cpu_optim.update_s, self.cpu_optim.updated_params)
-            self.cpu_optim.step()
+            self.cpu_optim.step(optimizer)
             if profile is not None:
                 # Measure the CPU update as it runs here (memory traffic, copies and thread
                 # count included): micro-benchmarks of the optimizer alone overstate it.
@@ -380,7 +382,8 @@ class Runtime:
         self._steps += 1
         self.manager.fold_copy_times()
         if profile is not None:
-            self._switch_to_searched_plan(profile, measured_rate)
+            # Switched at the next forward: other optimizers of this model step after this one.
+            self._pending_profile = (profile, measured_rate)
         self._backwards_this_step = 0
 
     def _switch_to_searched_plan(self, profile: ModelProfile, cpu_rate: float | None) -> None:

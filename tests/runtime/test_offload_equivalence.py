@@ -366,11 +366,6 @@ def test_hf_gradient_checkpointing_matches_plain(make_llama, make_batches, offlo
     assert_same_training(plain, offloaded)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: CpuOptimizer.bind keeps one optimizer; with two optimizers the offloaded"
-    " params of the first one are never updated (reported)",
-)
 def test_two_optimizers_over_disjoint_params_both_train(make_llama, make_batches, offload_cpu):
     """Separate optimizers for the blocks and for the rest (a common split) both take effect."""
 
