@@ -95,7 +95,9 @@ class Runtime:
         self._install_hooks()
         if self.profiler is not None:
             self.profiler = StepProfiler(self)
-        logger.info("%s", self.plan.summary())
+            logger.debug("%s", self.plan.summary())
+        else:
+            logger.info("%s", self.plan.summary())
 
     def _resident_trainable_params(self) -> list[nn.Parameter]:
         """Trainable params kept on the GPU outside chunks: adapters of a mostly frozen model.
