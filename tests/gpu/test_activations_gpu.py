@@ -119,7 +119,10 @@ def test_swap_lowers_peak_memory_by_the_swapped_bytes() -> None:
     assert swapper.stats()["d2h_bytes"] > 0
     # At the peak at most two swapped blocks are on the GPU: one whose D2H is in flight at the
     # end of forward, or one being used and one prefetched in backward.
-    assert keep_peak - swap_peak >= swapped_blocks - 2 * max(activations[:n_swap]), (
+    # Tensors under min_swap_bytes (norm statistics, small masks) stay on the GPU by design:
+    # allow 2% of the swapped bytes for them (measured: ~0.6%).
+    small_kept = 0.02 * swapped_blocks
+    assert keep_peak - swap_peak >= swapped_blocks - 2 * max(activations[:n_swap]) - small_kept, (
         f"keep {keep_peak / 2**20:.0f} MiB, swap {swap_peak / 2**20:.0f} MiB, "
         f"swapped blocks' activations {swapped_blocks / 2**20:.0f} MiB"
     )
