@@ -6,6 +6,7 @@ import functools
 from pathlib import Path
 
 import pytest
+from conftest import tokenizer_dir
 
 TOKENIZERS = Path(__file__).resolve().parents[1] / "data" / "tokenizers"
 
@@ -18,4 +19,4 @@ def load_tokenizer(name: str):
     if name == "mistral-v3-sp":
         pytest.importorskip("sentencepiece")
         pytest.importorskip("google.protobuf")  # transformers reads the .model through it
-    return AutoTokenizer.from_pretrained(TOKENIZERS / name)
+    return AutoTokenizer.from_pretrained(tokenizer_dir(name))

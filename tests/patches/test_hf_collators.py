@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tokenizer_dir
 
 import autooffload
 from autooffload.masking import IGNORE_INDEX
@@ -27,7 +28,7 @@ ANSWERS = ["I am a helpful bot.<|im_end|>", "<think>\n\n</think>\n\nIt is 4.<|im
 def tokenizer(name: str = "qwen3"):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(TOKENIZERS / name)
+    return AutoTokenizer.from_pretrained(tokenizer_dir(name))
 
 
 def spans(tok, ids: torch.Tensor, labels: torch.Tensor) -> list[str]:
