@@ -22,6 +22,7 @@ from autooffload.settings import Settings
 PATCH_MODULES: tuple[str, ...] = (
     "torch_module",
     "torch_optim",
+    "transformers_loading",
     "peft_lora",
     "bnb",
     "hf_collators",

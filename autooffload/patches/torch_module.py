@@ -25,7 +25,7 @@ def _unique_param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _attach_device(settings: Settings) -> str:
+def attach_device_type(settings: Settings) -> str:
     """The device type whose ``.to()`` attaches: ``settings.device``, else cuda when present,
     else cpu (the CPU simulation: the same machinery with host "device" buffers)."""
     if settings.device is not None:
@@ -37,7 +37,7 @@ def should_attach(model: nn.Module, settings: Settings, device: torch.device) ->
     """Attach on a move to the compute device of a large model that has something to train."""
     from autooffload import runtime as rt
 
-    if not settings.offload or device.type != _attach_device(settings):
+    if not settings.offload or device.type != attach_device_type(settings):
         return False
     if rt.runtime_of(model) is not None or _runtime_inside(model) is not None:
         return False
