@@ -25,11 +25,20 @@ for _ in range(4):
     step()
 torch.cuda.synchronize()
 from torch.profiler import profile, ProfilerActivity
+import cProfile, pstats, io
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     t = time.perf_counter(); step(); step(); torch.cuda.synchronize(); wall = (time.perf_counter() - t) / 2
 ka = prof.key_averages()
-cuda_total = sum(e.self_device_time_total for e in ka) / 1e6 / 2
-print(f"wall per step {wall:.3f}s, GPU busy (sum of kernel+memcpy self time) {cuda_total:.3f}s")
-print(ka.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=50))
-print(ka.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=50))
+copies = sum(e.self_device_time_total for e in ka if "Memcpy" in e.key or "memcpy" in e.key) / 1e6 / 2
+kernels = sum(e.self_device_time_total for e in ka if "Memcpy" not in e.key and "memcpy" not in e.key) / 1e6 / 2
+print(f"wall per step {wall:.3f}s; kernels {kernels:.3f}s; copies {copies:.3f}s (copy engines)")
+rows = sorted(ka, key=lambda e: -e.self_cpu_time_total)[:25]
+for e in rows:
+    print(f"CPU {e.self_cpu_time_total/2e3:8.1f} ms  n={e.count//2:6d}  {e.key[:70]}")
+rows = sorted(ka, key=lambda e: -e.self_device_time_total)[:12]
+for e in rows:
+    print(f"DEV {e.self_device_time_total/2e3:8.1f} ms  n={e.count//2:6d}  {e.key[:70]}")
+pr = cProfile.Profile(); torch.cuda.synchronize(); t = time.perf_counter(); pr.enable(); step(); torch.cuda.synchronize(); pr.disable()
+print("cprofile step wall", time.perf_counter() - t)
+out = io.StringIO(); pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(22); print(out.getvalue()[-6000:])
 print("stats", autooffload.runtime.runtime_of(model).stats())

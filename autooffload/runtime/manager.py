@@ -36,7 +36,9 @@ def _view(flat: torch.Tensor, slot: ParamSlot, offset: int | None = None) -> tor
     return flat[start : start + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
-GradsReady = Callable[[Chunk, list[ParamSlot], "torch.cuda.Event | None"], None]
+GradsReady = Callable[
+    [Chunk, list[ParamSlot], "torch.cuda.Event | None", "tuple[torch.Tensor, ...]"], None
+]
 
 
 class ChunkManager:
@@ -74,6 +76,9 @@ class ChunkManager:
         self.host_busy: list[Future | None] = [None] * len(self.chunks)
         self.staging_busy: list[Future | None] = [None] * len(self.chunks)
         self.on_grads_ready: GradsReady | None = None
+        # Hold counts of chunks that ``release`` leaves resident (code reading a group's weights
+        # after the group's own forward returned, e.g. DoRA's weight norm around a base layer).
+        self.held: dict[int, int] = {}
         if self.is_cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
@@ -214,7 +219,7 @@ class ChunkManager:
 
     def release(self, index: int) -> None:
         """Free a non-persistent chunk's GPU memory once the work queued so far is done with it."""
-        if index in self.persistent or self.state[index] == Residency.HOST:
+        if index in self.persistent or self.state[index] == Residency.HOST or index in self.held:
             return
         flat = self.gpu_flat[index]
         if self.is_cuda and self.state[index] == Residency.RESIDENT:
@@ -222,6 +227,15 @@ class ChunkManager:
         flat.untyped_storage().resize_(0)
         self.ready_events[index] = None
         self.state[index] = Residency.HOST
+
+    def hold(self, index: int) -> None:
+        """Keep chunk ``index`` resident through ``release`` calls until as many ``unhold``."""
+        self.held[index] = self.held.get(index, 0) + 1
+
+    def unhold(self, index: int) -> None:
+        count = self.held.pop(index, 0) - 1
+        if count > 0:
+            self.held[index] = count
 
     def resident_bytes(self) -> int:
         """Bytes of chunk storage on the device now (persistent and in-use buffers)."""
@@ -246,6 +260,9 @@ class ChunkManager:
             return
         # The staging bytes are reused each backward: the last accumulation must have read them.
         self._wait(self.staging_busy, index)
+        # Norms for gradient clipping, taken where they are nearly free: on the device, before
+        # the copy (one fused kernel), instead of a pass over host memory on the CPU.
+        norms = torch._foreach_norm([s.param.grad for s in slots], 2, dtype=torch.float32)
         event = None
         if self.is_cuda:
             self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -266,7 +283,7 @@ class ChunkManager:
             slot.param.grad = None
             self.stats["d2h_bytes"] += slot.nbytes
         if self.on_grads_ready is not None:
-            self.on_grads_ready(chunk, slots, event)
+            self.on_grads_ready(chunk, slots, event, norms)
 
     def fold_copy_times(self, wait: bool = False) -> None:
         """Add the measured durations of finished copies to ``stats`` (all of them if ``wait``)."""

@@ -68,7 +68,10 @@ class CpuOptimizer:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.optimizer_of_param: dict[int, torch.optim.Optimizer] = {}
         self.group_of_param: dict[int, int] = {}
-        self.grad_sumsq: dict[int, float] = {}
+        # Per param: backward passes accumulated since zero_grad, and the device-side norm of
+        # the last one's gradient (the norm of the host gradient while there was only one).
+        self.accumulations: dict[int, int] = {}
+        self.device_norms: dict[int, torch.Tensor] = {}
         # Gradient clipping is applied lazily: the coefficient scales the host gradients in
         # the update task, on the worker, instead of a pass over them on the critical path.
         self.clip_coef = 1.0
@@ -102,8 +105,16 @@ class CpuOptimizer:
     # ---- gradients --------------------------------------------------------------------------
 
     def _grads_ready(
-        self, chunk: Chunk, slots: list[ParamSlot], event: torch.cuda.Event | None
+        self,
+        chunk: Chunk,
+        slots: list[ParamSlot],
+        event: torch.cuda.Event | None,
+        norms: tuple[torch.Tensor, ...] = (),
     ) -> None:
+        for slot, norm in zip(slots, norms, strict=False):
+            pid = id(slot.param)
+            self.accumulations[pid] = self.accumulations.get(pid, 0) + 1
+            self.device_norms[pid] = norm
         future = self.worker.submit(self._accumulate, chunk, slots, event)
         self.manager.staging_busy[chunk.index] = future
         self.manager.host_busy[chunk.index] = future
@@ -126,9 +137,6 @@ class CpuOptimizer:
                 master.grad = buffer
             else:
                 master.grad.add_(staged)
-            # The norm is taken here, off the critical path, so clip_grad_norm_ only sums it.
-            norm = torch.linalg.vector_norm(master.grad, 2, dtype=torch.float32)
-            self.grad_sumsq[id(slot.param)] = float(norm) ** 2
         self.busy_s += time.perf_counter() - start
 
     def wait(self) -> None:
@@ -143,7 +151,8 @@ class CpuOptimizer:
                 master.grad = None
             elif master.grad is not None:
                 master.grad.zero_()
-        self.grad_sumsq.clear()
+        self.accumulations.clear()
+        self.device_norms.clear()
         self.clip_coef = 1.0
 
     def host_grads(self) -> list[torch.Tensor]:
@@ -152,7 +161,7 @@ class CpuOptimizer:
         grads = [m.grad for m in self.masters.values() if m.grad is not None]
         if grads and self.clip_coef != 1.0:
             torch._foreach_mul_(grads, self.clip_coef)
-            self.grad_sumsq = {k: v * self.clip_coef**2 for k, v in self.grad_sumsq.items()}
+            self.device_norms = {k: v * self.clip_coef for k, v in self.device_norms.items()}
             self.clip_coef = 1.0
         return grads
 
@@ -169,8 +178,16 @@ class CpuOptimizer:
             self.host_grads()  # apply any pending coefficient first
             grads = [self.masters[pid].grad for pid in present]
             return torch.nn.utils.get_total_norm(grads, norm_type, False, False)
-        total = sum(self.grad_sumsq.get(pid, 0.0) for pid in present)
-        return torch.tensor(math.sqrt(total) * self.clip_coef, dtype=torch.float32)
+        parts = []
+        for pid in present:
+            norm = self.device_norms.get(pid)
+            if norm is None or self.accumulations.get(pid, 0) != 1:
+                # Accumulated over several backward passes: only the host sum has the norm.
+                grad = self.masters[pid].grad
+                norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
+                norm = norm.to(next(iter(self.device_norms.values()), norm).device)
+            parts.append(norm)
+        return torch.linalg.vector_norm(torch.stack(parts), 2) * self.clip_coef
 
     def covers_all(self, param_ids: set[int]) -> bool:
         """Whether ``param_ids`` includes every offloaded param that has a host gradient."""
@@ -257,13 +274,21 @@ class CpuOptimizer:
         self, chunk: Chunk, twin: torch.optim.Optimizer, hyper: list[dict], clip_coef: float
     ) -> None:
         start = time.perf_counter()
-        if clip_coef != 1.0:
+        fused = all(group.get("fused") for group in twin.param_groups)
+        if clip_coef != 1.0 and fused:
+            # Fused kernels divide the gradients by grad_scale as they read them: clipping
+            # costs no extra pass over host memory.
+            twin.grad_scale = torch.tensor(1.0 / clip_coef, dtype=torch.float32)
+        elif clip_coef != 1.0:
             grads = [p.grad for g in twin.param_groups for p in g["params"] if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, clip_coef)
         for group, values in zip(twin.param_groups, hyper, strict=True):
             group.update(values)
-        twin.step()
+        try:
+            twin.step()
+        finally:
+            twin.__dict__.pop("grad_scale", None)
         updated = {id(p) for group in twin.param_groups for p in group["params"]}
         n_updated = 0
         for slot in chunk.trainable_slots:
@@ -295,7 +320,8 @@ class CpuOptimizer:
         for slot in chunk.trainable_slots:
             self.masters.pop(id(slot.param), None)
             self.grad_buffers.pop(id(slot.param), None)
-            self.grad_sumsq.pop(id(slot.param), None)
+            self.accumulations.pop(id(slot.param), None)
+            self.device_norms.pop(id(slot.param), None)
         return states
 
     def clip_(self, coef: float, param_ids: set[int]) -> None:
@@ -315,8 +341,8 @@ class CpuOptimizer:
         if grads:
             torch._foreach_mul_(grads, coef)
         for pid in param_ids:
-            if pid in self.grad_sumsq:
-                self.grad_sumsq[pid] *= coef**2
+            if pid in self.device_norms:
+                self.device_norms[pid] = self.device_norms[pid] * coef
 
     def shutdown(self) -> None:
         self.worker.shutdown(wait=True)

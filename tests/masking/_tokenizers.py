@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 
 import pytest
-from conftest import tokenizer_dir
+from tokenizer_data import tokenizer_dir
 
 TOKENIZERS = Path(__file__).resolve().parents[1] / "data" / "tokenizers"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tokenizer_dir
+from tokenizer_data import tokenizer_dir
 
 import autooffload
 from autooffload.masking import IGNORE_INDEX
