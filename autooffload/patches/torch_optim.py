@@ -1,5 +1,5 @@
-"""torch.optim patches: bind optimizers to attached models, step/zero_grad the CPU part, and
-clip gradients over GPU and host gradients together.
+"""torch.optim patches: bind optimizers to attached models, step/zero_grad the CPU part, clip
+gradients over GPU and host gradients together, and save/load the state of every param.
 
 ``Optimizer.step`` is overridden by every subclass, so a wrapper on the base class would not
 run; torch's global step hooks (called by the ``profile_hook_step`` wrapper every optimizer's
@@ -114,12 +114,43 @@ def _clip_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     return clip_grad_norm_with_host(wrapped, *args, **kwargs)
 
 
+def _state_dict_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``Optimizer.state_dict`` with the CPU twins' state of offloaded params merged in."""
+    from autooffload.runtime.state import add_offloaded_state
+
+    state_dict = wrapped(*args, **kwargs)
+    for runtime in _runtimes_of_optimizer(instance):
+        add_offloaded_state(runtime, instance, state_dict)
+    return state_dict
+
+
+def _load_state_dict_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``Optimizer.load_state_dict`` that gives offloaded params' state to the CPU twins."""
+    from autooffload.runtime.state import load_offloaded_state, split_offloaded_state
+
+    runtimes = _runtimes_of_optimizer(instance)
+    if not runtimes:
+        return wrapped(*args, **kwargs)
+    state_dict = kwargs.pop("state_dict") if "state_dict" in kwargs else args[0]
+    per_runtime = []
+    for runtime in runtimes:
+        state_dict, offloaded = split_offloaded_state(runtime, instance, state_dict)
+        per_runtime.append((runtime, offloaded))
+    # The user's optimizer first: twins built afterwards take its loaded hyperparameters.
+    result = wrapped(state_dict)
+    for runtime, offloaded in per_runtime:
+        load_offloaded_state(runtime, instance, offloaded)
+    return result
+
+
 def install(settings: Settings, target: str) -> None:
     group = __name__
     _registry.wrap(torch.optim.Optimizer, "__init__", _init_wrapper, group)
     _registry.wrap(torch.optim.Optimizer, "zero_grad", _zero_grad_wrapper, group)
     _registry.wrap(torch.nn.utils.clip_grad, "clip_grad_norm_", _clip_wrapper, group)
     _registry.wrap(torch.nn.utils, "clip_grad_norm_", _clip_wrapper, group)
+    _registry.wrap(torch.optim.Optimizer, "state_dict", _state_dict_wrapper, group)
+    _registry.wrap(torch.optim.Optimizer, "load_state_dict", _load_state_dict_wrapper, group)
     if not _handles:
         _handles.append(register_optimizer_step_post_hook(_post_step))
 

@@ -28,6 +28,7 @@ from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chun
 from autooffload.runtime.manager import ChunkManager, Residency
 from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import initial_plan, optim_state_bytes, plan_from_profile
+from autooffload.runtime.state import ModelStateHooks
 from autooffload.settings import Settings
 
 # Below this share of the model's bytes, trainable params stay resident (see Runtime).
@@ -93,6 +94,9 @@ class Runtime:
         self._pending_profile: tuple[ModelProfile, float | None] | None = None
         self._setup_activations()
         self._install_hooks()
+        # state_dict / load_state_dict see and set the weights wherever they live (removed on
+        # detach with the other hooks).
+        self._handles.extend(ModelStateHooks(self).install())
         if self.profiler is not None:
             self.profiler = StepProfiler(self)
             logger.debug("%s", self.plan.summary())

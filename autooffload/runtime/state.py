@@ -1,0 +1,275 @@
+"""State dicts of attached models and optimizers: full, correct tensors whatever the residency.
+
+An offloaded parameter's ``.data`` is a view into a chunk whose device storage is freed while the
+chunk lives on the host, so torch's own ``state_dict`` would hand out 0-byte tensors. The module
+hooks here replace those entries with CPU copies read from the host store (persistent params keep
+their device tensors, as torch returns them), and route ``load_state_dict`` values of chunked
+params around torch's in-place copy, into the place that holds them (host store, persistent
+chunk, fp32 master). The optimizer functions merge the CPU twins' state into the user's optimizer
+state dict in torch's layout, and split a loaded one back, so checkpoints move freely between
+autooffload and plain torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+from torch.utils.hooks import RemovableHandle
+
+from autooffload.runtime.chunks import Chunk, ParamSlot
+from autooffload.runtime.manager import Residency
+
+if TYPE_CHECKING:
+    from autooffload.runtime.runtime import Runtime
+
+
+class ModelStateHooks:
+    """``state_dict`` / ``load_state_dict`` hooks on the modules of one attached model."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.slots: dict[int, tuple[Chunk, ParamSlot]] = runtime.layout.slot_of()
+        # Copies made during one (outermost) state_dict call, per param id: tied weights get one
+        # tensor under all their names, as torch gives them, so save_pretrained sees the tie.
+        self._copies: dict[int, torch.Tensor] = {}
+        self._depth = 0
+        self._destination: int | None = None
+        # Keys a load pre-hook wrote itself, per module id, for its post-hook to un-miss.
+        self._consumed: dict[int, list[str]] = {}
+
+    def install(self) -> list[RemovableHandle]:
+        """Register the hooks; the returned handles remove them (``Runtime.detach``)."""
+        handles = []
+        root = self.runtime.model
+        for module in root.modules():
+            owns = any(p is not None and id(p) in self.slots for p in module._parameters.values())
+            if not owns and module is not root:
+                continue
+            handles.append(module.register_state_dict_pre_hook(self._state_dict_pre))
+            # A function of its own: torch marks public post-hooks with an attribute.
+            handles.append(module.register_state_dict_post_hook(functools.partial(self._post)))
+            if owns:
+                handles.append(module.register_load_state_dict_pre_hook(self._load_pre))
+                handles.append(module.register_load_state_dict_post_hook(self._load_post))
+        return handles
+
+    # ---- state_dict -------------------------------------------------------------------------
+
+    def _state_dict_pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self._depth == 0:
+            self._copies.clear()
+            self._destination = None
+            # Pending CPU updates write the host store: the state dict shows the stepped weights.
+            self.runtime.synchronize()
+        self._depth += 1
+
+    def _post(
+        self, module: nn.Module, destination: dict, prefix: str, local_metadata: dict
+    ) -> None:
+        if self._destination != id(destination):
+            if self._destination is not None:
+                self.runtime.synchronize()  # an earlier call ended without its post-hooks
+            self._copies.clear()
+            self._destination = id(destination)
+        try:
+            for name, param in module._parameters.items():
+                key = prefix + name
+                if param is None or key not in destination or not self._offloaded(param):
+                    continue
+                copy = self._copies.get(id(param))
+                if copy is None:
+                    chunk, slot = self.slots[id(param)]
+                    copy = torch.empty(slot.shape, dtype=slot.dtype)
+                    copy.copy_(self.runtime.manager.host_view(slot, chunk))
+                    if destination[key] is param:  # keep_vars=True hands out Parameters
+                        copy = nn.Parameter(copy, requires_grad=param.requires_grad)
+                    self._copies[id(param)] = copy
+                destination[key] = copy
+        finally:
+            self._depth = max(0, self._depth - 1)
+            if self._depth == 0:
+                self._copies.clear()
+                self._destination = None
+
+    def _offloaded(self, param: torch.Tensor) -> bool:
+        entry = self.slots.get(id(param))
+        return entry is not None and entry[0].index not in self.runtime.manager.persistent
+
+    # ---- load_state_dict --------------------------------------------------------------------
+
+    def _load_pre(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        consumed = []
+        for name, param in module._parameters.items():
+            key = prefix + name
+            if param is None or id(param) not in self.slots or key not in state_dict:
+                continue
+            value = state_dict[key]
+            # Wrong types and shapes are left to torch, which reports them as usual.
+            if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                continue
+            if not consumed:
+                self.runtime.synchronize()
+            chunk, slot = self.slots[id(param)]
+            write_param(self.runtime, chunk, slot, value)
+            # torch would copy_ into the (possibly freed) chunk view, or assign over it.
+            del state_dict[key]
+            consumed.append(key)
+        if consumed:
+            self._consumed.setdefault(id(module), []).extend(consumed)
+
+    def _load_post(self, module: nn.Module, incompatible_keys: _IncompatibleKeys) -> None:
+        consumed = set(self._consumed.pop(id(module), ()))
+        if consumed:
+            missing = incompatible_keys.missing_keys
+            missing[:] = [k for k in missing if k not in consumed]
+
+
+def write_param(runtime: Runtime, chunk: Chunk, slot: ParamSlot, value: torch.Tensor) -> None:
+    """Set a chunked param to ``value`` wherever its bytes live (call after synchronize)."""
+    manager = runtime.manager
+    with torch.no_grad():
+        if chunk.index in manager.persistent:
+            slot.param.data.copy_(value)
+            return
+        host = manager.host_view(slot, chunk)
+        host.copy_(value)
+        if manager.state[chunk.index] != Residency.HOST:
+            slot.param.data.copy_(host)
+        master = runtime.cpu_optim.masters.get(id(slot.param))
+        if master is not None and master.data_ptr() != host.data_ptr():
+            master.copy_(value)
+
+
+# ---- optimizer state ------------------------------------------------------------------------
+
+
+def param_indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Param id -> its index in ``optimizer.state_dict()``, numbered as torch numbers them."""
+    indices: dict[int, int] = {}
+    start = 0
+    for group in optimizer.param_groups:
+        for index, param in enumerate(group["params"], start):
+            indices.setdefault(id(param), index)
+        start += len(group["params"])
+    return indices
+
+
+def _offloaded_owned(runtime: Runtime, optimizer: torch.optim.Optimizer) -> dict[int, Chunk]:
+    """Offloaded params whose state ``optimizer`` owns (kept by a CPU twin): id -> chunk."""
+    cpu_optim = runtime.cpu_optim
+    owned = {}
+    for chunk in runtime.layout.chunks:
+        if chunk.index in runtime.manager.persistent:
+            continue
+        for slot in chunk.trainable_slots:
+            pid = id(slot.param)
+            if pid in cpu_optim.masters and cpu_optim.optimizer_of_param.get(pid) is optimizer:
+                owned[pid] = chunk
+    return owned
+
+
+def add_offloaded_state(
+    runtime: Runtime, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> None:
+    """Add the twins' state of ``optimizer``'s offloaded params to its ``state_dict`` in place.
+
+    Tensors stay on the CPU (torch moves them to the param's device on load) in the twin's dtype:
+    the param's dtype, or fp32 with master weights (a plain optimizer casts it on load).
+    """
+    owned = _offloaded_owned(runtime, optimizer)
+    if not owned:
+        return
+    runtime.synchronize()
+    indices = param_indices(optimizer)
+    packed = state_dict["state"]
+    for pid, chunk in owned.items():
+        twin = runtime.cpu_optim.twins.get((chunk.index, id(optimizer)))
+        master = runtime.cpu_optim.masters[pid]
+        if twin is not None and master in twin.state and pid in indices:
+            packed[indices[pid]] = dict(twin.state[master])
+    state_dict["state"] = dict(sorted(packed.items(), key=lambda item: _sort_key(item[0])))
+
+
+def _sort_key(key: object) -> tuple[int, str]:
+    return (key, "") if isinstance(key, int) else (1 << 62, str(key))
+
+
+def split_offloaded_state(
+    runtime: Runtime, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[int, dict]]:
+    """Split a loaded optimizer state dict: the part for the user's optimizer (persistent and
+    resident params), and the offloaded params' state per param id, for the twins."""
+    owned = _offloaded_owned(runtime, optimizer)
+    saved_groups = state_dict["param_groups"]
+    saved_ids = [i for group in saved_groups for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not owned or len(saved_ids) != len(params):
+        return dict(state_dict), {}  # torch reports mismatched groups itself
+    param_of_saved = dict(zip(saved_ids, params, strict=True))
+    kept: dict[Any, Any] = {}
+    offloaded: dict[int, dict] = {}
+    for key, value in state_dict["state"].items():
+        param = param_of_saved.get(key)
+        if param is not None and id(param) in owned:
+            offloaded[id(param)] = value
+        else:
+            kept[key] = value
+    return {**state_dict, "state": kept}, offloaded
+
+
+def load_offloaded_state(
+    runtime: Runtime, optimizer: torch.optim.Optimizer, states: dict[int, dict]
+) -> None:
+    """Give the twins of ``optimizer`` the loaded state of its offloaded params (replacing what
+    they held, as torch does); twins are built for chunks that get state."""
+    owned = _offloaded_owned(runtime, optimizer)
+    if not owned:
+        return
+    runtime.synchronize()
+    cpu_optim = runtime.cpu_optim
+    chunks = {chunk.index: chunk for chunk in owned.values()}
+    for index, chunk in chunks.items():
+        needs_state = any(id(s.param) in states for s in chunk.trainable_slots)
+        twin = cpu_optim.twins.get((index, id(optimizer)))
+        if twin is None and needs_state:
+            twin = cpu_optim._twin(chunk, optimizer)
+        if twin is None:
+            continue
+        for slot in chunk.trainable_slots:
+            pid = id(slot.param)
+            if pid not in owned:
+                continue
+            master = cpu_optim.masters[pid]
+            state = states.get(pid)
+            if state is None:
+                twin.state.pop(master, None)
+            else:
+                twin.state[master] = {k: _to_twin(k, v, master) for k, v in state.items()}
+
+
+def _to_twin(key: str, value: Any, master: torch.Tensor) -> Any:
+    """A loaded state value as the CPU twin keeps it (torch's casting rules for a CPU param)."""
+    if key == "step":
+        # The twin runs fused on the CPU: its step is a CPU fp32 tensor (a number in old files).
+        step = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+        return step.to(device="cpu", dtype=torch.float32, copy=True)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.is_floating_point() and master.is_floating_point():
+        return value.to(device="cpu", dtype=master.dtype, copy=True)
+    return value.to(device="cpu", copy=True)

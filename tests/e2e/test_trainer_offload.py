@@ -1,0 +1,109 @@
+"""HF Trainer runs unchanged on an attached model (CPU simulation): it learns, its checkpoints
+reload into a plain model, and ``resume_from_checkpoint`` continues the run it was cut from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+import autooffload
+from autooffload import runtime as rt
+
+VOCAB = 128
+SEQ = 16
+STEPS = 8
+# Two runs of the same fp32 math; only summation order (clip norm over GPU and host parts)
+# differs. A lost optimizer state or data-order slip on resume moves weights by ~lr = 1e-2.
+RTOL = 1e-4
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    """Eight sequences of random tokens: memorised over the epochs, so the loss must fall."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(8):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=generator)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+def trainer(output_dir: Path, seed: int) -> Trainer:
+    """A Trainer over a fresh model; the move to the device inside attaches it."""
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=2e-2,
+        max_grad_norm=0.5,
+        lr_scheduler_type="linear",
+        logging_steps=1,
+        save_steps=4,
+        save_strategy="steps",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    return Trainer(model=tiny_llama(seed), args=args, train_dataset=dataset())
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_trainer_checkpoints_reload_and_resume_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    autooffload.enable(
+        device="cpu", force_attach=True, chunk_size=20_000, n_persist=1, mask=False, log="warning"
+    )
+    full = trainer(tmp_path / "full", seed=0)
+    assert rt.runtime_of(full.model) is not None, "the Trainer's move to cpu did not attach"
+    full.train()
+    losses = [entry["loss"] for entry in full.state.log_history if "loss" in entry]
+    assert len(losses) == STEPS
+    # ln(128) = 4.85 at the start; memorising eight sequences takes it well below that.
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3, losses
+    expected = weights(full.model)
+    ids = dataset()[0]["input_ids"][None]
+    with torch.no_grad():
+        attached_logits = full.model(input_ids=ids).logits
+
+    resumed = trainer(tmp_path / "full", seed=1)  # other init: only the checkpoint can fix it
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))
+    actual = weights(resumed.model)
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+    autooffload.disable()
+    plain = LlamaForCausalLM.from_pretrained(tmp_path / "full" / f"checkpoint-{STEPS}")
+    with torch.no_grad():
+        plain_logits = plain(input_ids=ids).logits
+    torch.testing.assert_close(plain_logits, attached_logits, rtol=RTOL, atol=ATOL)
