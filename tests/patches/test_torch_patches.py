@@ -144,11 +144,6 @@ def test_bfloat16_method_on_an_attached_model_raises_attach_error():
         model.bfloat16()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: state_dict() of an attached model returns the params' freed (0-byte) storage"
-    " for offloaded chunks; reading it segfaults, torch.save writes garbage (reported)",
-)
 def test_state_dict_of_an_attached_model_holds_the_weights():
     """Checkpointing mid-training (``torch.save(model.state_dict())``, HF Trainer's save_steps)."""
     model = tiny_llama()
