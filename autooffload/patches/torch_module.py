@@ -3,6 +3,8 @@ it whole; ``zero_grad`` also clears the host gradients of offloaded parameters."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -19,6 +21,19 @@ TARGETS = ("torch",)
 # True while an own .to()/.cuda()/.cpu() falls through to torch's implementation (which uses
 # _apply): those are the moves of models that are not attached, or handled above.
 _moving: ContextVar[bool] = ContextVar("autooffload_moving", default=False)
+# True while a library builds parts of a model (PEFT moving new adapters onto their base layer's
+# device): those pieces belong to a model that attaches, or is attached, as a whole.
+_attach_suppressed: ContextVar[bool] = ContextVar("autooffload_attach_suppressed", default=False)
+
+
+@contextmanager
+def attach_suppressed() -> Iterator[None]:
+    """No move inside this context attaches the module it moves."""
+    token = _attach_suppressed.set(True)
+    try:
+        yield
+    finally:
+        _attach_suppressed.reset(token)
 
 
 def _unique_param_bytes(model: nn.Module) -> int:
@@ -38,6 +53,8 @@ def should_attach(model: nn.Module, settings: Settings, device: torch.device) ->
     from autooffload import runtime as rt
 
     if not settings.offload or device.type != attach_device_type(settings):
+        return False
+    if _attach_suppressed.get():
         return False
     if rt.runtime_of(model) is not None or _runtime_inside(model) is not None:
         return False

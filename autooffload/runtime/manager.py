@@ -76,9 +76,10 @@ class ChunkManager:
         self.host_busy: list[Future | None] = [None] * len(self.chunks)
         self.staging_busy: list[Future | None] = [None] * len(self.chunks)
         self.on_grads_ready: GradsReady | None = None
-        # Hold counts of chunks that ``release`` leaves resident (code reading a group's weights
-        # after the group's own forward returned, e.g. DoRA's weight norm around a base layer).
+        # Hold counts of chunks whose release waits for the last ``unhold`` (code reading a
+        # group's weights after the group's own forward returned: DoRA around a base layer).
         self.held: dict[int, int] = {}
+        self._deferred_release: set[int] = set()
         if self.is_cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
@@ -219,7 +220,10 @@ class ChunkManager:
 
     def release(self, index: int) -> None:
         """Free a non-persistent chunk's GPU memory once the work queued so far is done with it."""
-        if index in self.persistent or self.state[index] == Residency.HOST or index in self.held:
+        if index in self.persistent or self.state[index] == Residency.HOST:
+            return
+        if index in self.held:
+            self._deferred_release.add(index)
             return
         flat = self.gpu_flat[index]
         if self.is_cuda and self.state[index] == Residency.RESIDENT:
@@ -229,13 +233,17 @@ class ChunkManager:
         self.state[index] = Residency.HOST
 
     def hold(self, index: int) -> None:
-        """Keep chunk ``index`` resident through ``release`` calls until as many ``unhold``."""
+        """Defer every ``release`` of chunk ``index`` until as many ``unhold`` calls."""
         self.held[index] = self.held.get(index, 0) + 1
 
     def unhold(self, index: int) -> None:
+        """End one ``hold``; the last one performs a release requested meanwhile."""
         count = self.held.pop(index, 0) - 1
         if count > 0:
             self.held[index] = count
+        elif index in self._deferred_release:
+            self._deferred_release.discard(index)
+            self.release(index)
 
     def resident_bytes(self) -> int:
         """Bytes of chunk storage on the device now (persistent and in-use buffers)."""

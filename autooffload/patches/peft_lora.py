@@ -1,0 +1,129 @@
+"""PEFT patches: LoRA layer code that reads or writes base weights outside a block's forward
+(merge, unmerge, delta weights, DoRA/PiSSA init, ``modules_to_save`` copies) runs with the
+owning chunks on the device, and merged bytes are stored back to the host.
+
+Inside a block's forward every chunk of the block is resident (the runtime's group hooks), so
+``lora.Linear.forward`` and DoRA's magnitude path need nothing. Everything here runs outside
+one: ``merge_adapter()``, ``merge_and_unload()``, ``unmerge`` inside a ``disable_adapter()``
+forward of a merged model, and adapter creation on an already attached base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+
+from autooffload.patches import _registry
+from autooffload.patches.torch_module import attach_suppressed
+from autooffload.settings import Settings
+
+TARGETS = ("peft",)
+
+# Methods of LoRA layers that read base weights; those in _WRITES also change them in place.
+_READS = ("merge", "unmerge", "get_delta_weight", "update_layer")
+_WRITES = ("merge", "unmerge", "update_layer")
+# Hook dicts of nn.Module a deepcopy carries over to the copy.
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    yield cls
+    for sub in cls.__subclasses__():
+        yield from _subclasses(sub)
+
+
+def _base_params(layer: nn.Module) -> list[nn.Parameter]:
+    get_base_layer = getattr(layer, "get_base_layer", None)
+    base = get_base_layer() if callable(get_base_layer) else layer
+    return list(base.parameters())
+
+
+def _layer_wrapper(writes: bool) -> Callable[..., Any]:
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        from autooffload.runtime.access import params_on_device, runtime_managing
+
+        params = list(instance.parameters())
+        runtime = runtime_managing(params)
+        if runtime is None:
+            return wrapped(*args, **kwargs)
+        written = _base_params(instance) if writes else []
+        with params_on_device(runtime, params, written):
+            return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def _forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """A LoRA layer outside a block (lm_head, embeddings) is several groups: the base layer and,
+    when adapters are chunked, each adapter module. DoRA reads the base weight after the base
+    forward released it and calls the adapters twice: hold every chunk of the layer through
+    its forward (inside a block, where they are resident already, this costs a few lookups)."""
+    from autooffload.runtime.access import params_on_device, runtime_managing
+
+    params = list(instance.parameters())
+    runtime = runtime_managing(params)
+    if runtime is None:
+        return wrapped(*args, **kwargs)
+    with params_on_device(runtime, params):
+        return wrapped(*args, **kwargs)
+
+
+def _inject_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """PEFT moves each new adapter to its base layer's device: that is no model to attach."""
+    with attach_suppressed():
+        return wrapped(*args, **kwargs)
+
+
+def _drop_runtime_hooks(copy: nn.Module, runtime: Any) -> None:
+    """A deepcopy of an attached module carries the runtime's group hooks along; the copy is no
+    group (it stays resident), so running them would only gather the original's chunks."""
+    hook_ids = {handle.id for handle in runtime._handles}
+    for module in copy.modules():
+        for name in _HOOK_DICTS:
+            hooks = getattr(module, name, None)
+            for key in hook_ids & set(hooks or ()):
+                del hooks[key]
+
+
+def _modules_to_save_update_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``ModulesToSaveWrapper.update`` deep-copies the original module: its bytes must be on the
+    device for the copy, which then stays resident and is trained by the user's optimizer."""
+    from autooffload.runtime.access import params_on_device, runtime_managing
+
+    original = instance.original_module
+    runtime = runtime_managing(original.parameters())
+    if runtime is None:
+        return wrapped(*args, **kwargs)
+    before = set(instance.modules_to_save)
+    with attach_suppressed(), params_on_device(runtime, list(original.parameters())):
+        result = wrapped(*args, **kwargs)
+    for name in set(instance.modules_to_save) - before:
+        _drop_runtime_hooks(instance.modules_to_save[name], runtime)
+    return result
+
+
+def install(settings: Settings, target: str) -> None:
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTuner
+    from peft.utils.other import ModulesToSaveWrapper
+
+    _registry.wrap(BaseTuner, "inject_adapter", _inject_wrapper, __name__)
+    _registry.wrap(ModulesToSaveWrapper, "update", _modules_to_save_update_wrapper, __name__)
+    for cls in _subclasses(LoraLayer):
+        for attr in _READS:
+            if attr in cls.__dict__:
+                _registry.wrap(cls, attr, _layer_wrapper(attr in _WRITES), __name__)
+        if "forward" in cls.__dict__:
+            _registry.wrap(cls, "forward", _forward_wrapper, __name__)
+
+
+def uninstall() -> None:
+    _registry.restore_group(__name__)
