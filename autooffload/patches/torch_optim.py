@@ -1,5 +1,6 @@
 """torch.optim patches: bind optimizers to attached models, step/zero_grad the CPU part, clip
-gradients over GPU and host gradients together, and save/load the state of every param.
+gradients over GPU and host gradients together, and save/load the state of every param; AMP
+loss scaling over host gradients, and clean-up after a backward that raised.
 
 ``Optimizer.step`` is overridden by every subclass, so a wrapper on the base class would not
 run; torch's global step hooks (called by the ``profile_hook_step`` wrapper every optimizer's
@@ -13,10 +14,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.amp.grad_scaler
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
 )
 from torch.utils.hooks import RemovableHandle
 
@@ -50,11 +53,107 @@ def _init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     return result
 
 
-def _post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+def _bound_runtimes(optimizer: torch.optim.Optimizer) -> list:
+    """The runtimes ``optimizer`` is bound to, binding it first if it was built before attach."""
     if not _runtimes_of_optimizer(optimizer):
         _bind(optimizer)
-    for runtime in _runtimes_of_optimizer(optimizer):
-        runtime.after_step(optimizer)
+    return _runtimes_of_optimizer(optimizer)
+
+
+def _pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    # A forward or backward cut short since the last step may have left offloaded gradients
+    # on the device (the user's optimizer would update them there) and stale chunks resident.
+    for runtime in _bound_runtimes(optimizer):
+        runtime.recover_interrupted()
+
+
+def _post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    runtimes = _bound_runtimes(optimizer)
+    apply_update = True
+    found_inf = getattr(optimizer, "found_inf", None)
+    if isinstance(found_inf, torch.Tensor) and runtimes:
+        # A GradScaler stepping a fused optimizer: the kernel skips the step when found_inf
+        # is set, else divides the gradients by grad_scale; the CPU part does the same.
+        apply_update = not bool(found_inf.item())
+        grad_scale = getattr(optimizer, "grad_scale", None)
+        if apply_update and isinstance(grad_scale, torch.Tensor):
+            ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            for runtime in runtimes:
+                runtime.cpu_optim.clip_(1.0 / float(grad_scale), ids)
+    for runtime in runtimes:
+        runtime.after_step(optimizer, apply_update=apply_update)
+
+
+def _backward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.autograd.backward`` (``Tensor.backward`` calls it): when it raises (or Ctrl-C),
+    the runtimes clean up at once instead of at the next forward or step."""
+    try:
+        return wrapped(*args, **kwargs)
+    except BaseException:
+        if torch._C._current_graph_task_id() == -1:
+            from autooffload import runtime as rt
+
+            for runtime in rt.runtimes():
+                runtime.recover_interrupted()
+        raise
+
+
+def _unscale_args(
+    optimizer: torch.optim.Optimizer,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    allow_fp16: bool,
+) -> tuple[torch.optim.Optimizer, torch.Tensor, bool]:
+    return optimizer, inv_scale, allow_fp16
+
+
+def _unscale_grads_with_host(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``GradScaler._unscale_grads_`` that also unscales the host gradients of offloaded params
+    and reports non-finite values found in them: ``unscale_`` and the inf check before a fused
+    optimizer's step both go through it, and ``step`` skips ``optimizer.step`` on what it finds."""
+    per_device = wrapped(*args, **kwargs)
+    optimizer, inv_scale, allow_fp16 = _unscale_args(*args, **kwargs)
+    runtimes = _bound_runtimes(optimizer)
+    if not runtimes:
+        return per_device
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    host_found = torch.zeros((), dtype=torch.float32)
+    unit = torch.ones((), dtype=torch.float32)
+    for runtime in runtimes:
+        cpu_optim = runtime.cpu_optim
+        cpu_optim.host_grads()  # waits for pending accumulations, applies pending clipping
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for pid in ids:
+            master = cpu_optim.masters.get(pid)
+            if master is not None and master.grad is not None:
+                by_dtype.setdefault(master.grad.dtype, []).append(master.grad)
+        if torch.float16 in by_dtype and not allow_fp16:
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        for grads in by_dtype.values():
+            # Only checked here (unit scale): the unscale goes through the CPU optimizer's
+            # gradient scaling, which keeps its clipping norms consistent.
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, host_found, unit)
+        cpu_optim.clip_(float(inv_scale), ids)
+    if per_device:
+        # Folded into one existing entry: fused kernels skip only on found_inf == 1, and
+        # GradScaler sums the entries of all devices.
+        device, found = next(iter(per_device.items()))
+        torch.maximum(found, host_found.to(device), out=found)
+    else:
+        per_device[torch.device("cpu")] = host_found
+    return per_device
+
+
+def _maybe_opt_step_with_host(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``GradScaler._maybe_opt_step``: a step skipped for non-finite gradients never calls
+    ``optimizer.step``, so the runtimes are told here (no CPU update; the step still ends)."""
+    optimizer, optimizer_state = args[0], args[1]
+    skipped = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+    result = wrapped(*args, **kwargs)
+    if skipped:
+        for runtime in _runtimes_of_optimizer(optimizer):
+            runtime.after_step(optimizer, apply_update=False)
+    return result
 
 
 def _zero_grad_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -151,7 +250,12 @@ def install(settings: Settings, target: str) -> None:
     _registry.wrap(torch.nn.utils, "clip_grad_norm_", _clip_wrapper, group)
     _registry.wrap(torch.optim.Optimizer, "state_dict", _state_dict_wrapper, group)
     _registry.wrap(torch.optim.Optimizer, "load_state_dict", _load_state_dict_wrapper, group)
+    _registry.wrap(torch.autograd, "backward", _backward_wrapper, group)
+    scaler = torch.amp.grad_scaler.GradScaler
+    _registry.wrap(scaler, "_unscale_grads_", _unscale_grads_with_host, group)
+    _registry.wrap(scaler, "_maybe_opt_step", _maybe_opt_step_with_host, group)
     if not _handles:
+        _handles.append(register_optimizer_step_pre_hook(_pre_step))
         _handles.append(register_optimizer_step_post_hook(_post_step))
 
 

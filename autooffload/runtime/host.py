@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
 from autooffload.log import logger, warn_once
@@ -56,3 +59,66 @@ class HostArena:
         self.offsets = []
         self.sizes = []
         self.total_bytes = 0
+
+
+# cgroup v1 reports "no limit" as a huge page-aligned number instead of "max".
+_CGROUP_V1_UNLIMITED = 1 << 60
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Host RAM as the process may use it: the machine's, capped by the container's cgroup."""
+
+    total_bytes: int
+    available_bytes: int
+    cgroup_limited: bool
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _meminfo(path: Path) -> dict[str, int]:
+    values = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return values
+    for line in lines:
+        key, _, rest = line.partition(":")
+        fields = rest.split()
+        if fields and fields[0].isdigit():
+            values[key] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    return values
+
+
+def _cgroup_limit(root: Path) -> tuple[int, int] | None:
+    """(limit, usage) in bytes of the container's memory cgroup (v2, else v1); None: no limit."""
+    for limit_file, usage_file in (
+        (root / "memory.max", root / "memory.current"),
+        (root / "memory" / "memory.limit_in_bytes", root / "memory" / "memory.usage_in_bytes"),
+    ):
+        limit = _read_int(limit_file)
+        if limit is not None and limit < _CGROUP_V1_UNLIMITED:
+            return limit, _read_int(usage_file) or 0
+    return None
+
+
+def host_memory(
+    meminfo: Path = Path("/proc/meminfo"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> HostMemory | None:
+    """Total and available host RAM, the cgroup limit included; None where it cannot be read."""
+    info = _meminfo(meminfo)
+    if "MemTotal" not in info:
+        return None
+    total = info["MemTotal"]
+    available = info.get("MemAvailable", info.get("MemFree", total))
+    cgroup = _cgroup_limit(cgroup_root)
+    if cgroup is not None and cgroup[0] < total:
+        limit, usage = cgroup
+        return HostMemory(limit, max(0, min(available, limit - usage)), cgroup_limited=True)
+    return HostMemory(total, available, cgroup_limited=False)

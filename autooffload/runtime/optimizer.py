@@ -224,7 +224,9 @@ class CpuOptimizer:
         if twin is not None:
             return twin
         by_group: dict[int, list[torch.Tensor]] = {}
-        for slot in chunk.trainable_slots:
+        # Every param with a master, frozen ones too: one frozen now and unfrozen later must
+        # still be updated (torch optimizers skip params without a gradient).
+        for slot in chunk.slots:
             pid = id(slot.param)
             if self.optimizer_of_param.get(pid) is optimizer and pid in self.masters:
                 by_group.setdefault(self.group_of_param[pid], []).append(self.masters[pid])
@@ -289,11 +291,14 @@ class CpuOptimizer:
             twin.step()
         finally:
             twin.__dict__.pop("grad_scale", None)
-        updated = {id(p) for group in twin.param_groups for p in group["params"]}
+        # Only params with a gradient were stepped (a frozen one has none).
+        updated = {
+            id(p) for group in twin.param_groups for p in group["params"] if p.grad is not None
+        }
         n_updated = 0
-        for slot in chunk.trainable_slots:
-            master = self.masters[id(slot.param)]
-            if id(master) not in updated:
+        for slot in chunk.slots:
+            master = self.masters.get(id(slot.param))
+            if master is None or id(master) not in updated:
                 continue
             n_updated += slot.numel
             host = self.manager.host_view(slot, chunk)
@@ -313,11 +318,11 @@ class CpuOptimizer:
         for key in [k for k in self.twins if k[0] == chunk.index]:
             twin = self.twins.pop(key)
             self.twin_group_index.pop(key, None)
-            for slot in chunk.trainable_slots:
+            for slot in chunk.slots:
                 master = self.masters.get(id(slot.param))
                 if master is not None and master in twin.state:
                     states[id(slot.param)] = dict(twin.state[master])
-        for slot in chunk.trainable_slots:
+        for slot in chunk.slots:
             self.masters.pop(id(slot.param), None)
             self.grad_buffers.pop(id(slot.param), None)
             self.accumulations.pop(id(slot.param), None)

@@ -13,12 +13,16 @@ from autooffload.plan.hardware import measure_hardware
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import search
 from autooffload.plan.types import Plan
+from autooffload.runtime.chunks import ALIGN, ChunkLayout
+from autooffload.runtime.host import HostMemory, host_memory
 from autooffload.settings import Settings
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
 
 
+# Without AUTOOFFLOAD_BUDGET: all free memory minus this (CUDA context growth, other libraries).
+DEFAULT_SAFETY_MARGIN = 1 << 30
 BUDGET_MARGIN_SHARE = 0.04
 BUDGET_MARGIN_MIN = 256 << 20
 
@@ -31,11 +35,13 @@ def budget_bytes(settings: Settings, device: torch.device) -> int | None:
             return None
         return int(settings.budget)
     free, total = torch.cuda.mem_get_info(device)
-    fraction_cap = total
+    # torch.cuda.set_per_process_memory_fraction (several processes sharing a GPU, benchmark
+    # caps) bounds what this process's allocator may reserve, whatever the device has free.
+    fraction_cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
     limit = Settings.resolve_bytes(settings.budget, total) if settings.budget is not None else None
-    available = free + torch.cuda.memory_reserved(device)
+    available = min(free + torch.cuda.memory_reserved(device), fraction_cap)
     if limit is None:
-        return min(available, fraction_cap) - (1 << 30)
+        return available - DEFAULT_SAFETY_MARGIN
     return min(limit, available)
 
 
@@ -86,6 +92,81 @@ def initial_plan(runtime: Runtime, settings: Settings) -> Plan:
         predicted_peak_bytes=persistent_bytes + streamed,
         bottleneck="not profiled yet (model states only)",
         source=source,
+    )
+
+
+# CPU optimizer states per offloaded trainable element at attach, when the optimizer is not
+# known yet: Adam-family (two states), the common and the largest case.
+HOST_OPTIM_STATES = 2
+
+
+def host_bytes_needed(layout: ChunkLayout, n_persist: int, master_weights: bool) -> dict[str, int]:
+    """Host bytes the runtime allocates for ``layout``, by part: the host store (every chunk),
+    the gradient staging (every trainable param, aligned), fp32 masters of offloaded
+    low-precision params (``master_weights``), and for offloaded trainable params the host
+    gradients plus ``HOST_OPTIM_STATES`` optimizer states in the master dtype."""
+    staging = sum(
+        (slot.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        for chunk in layout.chunks
+        for slot in chunk.trainable_slots
+    )
+    masters = optimizer = 0
+    for chunk in layout.chunks[n_persist:]:
+        for slot in chunk.trainable_slots:
+            dtype = slot.dtype
+            widened = master_weights and dtype != torch.float32 and dtype.is_floating_point
+            master_bytes = 4 * slot.numel if widened else slot.nbytes
+            masters += master_bytes if widened else 0
+            optimizer += (1 + HOST_OPTIM_STATES) * master_bytes
+    return {
+        "host store": layout.total_bytes,
+        "gradient staging": staging,
+        "masters": masters,
+        "host grads + optimizer state": optimizer,
+    }
+
+
+def check_host_memory(
+    layout: ChunkLayout,
+    n_persist: int,
+    settings: Settings,
+    reclaimable_bytes: int = 0,
+    memory: HostMemory | None = None,
+) -> None:
+    """Raise ``PlanError`` before any allocation if the host memory the runtime needs exceeds
+    what the machine (its cgroup limit included) has available, or ``settings.host_budget``.
+
+    ``reclaimable_bytes``: host bytes the attach frees (the model's own CPU parameters, which
+    the host store replaces). ``memory``: the host's RAM; read from /proc and the cgroup if None.
+    """
+    memory = memory if memory is not None else host_memory()
+    parts = host_bytes_needed(layout, n_persist, settings.master_weights)
+    needed = sum(parts.values())
+    limits = []
+    if memory is not None:
+        source = "available host memory"
+        if memory.cgroup_limited:
+            source += " (container cgroup limit)"
+        limits.append((memory.available_bytes + reclaimable_bytes, source))
+    if settings.host_budget is not None:
+        total = memory.total_bytes if memory is not None else None
+        if isinstance(settings.host_budget, float) and total is None:
+            logger.debug("host RAM unknown; AUTOOFFLOAD_HOST_BUDGET as a fraction is not checked")
+        else:
+            budget = Settings.resolve_bytes(settings.host_budget, total or 0)
+            limits.append((budget, f"AUTOOFFLOAD_HOST_BUDGET={settings.host_budget}"))
+    if not limits:
+        return
+    limit, source = min(limits, key=lambda item: item[0])
+    if needed <= limit:
+        return
+    gib = 1 << 30
+    detail = ", ".join(f"{name} {value / gib:.2f}" for name, value in parts.items() if value)
+    raise PlanError(
+        f"autooffload needs {needed / gib:.2f} GiB of host memory ({detail} GiB) but"
+        f" {limit / gib:.2f} GiB are allowed by the {source}; raise AUTOOFFLOAD_HOST_BUDGET,"
+        f" keep more chunks on the GPU (a larger AUTOOFFLOAD_N_PERSIST than {n_persist}),"
+        " set AUTOOFFLOAD_MASTER_WEIGHTS=0, or free host memory"
     )
 
 

@@ -23,11 +23,17 @@ from autooffload.runtime.activations import (
     restore_hf_gradient_checkpointing,
     take_over_hf_gradient_checkpointing,
 )
+from autooffload.runtime.adapters import adapter_params
 from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.manager import ChunkManager, Residency
 from autooffload.runtime.optimizer import CpuOptimizer
-from autooffload.runtime.planning import initial_plan, optim_state_bytes, plan_from_profile
+from autooffload.runtime.planning import (
+    check_host_memory,
+    initial_plan,
+    optim_state_bytes,
+    plan_from_profile,
+)
 from autooffload.runtime.state import ModelStateHooks
 from autooffload.settings import Settings
 
@@ -64,6 +70,7 @@ class Runtime:
         chunk_size = settings.chunk_size or default_chunk_size(block_bytes)
         self.layout = build_layout(params_by_group, chunk_size)
         self.plan: Plan = initial_plan(self, settings)
+        check_host_memory(self.layout, self.plan.n_persist, settings, _host_param_bytes(model))
         self.manager = ChunkManager(
             self.layout,
             device,
@@ -109,10 +116,12 @@ class Runtime:
         When under ``RESIDENT_TRAINABLE_SHARE`` of the bytes train (LoRA, DoRA, prompt tuning),
         streaming them would put the CPU optimizer on the critical path for a few MB; kept
         resident they are updated by the user's optimizer, and frozen chunks need H2D only.
+        PEFT adapters count as trainable whether active or not (``set_adapter`` switches them).
         """
         params = list(dict.fromkeys(self.model.parameters()))
         total = sum(p.numel() * p.element_size() for p in params)
-        trainable = [p for p in params if p.requires_grad]
+        switchable = {id(p) for p in adapter_params(self.model)}
+        trainable = [p for p in params if p.requires_grad or id(p) in switchable]
         trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
         if not trainable or trainable_bytes >= RESIDENT_TRAINABLE_SHARE * total:
             return []
@@ -205,6 +214,9 @@ class Runtime:
             optimizer.state[slot.param] = moved
 
     def _install_hooks(self) -> None:
+        # Around the whole model: registered first and last so they run before and after the
+        # groups' hooks (the root module may be a group itself).
+        self._handles.append(self.model.register_forward_pre_hook(self._begin_forward))
         for group in self.groups:
             module = group.module
             self._handles.append(
@@ -217,6 +229,78 @@ class Runtime:
                     lambda m, a, out, g=group: self._post_forward(g, out), always_call=True
                 )
             )
+        self._handles.append(self.model.register_forward_hook(self._end_forward, always_call=True))
+
+    def _begin_forward(self, module: nn.Module, args: tuple) -> None:
+        if _in_backward():
+            return
+        self.recover_interrupted()
+        if torch.is_grad_enabled():
+            self._check_params()
+
+    def _end_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if _in_backward():
+            return
+        if output is None:
+            # An exception is on its way out of the model (always_call): this trace is partial.
+            self._trace = []
+        self.recover_interrupted()
+
+    def recover_interrupted(self) -> None:
+        """Clean up after a forward or backward that an exception or Ctrl-C cut short.
+
+        Runs before each forward of the whole model and each optimizer step; does nothing
+        after a complete step. A backward that never reached its end callback left offloaded
+        gradients on the device and chunks resident: the gradients go to the host (plain torch
+        keeps such partial gradients in ``.grad`` too; ``zero_grad`` clears both), and every
+        non-persistent chunk is released, so no stale copy outlives the next CPU update.
+        """
+        stale_backward = self._backward_task is not None and not _in_backward()
+        persistent = self.manager.persistent
+        stray = any(
+            state != Residency.HOST and index not in persistent
+            for index, state in enumerate(self.manager.state)
+        )
+        if not stale_backward and not stray:
+            return
+        if stale_backward:
+            logger.debug("a backward pass was interrupted; offloading its partial gradients")
+            for index in range(len(self.layout.chunks)):
+                self.manager.offload_grads(index)
+            self._backward_task = None
+            self._trace = []
+        self.manager.release_all()
+
+    def _check_params(self) -> None:
+        """Refuse, at the next forward, parameter changes made after attach that would train
+        wrongly: a parameter off the compute device, or a chunked parameter that was frozen at
+        attach (it has no host gradient buffer) and now requires grad. A parameter added on the
+        compute device trains like a resident one (the user's optimizer updates it there)."""
+        for name, param in self.model.named_parameters():
+            entry = self._slot_index.get(id(param))
+            if entry is None:
+                if param.device != self.device and not any(
+                    p is param for p in self.resident_params
+                ):
+                    raise AttachError(
+                        f"parameter {name} was added to the attached model on {param.device},"
+                        f" not on its compute device {self.device}; create it on"
+                        f" {self.device} (or move it there) before the next forward, add it"
+                        " before the model is moved, or set AUTOOFFLOAD_OFFLOAD=0"
+                    )
+                continue
+            chunk, slot = entry
+            if (
+                param.requires_grad
+                and chunk.index not in self.manager.persistent
+                and id(param) not in self.manager.staging_offsets
+            ):
+                raise AttachError(
+                    f"parameter {slot.name} was frozen when the model was attached and now"
+                    " requires grad, but its offloaded chunk has no host gradient buffer or"
+                    " optimizer state; unfreeze it before moving the model to the device,"
+                    " detach first (model.cpu()), or set AUTOOFFLOAD_OFFLOAD=0"
+                )
 
     def _chunks(self, group: Group) -> list[int]:
         return self.layout.chunks_of_group[group.index]
@@ -356,8 +440,9 @@ class Runtime:
         self.optimizers.append(optimizer)
         self.cpu_optim.bind(optimizer)
 
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The user's optimizer stepped the GPU params; queue the CPU update of the rest."""
+    def after_step(self, optimizer: torch.optim.Optimizer, apply_update: bool = True) -> None:
+        """The user's optimizer stepped the GPU params; queue the CPU update of the rest
+        (none when ``apply_update`` is False: a step skipped for non-finite gradients)."""
         profiler = self.profiler if isinstance(self.profiler, StepProfiler) else None
         profile = None
         if profiler is not None and self._backwards_this_step and not profiler.warm:
@@ -373,7 +458,7 @@ class Runtime:
                 grad_accumulation=self._backwards_this_step > 1,
             )
         measured_rate = None
-        if any(o is optimizer for o in self.cpu_optim.optimizers):
+        if apply_update and any(o is optimizer for o in self.cpu_optim.optimizers):
             if profile is not None:
                 before = (self.cpu_optim.update_s, self.cpu_optim.updated_params)
             self.cpu_optim.step(optimizer)
@@ -407,6 +492,7 @@ class Runtime:
             raise SystemExit(0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.recover_interrupted()
         self.cpu_optim.zero_grad(set_to_none)
 
     def host_grads(self) -> list[torch.Tensor]:
@@ -465,6 +551,12 @@ class Runtime:
                     module._buffers[name] = buffer.to(target)
         self.cpu_optim.shutdown()
         return self.model
+
+
+def _host_param_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters in host memory now (the host store replaces them)."""
+    params = dict.fromkeys(model.parameters())
+    return sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
 
 
 def check_attachable(model: nn.Module) -> None:
