@@ -11,6 +11,7 @@ forward of a merged model, and adapter creation on an already attached base.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -24,14 +25,6 @@ TARGETS = ("peft",)
 # Methods of LoRA layers that read base weights; those in _WRITES also change them in place.
 _READS = ("merge", "unmerge", "get_delta_weight", "update_layer")
 _WRITES = ("merge", "unmerge", "update_layer")
-# Hook dicts of nn.Module a deepcopy carries over to the copy.
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
 
 
 def _subclasses(cls: type) -> Iterator[type]:
@@ -82,15 +75,24 @@ def _inject_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
         return wrapped(*args, **kwargs)
 
 
-def _drop_runtime_hooks(copy: nn.Module, runtime: Any) -> None:
-    """A deepcopy of an attached module carries the runtime's group hooks along; the copy is no
-    group (it stays resident), so running them would only gather the original's chunks."""
+@contextmanager
+def _without_runtime_hooks(module: nn.Module, runtime: Any) -> Iterator[None]:
+    """Take the runtime's hooks off ``module`` for the block. A deepcopy would carry them to
+    the copy, and copy what their bound methods hold: the runtime with its released chunks."""
     hook_ids = {handle.id for handle in runtime._handles}
-    for module in copy.modules():
-        for name in _HOOK_DICTS:
-            hooks = getattr(module, name, None)
-            for key in hook_ids & set(hooks or ()):
-                del hooks[key]
+    saved: list[tuple[dict, dict]] = []
+    for sub in module.modules():
+        for name, hooks in vars(sub).items():
+            if "hook" in name and isinstance(hooks, dict) and hook_ids & hooks.keys():
+                saved.append((hooks, dict(hooks)))
+                for key in hook_ids & hooks.keys():
+                    del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, snapshot in saved:
+            hooks.clear()
+            hooks.update(snapshot)
 
 
 def _modules_to_save_update_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -102,12 +104,12 @@ def _modules_to_save_update_wrapper(wrapped: Any, instance: Any, args: tuple, kw
     runtime = runtime_managing(original.parameters())
     if runtime is None:
         return wrapped(*args, **kwargs)
-    before = set(instance.modules_to_save)
-    with attach_suppressed(), params_on_device(runtime, list(original.parameters())):
-        result = wrapped(*args, **kwargs)
-    for name in set(instance.modules_to_save) - before:
-        _drop_runtime_hooks(instance.modules_to_save[name], runtime)
-    return result
+    with (
+        attach_suppressed(),
+        params_on_device(runtime, list(original.parameters())),
+        _without_runtime_hooks(original, runtime),
+    ):
+        return wrapped(*args, **kwargs)
 
 
 def install(settings: Settings, target: str) -> None:

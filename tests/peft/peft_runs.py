@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,12 +77,19 @@ def enable_cpu(size: str = "resident", **overrides) -> autooffload.Settings:
     return autooffload.enable(**settings)
 
 
-def wrap(base: torch.nn.Module, config: LoraConfig, order: str, size: str) -> PeftModel:
+def wrap(
+    base: torch.nn.Module,
+    config: LoraConfig,
+    order: str,
+    size: str,
+    before_move: Callable[[PeftModel], object] | None = None,
+) -> PeftModel:
     """Make ``base`` a PeftModel the way a script does, in ``order``:
 
     ``plain``: no autooffload. ``peft_then_move``: ``get_peft_model`` then ``.to(device)`` (the
     PeftModel attaches). ``move_then_peft``: ``.to(device)`` of the base (it attaches), then
     ``get_peft_model`` around the attached model, then ``.to(device)`` of the wrapper.
+    ``before_move`` runs on the PeftModel right before that last move.
     """
     if order != "plain":
         enable_cpu(size)
@@ -90,6 +98,8 @@ def wrap(base: torch.nn.Module, config: LoraConfig, order: str, size: str) -> Pe
         assert rt.runtime_of(base) is not None, "the move did not attach the base"
     torch.manual_seed(123)  # adapter init
     model = get_peft_model(base, config)
+    if before_move is not None:
+        before_move(model)
     if order != "plain":
         model.to("cpu")
         assert runtime_for(model) is not None, "the model is not attached"

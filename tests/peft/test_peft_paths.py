@@ -1,0 +1,134 @@
+"""PEFT's own code paths on an attached model: ``modules_to_save``, several adapters, the
+``disable_adapter()`` context, merging; each touches weights outside a block's forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autooffload
+from tests.peft.peft_runs import (
+    assert_same_training,
+    batches,
+    lora,
+    run,
+    runtime_for,
+    tiny_llama,
+    train,
+    wrap,
+)
+
+# Merged (W + BA) and unmerged (Wx + BAx) forwards differ by fp32 rounding of the sum order:
+# ~1e-7 relative per element, a few 1e-6 on logits of magnitude ~1 after 3 layers.
+MERGE_ATOL = 1e-4
+MERGE_RTOL = 1e-4
+
+
+@pytest.mark.parametrize(
+    ("size", "order"),
+    [
+        ("resident", "peft_then_move"),
+        ("resident", "move_then_peft"),
+        ("chunked", "peft_then_move"),
+    ],
+)
+def test_modules_to_save_lm_head_matches_plain(size, order):
+    """A trainable full copy of lm_head: with small adapters it stays resident with them (and,
+    created after attach, off the original's chunk); on the tiny model the trainable share is
+    over a tenth and it follows the full fine-tuning path in a chunk of its own."""
+    base, data = tiny_llama(size), batches()
+    config = lora(modules_to_save=["lm_head"])
+    model = wrap(copy.deepcopy(base), config, order, size)
+    runtime = runtime_for(model)
+    copy_weight = model.base_model.model.lm_head.modules_to_save["default"].weight
+    assert copy_weight.requires_grad
+    assert runtime.owns(copy_weight) == (size == "chunked")
+    autooffload.disable()
+    assert_same_training(
+        run(base, config, "plain", size, data), run(base, config, order, size, data)
+    )
+
+
+@pytest.mark.parametrize(
+    ("order", "added"),
+    [
+        ("peft_then_move", "after_attach"),
+        ("move_then_peft", "after_attach"),
+        ("peft_then_move", "before_attach"),
+    ],
+)
+def test_a_second_adapter_set_active_after_attach_trains_like_plain(order, added):
+    """``set_adapter`` switches which adapter trains; an inactive adapter present at attach is
+    frozen then, and must stay resident so that it can train once it is switched on."""
+
+    def add_second(model):
+        torch.manual_seed(7)
+        model.add_adapter("second", lora(r=4, use_dora=True))
+
+    base, data = tiny_llama(), batches(8)
+    runs = []
+    for kind in ("plain", order):
+        early = add_second if added == "before_attach" else None
+        model = wrap(copy.deepcopy(base), lora(), kind, "resident", before_move=early)
+        if added == "after_attach":
+            add_second(model)
+        model.set_adapter("second")
+        losses = train(model, data)
+        model.set_adapter("default")
+        default_logits = model(input_ids=data[0]).logits.detach()
+        autooffload.disable()
+        weights = {n: p.detach().clone() for n, p in model.named_parameters() if "lora" in n}
+        runs.append((losses, weights, default_logits))
+    (plain_losses, plain_w, plain_default), (losses, weights, default) = runs
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses))
+    assert plain_w.keys() == weights.keys()
+    for name in plain_w:
+        torch.testing.assert_close(weights[name], plain_w[name], msg=name)
+    torch.testing.assert_close(default, plain_default)
+
+
+def test_disable_adapter_forward_equals_the_base_model():
+    base, data = tiny_llama(), batches(5)
+    reference = base(input_ids=data[0]).logits.detach()
+    model = wrap(copy.deepcopy(base), lora(use_dora=True), "peft_then_move", "resident")
+    train(model, data[1:])
+    with torch.no_grad():
+        adapted = model(input_ids=data[0]).logits
+        with model.disable_adapter():
+            disabled = model(input_ids=data[0]).logits
+    assert (adapted - reference).abs().max() > 1e-3, "the adapters did not change the output"
+    torch.testing.assert_close(disabled, reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", [{}, {"use_dora": True}], ids=["lora", "dora"])
+@pytest.mark.parametrize("size", ["resident", "chunked"])
+def test_merge_after_training_gives_the_unmerged_outputs(variant, size):
+    base, data = tiny_llama(size), batches(6)
+    ids = data[0]
+    model = wrap(copy.deepcopy(base), lora(**variant), "peft_then_move", size)
+    train(model, data[1:])
+    with torch.no_grad():
+        unmerged = model(input_ids=ids).logits.clone()
+        model.merge_adapter()
+        merged = model(input_ids=ids).logits.clone()
+        with model.disable_adapter():  # unmerges inside the forward of each layer
+            disabled = model(input_ids=ids).logits.clone()
+        model.merge_adapter()
+        remerged = model(input_ids=ids).logits.clone()
+        model.unmerge_adapter()
+        back = model(input_ids=ids).logits.clone()
+        unloaded = model.merge_and_unload()
+        after_unload = unloaded(input_ids=ids).logits.clone()
+    reference = base(input_ids=ids).logits.detach()
+    close = {"rtol": MERGE_RTOL, "atol": MERGE_ATOL}
+    assert (unmerged - reference).abs().max() > 1e-3, "the adapters did not change the output"
+    torch.testing.assert_close(merged, unmerged, **close)
+    torch.testing.assert_close(disabled, reference, **close)
+    torch.testing.assert_close(remerged, unmerged, **close)
+    torch.testing.assert_close(back, unmerged, **close)
+    torch.testing.assert_close(after_unload, unmerged, **close)
+    autooffload.disable()
+    # The merged weights are in the model handed back at detach.
+    torch.testing.assert_close(unloaded(input_ids=ids).logits, unmerged, **close)
