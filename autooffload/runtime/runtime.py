@@ -89,6 +89,8 @@ class Runtime:
         self.optimizers: list[torch.optim.Optimizer] = []
         self._handles: list[RemovableHandle] = []
         self._trace: list[int] = []
+        # Groups whose forward is running now (nested modules owning params), innermost last.
+        self._active: list[int] = []
         self._last_trace: list[int] = [g.index for g in self.groups]
         self._position = {g: i for i, g in enumerate(self._last_trace)}
         self._backward_task: int | None = None
@@ -269,6 +271,7 @@ class Runtime:
                 self.manager.offload_grads(index)
             self._backward_task = None
             self._trace = []
+        self._active.clear()
         self.manager.release_all()
 
     def _check_params(self) -> None:
@@ -327,6 +330,7 @@ class Runtime:
             pending, self._pending_profile = self._pending_profile, None
             self._switch_to_searched_plan(*pending)
         self._trace.append(group.index)
+        self._active.append(group.index)
         for index in self._chunks(group):
             self.manager.gather(index)
         self._prefetch_after(group.index, forward=True)
@@ -348,12 +352,16 @@ class Runtime:
                 )
         if isinstance(self.profiler, StepProfiler):
             self.profiler.on_post_forward(group)
+        if group.index in self._active:
+            del self._active[len(self._active) - 1 - self._active[::-1].index(group.index)]
         position = self._position.get(group.index, len(self._position))
         for index in self._chunks(group):
-            later = any(
-                self._position.get(user, -1) > position for user in self.layout.chunks[index].groups
-            )
-            if not later:
+            users = self.layout.chunks[index].groups
+            later = any(self._position.get(user, -1) > position for user in users)
+            # A group whose forward encloses this one (a module owning params that calls
+            # other param-owning modules) still needs the chunks they share.
+            enclosing = any(user in self._active for user in users)
+            if not later and not enclosing:
                 self.manager.release(index)
 
     def _prefetch_after(self, group_index: int, forward: bool) -> None:
