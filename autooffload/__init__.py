@@ -6,7 +6,9 @@ whole integration; importing the package alone changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from autooffload import log, patches
@@ -29,6 +31,7 @@ __all__ = [
     "attach",
     "disable",
     "enable",
+    "gathered",
     "last_plan",
 ]
 
@@ -90,3 +93,33 @@ def last_plan() -> Plan | None:
     runtime = sys.modules.get("autooffload.runtime")
     get_last_plan = getattr(runtime, "last_plan", None)
     return None if get_last_plan is None else get_last_plan()
+
+
+@contextlib.contextmanager
+def gathered(params: Any, modify: bool = False) -> Iterator[None]:
+    """Make the parameters of an attached model readable (and, with ``modify``, writable) in
+    the block: their chunks are gathered on the device and held there; changes made with
+    ``modify=True`` are stored back at exit. Outside a forward, the storage of an offloaded
+    parameter is released, so reading it directly is invalid (as with DeepSpeed ZeRO-3's
+    ``GatheredParameters``). ``params``: a module, a parameter or an iterable of them. A no-op
+    for parameters no attached model owns."""
+    import torch
+
+    if isinstance(params, torch.nn.Module):
+        params = list(params.parameters())
+    elif isinstance(params, torch.Tensor):
+        params = [params]
+    else:
+        params = list(params)
+    runtime_module = sys.modules.get("autooffload.runtime")
+    if runtime_module is None:
+        yield
+        return
+    from autooffload.runtime.access import params_on_device, runtime_managing
+
+    runtime = runtime_managing(params)
+    if runtime is None:
+        yield
+        return
+    with params_on_device(runtime, params, written=params if modify else ()):
+        yield
