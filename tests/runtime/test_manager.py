@@ -119,7 +119,9 @@ def test_offload_grads_stages_the_gradient_and_drops_it_from_the_param():
     manager, model = _manager()
     manager.adopt_params()
     received = []
-    manager.on_grads_ready = lambda chunk, slots, event, norms: received.append((chunk.index, slots))
+    manager.on_grads_ready = lambda chunk, slots, event, norms: received.append(
+        (chunk.index, slots)
+    )
     manager.gather(2)
     grad_w, grad_b = torch.randn(8, 8), torch.randn(8)
     model[2].weight.grad, model[2].bias.grad = grad_w.clone(), grad_b.clone()
