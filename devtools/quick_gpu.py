@@ -139,7 +139,8 @@ def bench(size, attach, cap=None, gc_on=False, steps=8, **kw):
                         f"fwd {u.fwd_s * 1e3:.2f}ms bwd {u.bwd_s * 1e3:.2f}ms",
                         f"keep {u.act_bytes_keep / 2**20:.0f}MiB",
                         f"ckpt {u.act_bytes_checkpoint / 2**20:.0f}MiB",
-                        f"tf {u.fwd_transient_bytes / 2**20:.0f} tb {u.bwd_transient_bytes / 2**20:.0f}",
+                        f"tf {u.fwd_transient_bytes / 2**20:.0f}",
+                        f"tb {u.bwd_transient_bytes / 2**20:.0f}",
                     )
                 print(
                     "PROFILE static",
