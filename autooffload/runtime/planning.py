@@ -37,7 +37,9 @@ def budget_bytes(settings: Settings, device: torch.device) -> int | None:
     free, total = torch.cuda.mem_get_info(device)
     # torch.cuda.set_per_process_memory_fraction (several processes sharing a GPU, benchmark
     # caps) bounds what this process's allocator may reserve, whatever the device has free.
-    fraction_cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    fraction_cap = int(fraction * total)
     limit = Settings.resolve_bytes(settings.budget, total) if settings.budget is not None else None
     available = min(free + torch.cuda.memory_reserved(device), fraction_cap)
     if limit is None:
