@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from autooffload.log import logger, warn_once
-from autooffload.masking.boundaries import MaskingOptions, Scanner
+from autooffload.masking.boundaries import HostScan, MaskingOptions, Scanner, host_array, isin_ids
 from autooffload.masking.templates import (
     chat_template_of,
     check_markers_without_tokenizer,
@@ -54,7 +55,6 @@ class LabelMasker:
         self.pad_token_id = pad_token_id
         self.media_ids = tuple(media_ids)
         self.stats = stats if stats is not None else MaskingStats()
-        self._media: dict[torch.device, torch.Tensor] = {}
 
     def mask(
         self,
@@ -81,53 +81,58 @@ class LabelMasker:
         pad = self.pad_token_id
         # Only a pad id that is also an end marker (pad = eos) needs the end markers painted.
         pad_is_marker = attention_mask is None and pad in self.scanner.marker_token_ids
-        result = self.scanner.scan(
-            input_ids, details=assistant_mask is not None, end_markers=pad_is_marker
+        # The whole call works on host numpy views (see the boundaries module for why); each
+        # line below is at most one pass over the batch.
+        ids = host_array(input_ids)
+        found = self.scanner.scan_host(
+            ids, details=assistant_mask is not None, end_markers=pad_is_marker
         )
-        if not bool(result.has_chat.any()):
+        if not found.has_chat.any():
             return None if labels is None else (labels.squeeze(0) if squeeze else labels)
 
-        base = input_ids if labels is None else labels
-        rows = result.has_chat
-        masked_before = None
-        if labels is not None:
-            foreign = labels != input_ids
-            if bool(foreign.any()):  # not a plain copy: keep the caller's -100s, skip foreign rows
-                masked_before = labels == IGNORE_INDEX
-                rows = rows & ~(foreign & ~masked_before).any(1)
-        trained = result.trained
+        base = ids if labels is None else host_array(labels)
+        rows = found.has_chat.copy()
+        trained = found.trained
         if assistant_mask is not None:
-            generation = assistant_mask.to(torch.bool)
-            trained = self._use_generation_mask(result, generation, attention_mask)
+            generation = host_array(assistant_mask).astype(bool)
+            trained = self._use_generation_mask(found, generation, attention_mask)
         ignored = ~trained
+        if labels is not None:
+            # Labels that differ from the ids are the caller's -100s (kept, and counted as
+            # ignored) or, anywhere else, not a copy of the ids (MLM, pre-shifted): those rows
+            # are left alone. The differing tokens are few (padding), so they are listed.
+            differ = np.flatnonzero(base != ids)
+            caller_masked = base.reshape(-1)[differ] == IGNORE_INDEX
+            rows[differ[~caller_masked] // ids.shape[1]] = False
+            ignored.reshape(-1)[differ[caller_masked]] = True
         if attention_mask is not None:
-            ignored |= attention_mask == 0
+            ignored |= host_array(attention_mask) == 0
         elif pad is not None:
-            pads = input_ids == pad
-            ignored |= pads & ~result.end_markers if pad_is_marker else pads
-        if len(self.media_ids) <= 4:  # a few compares are much cheaper than isin here
-            for media_id in self.media_ids:
-                ignored |= input_ids == media_id
-        else:
-            ignored |= torch.isin(input_ids, self._media_tensor(input_ids.device))
-        ignored &= rows.unsqueeze(1)
-        masked = base.masked_fill(ignored, IGNORE_INDEX)
+            pads = ids == pad
+            ignored |= pads & ~found.end_markers if pad_is_marker else pads
+        if self.media_ids:
+            ignored |= isin_ids(ids, self.media_ids)
+        if not rows.all():
+            ignored[~rows] = False
+        masked = base.copy()
+        np.copyto(masked, IGNORE_INDEX, where=ignored)
         if count:
-            kept = ~ignored if masked_before is None else ~ignored & ~masked_before
-            self._tally(int(rows.sum()), int((rows & ~kept.any(1)).sum()))
-        return masked.squeeze(0) if squeeze else masked
+            self._tally(int(rows.sum()), int((rows & ignored.all(1)).sum()))
+        device = input_ids.device if labels is None else labels.device
+        result = torch.from_numpy(masked).to(device)
+        return result.squeeze(0) if squeeze else result
 
     def _use_generation_mask(
-        self, result: Any, assistant_mask: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> torch.Tensor:
+        self, found: HostScan, assistant_mask: np.ndarray, attention_mask: torch.Tensor | None
+    ) -> np.ndarray:
         """Trained tokens with the template's assistant mask in place of the scanner's contents;
         warns once (naming the template) where the two disagree."""
-        content, markers = result.assistant_content, result.markers
+        content, markers = found.assistant_content, found.markers
         generated = assistant_mask & ~markers
-        disagree = (generated ^ content) & result.has_chat.unsqueeze(1)
+        disagree = (generated ^ content) & found.has_chat[:, None]
         if attention_mask is not None:
-            disagree &= attention_mask != 0
-        if bool(disagree.any()):
+            disagree &= host_array(attention_mask) != 0
+        if disagree.any():
             warn_once(
                 f"masking-generation-{self.family}",
                 f"masking: the {self.family} chat template's {{% generation %}} mask disagrees "
@@ -135,17 +140,10 @@ class LabelMasker:
                 "template's mask is used — check the template or set role_boundaries",
             )
         if "assistant" not in self.scanner.options.roles_to_train:
-            return result.trained
+            return found.trained
         if self.scanner.options.train_on_inputs:
-            return result.trained
-        return (result.trained & ~content) | generated
-
-    def _media_tensor(self, device: torch.device) -> torch.Tensor:
-        media = self._media.get(device)
-        if media is None:
-            media = torch.tensor(self.media_ids, dtype=torch.long, device=device)
-            self._media[device] = media
-        return media
+            return found.trained
+        return (found.trained & ~content) | generated
 
     def count(self, masked: torch.Tensor, rows: torch.Tensor) -> None:
         """Add the ``rows`` of ``masked`` to the running all -100 count (warned once)."""
