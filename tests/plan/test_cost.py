@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from conftest import MiB, make_hardware, make_profile
+from plan_profiles import MiB, make_hardware, make_profile
 
 from autooffload.errors import PlanError
 from autooffload.plan.cost import (

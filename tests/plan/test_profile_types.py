@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from conftest import make_hardware, make_profile
+from plan_profiles import make_hardware, make_profile
 
 from autooffload.errors import PlanError
 from autooffload.plan.profile_types import ChunkProfile, HardwareProfile, ModelProfile

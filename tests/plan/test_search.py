@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MiB, make_hardware, make_profile
+from plan_profiles import MiB, make_hardware, make_profile
 
 from autooffload.errors import PlanError
 from autooffload.plan.cost import chunk_tables, predict_peak_bytes, predict_step_time

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import batches, enable_cpu, n_chunks, tiny_llama
+from runtime_models import batches, enable_cpu, n_chunks, tiny_llama
 from torch import nn
 from transformers import LlamaForCausalLM
 
