@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from autooffload.plan.types import Plan
-from autooffload.runtime.runtime import Runtime, check_attachable
+from autooffload.runtime.attachable import check_attachable
+from autooffload.runtime.runtime import Runtime
 from autooffload.settings import Settings
 
 # The active-runtimes registry: the only global state besides the patch registry.

@@ -324,6 +324,28 @@ class CpuOptimizer:
             self.device_norms.pop(id(slot.param), None)
         return states
 
+    def promote_chunk(self, chunk: Chunk, device: torch.device) -> None:
+        """``chunk`` becomes persistent: its CPU optimizer state moves to the user's optimizer
+        (in the param's dtype, on ``device``; ``step`` where that optimizer keeps it) and its
+        masters are dropped."""
+        states = self.release_chunk(chunk)
+        for slot in chunk.trainable_slots:
+            state = states.get(id(slot.param))
+            optimizer = self.optimizer_of_param.get(id(slot.param))
+            if not state or optimizer is None:
+                continue
+            group = optimizer.param_groups[self.group_of_param[id(slot.param)]]
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            moved = {}
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    moved[key] = value
+                elif key == "step":
+                    moved[key] = value.to(device if on_device else "cpu", torch.float32)
+                else:
+                    moved[key] = value.to(device, slot.dtype).view(slot.shape)
+            optimizer.state[slot.param] = moved
+
     def clip_(self, coef: float, param_ids: set[int]) -> None:
         """Scale the host gradients of ``param_ids`` by ``coef`` (gradient clipping). Over all
         of them it is lazy: the update task applies it (``host_grads`` does for readers)."""

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from autooffload.errors import AttachError, PlanError
+from autooffload.errors import PlanError
 from autooffload.log import logger
 from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import ModelProfile
@@ -24,6 +24,7 @@ from autooffload.runtime.activations import (
     take_over_hf_gradient_checkpointing,
 )
 from autooffload.runtime.adapters import adapter_params
+from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.manager import ChunkManager, Residency
@@ -138,9 +139,7 @@ class Runtime:
                 seen.add(id(param))
                 yield f"{group.name}.{name}", param
 
-    # ---- hooks ----------------------------------------------------------------------------
-
-    # ---- activations ----------------------------------------------------------------------
+    # ---- activations and plan switches -----------------------------------------------------
 
     def _blocks_in_order(self) -> list[Group]:
         blocks = [g for g in self.groups if g.is_block]
@@ -185,35 +184,13 @@ class Runtime:
             )
         self.cpu_optim.wait()
         for index in promoted:
-            self._promote(index)
+            self.cpu_optim.promote_chunk(self.layout.chunks[index], self.device)
         self.manager.set_persistent(sorted(new_persistent), plan.n_buffer)
         self._slot_cache = None
         if plan.block_policies and self.settings.activation_mode != "off":
             for group, policy in zip(self._blocks_in_order(), plan.block_policies, strict=False):
                 self.apply_block_policy(group.module, policy)
         self.plan = plan
-
-    def _promote(self, index: int) -> None:
-        """Chunk ``index`` becomes persistent: its CPU optimizer state moves to the user's
-        optimizer (in the param's dtype, on the GPU), its masters are dropped."""
-        chunk = self.layout.chunks[index]
-        states = self.cpu_optim.release_chunk(chunk)
-        for slot in chunk.trainable_slots:
-            state = states.get(id(slot.param))
-            optimizer = self.cpu_optim.optimizer_of_param.get(id(slot.param))
-            if not state or optimizer is None:
-                continue
-            group = optimizer.param_groups[self.cpu_optim.group_of_param[id(slot.param)]]
-            on_device = bool(group.get("fused") or group.get("capturable"))
-            moved = {}
-            for key, value in state.items():
-                if not isinstance(value, torch.Tensor):
-                    moved[key] = value
-                elif key == "step":
-                    moved[key] = value.to(self.device if on_device else "cpu", torch.float32)
-                else:
-                    moved[key] = value.to(self.device, slot.dtype).view(slot.shape)
-            optimizer.state[slot.param] = moved
 
     def _install_hooks(self) -> None:
         # Around the whole model: registered first and last so they run before and after the
@@ -238,7 +215,7 @@ class Runtime:
             return
         self.recover_interrupted()
         if torch.is_grad_enabled():
-            self._check_params()
+            check_params_after_attach(self)
 
     def _end_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if _in_backward():
@@ -273,37 +250,6 @@ class Runtime:
             self._trace = []
         self._active.clear()
         self.manager.release_all()
-
-    def _check_params(self) -> None:
-        """Refuse, at the next forward, parameter changes made after attach that would train
-        wrongly: a parameter off the compute device, or a chunked parameter that was frozen at
-        attach (it has no host gradient buffer) and now requires grad. A parameter added on the
-        compute device trains like a resident one (the user's optimizer updates it there)."""
-        for name, param in self.model.named_parameters():
-            entry = self._slot_index.get(id(param))
-            if entry is None:
-                if param.device != self.device and not any(
-                    p is param for p in self.resident_params
-                ):
-                    raise AttachError(
-                        f"parameter {name} was added to the attached model on {param.device},"
-                        f" not on its compute device {self.device}; create it on"
-                        f" {self.device} (or move it there) before the next forward, add it"
-                        " before the model is moved, or set AUTOOFFLOAD_OFFLOAD=0"
-                    )
-                continue
-            chunk, slot = entry
-            if (
-                param.requires_grad
-                and chunk.index not in self.manager.persistent
-                and id(param) not in self.manager.staging_offsets
-            ):
-                raise AttachError(
-                    f"parameter {slot.name} was frozen when the model was attached and now"
-                    " requires grad, but its offloaded chunk has no host gradient buffer or"
-                    " optimizer state; unfreeze it before moving the model to the device,"
-                    " detach first (model.cpu()), or set AUTOOFFLOAD_OFFLOAD=0"
-                )
 
     def _chunks(self, group: Group) -> list[int]:
         return self.layout.chunks_of_group[group.index]
@@ -565,24 +511,3 @@ def _host_param_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters in host memory now (the host store replaces them)."""
     params = dict.fromkeys(model.parameters())
     return sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
-
-
-def check_attachable(model: nn.Module) -> None:
-    """Refuse models autooffload must not manage (already sharded, dispatched, or meta)."""
-    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
-        raise AttachError(
-            "model is dispatched across devices with device_map; autooffload's weight offload"
-            " does not compose with it: load it without device_map or set AUTOOFFLOAD_OFFLOAD=0"
-        )
-    for param in model.parameters():
-        if param.device.type == "meta":
-            raise AttachError(
-                "model has parameters on the meta device; load its weights before attaching"
-                " (or set AUTOOFFLOAD_OFFLOAD=0)"
-            )
-        if type(param).__name__ == "DTensor" or hasattr(param, "_local_tensor"):
-            raise AttachError(
-                "model is sharded with FSDP2/DTensor; use FSDP2's CPUOffloadPolicy for weights"
-                " (autooffload keeps activation management and masking), or set"
-                " AUTOOFFLOAD_OFFLOAD=0"
-            )

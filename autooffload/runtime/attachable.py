@@ -1,0 +1,65 @@
+"""Which models the runtime refuses to manage: dispatched, meta or already sharded ones."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from autooffload.errors import AttachError
+
+if TYPE_CHECKING:
+    from autooffload.runtime.runtime import Runtime
+
+
+def check_attachable(model: nn.Module) -> None:
+    """Refuse models autooffload must not manage (already sharded, dispatched, or meta)."""
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        raise AttachError(
+            "model is dispatched across devices with device_map; autooffload's weight offload"
+            " does not compose with it: load it without device_map or set AUTOOFFLOAD_OFFLOAD=0"
+        )
+    for param in model.parameters():
+        if param.device.type == "meta":
+            raise AttachError(
+                "model has parameters on the meta device; load its weights before attaching"
+                " (or set AUTOOFFLOAD_OFFLOAD=0)"
+            )
+        if type(param).__name__ == "DTensor" or hasattr(param, "_local_tensor"):
+            raise AttachError(
+                "model is sharded with FSDP2/DTensor; use FSDP2's CPUOffloadPolicy for weights"
+                " (autooffload keeps activation management and masking), or set"
+                " AUTOOFFLOAD_OFFLOAD=0"
+            )
+
+
+def check_params_after_attach(runtime: Runtime) -> None:
+    """Refuse, at the next forward, parameter changes made after attach that would train
+    wrongly: a parameter off the compute device, or a chunked parameter that was frozen at
+    attach (it has no host gradient buffer) and now requires grad. A parameter added on the
+    compute device trains like a resident one (the user's optimizer updates it there)."""
+    for name, param in runtime.model.named_parameters():
+        entry = runtime._slot_index.get(id(param))
+        if entry is None:
+            if param.device != runtime.device and not any(
+                p is param for p in runtime.resident_params
+            ):
+                raise AttachError(
+                    f"parameter {name} was added to the attached model on {param.device},"
+                    f" not on its compute device {runtime.device}; create it on"
+                    f" {runtime.device} (or move it there) before the next forward, add it"
+                    " before the model is moved, or set AUTOOFFLOAD_OFFLOAD=0"
+                )
+            continue
+        chunk, slot = entry
+        if (
+            param.requires_grad
+            and chunk.index not in runtime.manager.persistent
+            and id(param) not in runtime.manager.staging_offsets
+        ):
+            raise AttachError(
+                f"parameter {slot.name} was frozen when the model was attached and now"
+                " requires grad, but its offloaded chunk has no host gradient buffer or"
+                " optimizer state; unfreeze it before moving the model to the device,"
+                " detach first (model.cpu()), or set AUTOOFFLOAD_OFFLOAD=0"
+            )
