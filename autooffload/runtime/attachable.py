@@ -1,4 +1,4 @@
-"""Which models the runtime refuses to manage: dispatched, meta or already sharded ones."""
+"""Which models and model changes the runtime refuses: dispatched, meta, sharded, altered."""
 
 from __future__ import annotations
 
