@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autooffload.errors import PlanError
 from autooffload.log import logger
+from autooffload.runtime.forward_wrap import install_forward, remove_forward
 from autooffload.runtime.swap import (  # noqa: F401 - re-exported
     DEFAULT_MIN_SWAP_BYTES,
     ActivationSwapper,
@@ -137,31 +138,12 @@ def apply_policy(
         inner_forward=block.forward,
         prior_forward=block.__dict__.get("forward"),
     )
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return _run_block(state, args, kwargs)
-
-    functools.update_wrapper(forward, state.inner_forward)
-    state.wrapper = forward
-    block.__dict__["forward"] = forward
-    block.__dict__[_POLICY_ATTR] = state
+    install_forward(block, _POLICY_ATTR, state, _run_block)
 
 
 def remove_policy(block: nn.Module) -> None:
     """Undo :func:`apply_policy`: ``block.forward`` is again what it was before."""
-    state: BlockActivationPolicy | None = block.__dict__.pop(_POLICY_ATTR, None)
-    if state is None:
-        return
-    state.active = False
-    if block.__dict__.get("forward") is not state.wrapper:
-        # Someone wrapped forward after us; unwrapping would drop their wrapper, so ours passes
-        # through from now on.
-        logger.debug("activation policy of %s left as a pass-through", type(block).__name__)
-        return
-    if state.prior_forward is None:
-        del block.__dict__["forward"]
-    else:
-        block.__dict__["forward"] = state.prior_forward
+    remove_forward(block, _POLICY_ATTR)
 
 
 def policy_of(block: nn.Module) -> str:

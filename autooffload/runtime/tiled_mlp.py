@@ -20,7 +20,6 @@ dropout inside the MLP the masks are drawn per tile, so they differ from the unt
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from torch import nn
 
 from autooffload.errors import PlanError
 from autooffload.runtime.activations import recomputing
+from autooffload.runtime.forward_wrap import install_forward, remove_forward
 
 _TILED_ATTR = "_autooffload_tiled_mlp"
 
@@ -63,28 +63,12 @@ def tile_mlp(mlp: nn.Module, tile_tokens: int, min_tokens: int | None = None) ->
         inner_forward=mlp.forward,
         prior_forward=mlp.__dict__.get("forward"),
     )
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return _run_mlp(state, args, kwargs)
-
-    functools.update_wrapper(forward, state.inner_forward)
-    state.wrapper = forward
-    mlp.__dict__["forward"] = forward
-    mlp.__dict__[_TILED_ATTR] = state
+    install_forward(mlp, _TILED_ATTR, state, _run_mlp)
 
 
 def untile_mlp(mlp: nn.Module) -> None:
     """Undo :func:`tile_mlp`: ``mlp.forward`` is again what it was before."""
-    state: TiledMLP | None = mlp.__dict__.pop(_TILED_ATTR, None)
-    if state is None:
-        return
-    state.active = False
-    if mlp.__dict__.get("forward") is not state.wrapper:
-        return  # wrapped again after us: ours passes through rather than drop the later wrapper
-    if state.prior_forward is None:
-        del mlp.__dict__["forward"]
-    else:
-        mlp.__dict__["forward"] = state.prior_forward
+    remove_forward(mlp, _TILED_ATTR)
 
 
 def is_tiled(mlp: nn.Module) -> bool:
