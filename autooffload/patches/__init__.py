@@ -26,6 +26,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "peft_lora",
     "bnb",
     "hf_collators",
+    "trl_fused_head",
 )
 
 # The registry state: the settings of the current enable() (None when disabled), the
