@@ -30,7 +30,7 @@ from autooffload.log import logger
 from autooffload.plan.profile_types import HardwareProfile
 
 MiB = 1 << 20
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 DEFAULT_CACHE_DIR = "~/.cache/autooffload"
 COPY_REPEATS = 3
 OPTIM_NUMEL = 1 << 23
@@ -45,16 +45,18 @@ def measure_hardware(
     copy_bytes: int = 256 * MiB,
     cpu_optim_dtype: torch.dtype = torch.float32,
     device_optim_dtype: torch.dtype = torch.bfloat16,
+    pinned: bool = True,
 ) -> HardwareProfile:
     """The machine's HardwareProfile: from the cache when its key matches, else measured (~1-3 s).
 
     ``reprofile=True`` or ``AUTOOFFLOAD_REPROFILE=1`` forces a measurement. A cache file that
     cannot be read or parsed is ignored and rewritten (atomically). ``cpu_optim_dtype`` is the
     dtype the CPU optimizer updates (fp32 master weights); ``device_optim_dtype`` the dtype of
-    persistent parameters updated on the device.
+    persistent parameters updated on the device. ``pinned=False`` times pageable copies (the
+    run's host store could not be pinned); it is cached under its own key.
     """
     device = _normalise(torch.device(device))
-    key = cache_key(device, optimizer_cls)
+    key = cache_key(device, optimizer_cls, pinned)
     path = cache_path(cache_dir, key)
     forced = reprofile or os.environ.get("AUTOOFFLOAD_REPROFILE", "").lower() in ("1", "true")
     if not forced:
@@ -65,7 +67,7 @@ def measure_hardware(
             return replace(cached, gpu_free_bytes=free, gpu_total_bytes=total)
     started = time.perf_counter()
     if device.type == "cuda":
-        h2d, d2h, duplex = _cuda_bandwidths(device, copy_bytes)
+        h2d, d2h, duplex = _cuda_bandwidths(device, copy_bytes, pinned)
         torch.cuda.empty_cache()  # give the copy buffers back before anything else allocates
     else:
         h2d, d2h, duplex = _host_bandwidths(copy_bytes)
@@ -97,8 +99,9 @@ def measure_hardware(
     return profile
 
 
-def cache_key(device: torch.device, optimizer_cls: type) -> dict[str, Any]:
-    """What a cached profile must match: machine, device, driver, torch, threads, optimizer."""
+def cache_key(device: torch.device, optimizer_cls: type, pinned: bool = True) -> dict[str, Any]:
+    """What a cached profile must match: machine, device, driver, torch, threads, optimizer,
+    and whether host memory is pinned."""
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
     else:
@@ -111,6 +114,7 @@ def cache_key(device: torch.device, optimizer_cls: type) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "cpu_threads": torch.get_num_threads(),
         "optimizer": f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}",
+        "pinned": pinned,
     }
 
 
@@ -188,11 +192,19 @@ def _make_optimizer(
     return optimizer_cls([param]), optimizer_cls.__name__
 
 
-def _cuda_bandwidths(device: torch.device, nbytes: int) -> tuple[float, float, float]:
-    """(H2D, D2H, both-at-once aggregate) bytes/s of pinned copies, median of CUDA-event timings."""
+def _cuda_bandwidths(
+    device: torch.device, nbytes: int, pinned: bool = True
+) -> tuple[float, float, float]:
+    """(H2D, D2H, both-at-once aggregate) bytes/s of host copies (pinned unless ``pinned`` is
+    False, or pinning fails here too), median of CUDA-event timings."""
     nbytes = int(min(nbytes, torch.cuda.mem_get_info(device)[0] // 8))
-    host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    try:
+        host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    except RuntimeError as error:
+        logger.debug("pinning the bandwidth probe failed (%s); timing pageable copies", error)
+        host_in = torch.empty(nbytes, dtype=torch.uint8)
+        host_out = torch.empty(nbytes, dtype=torch.uint8)
     device_in = torch.empty(nbytes, dtype=torch.uint8, device=device)
     device_out = torch.empty(nbytes, dtype=torch.uint8, device=device)
     h2d_stream = torch.cuda.Stream(device)

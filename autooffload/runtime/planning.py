@@ -231,4 +231,5 @@ def hardware_profile(runtime: Runtime) -> HardwareProfile:
         runtime.settings.cache_dir,
         reprofile=runtime.settings.reprofile,
         optimizer_cls=cls,
+        pinned=runtime.manager.host.pinned or not runtime.manager.is_cuda,
     )

@@ -5,6 +5,7 @@ autocast skips the same steps as plain training and updates offloaded params lik
 from __future__ import annotations
 
 import copy
+import gc
 import math
 
 import pytest
@@ -32,6 +33,7 @@ FAIL_AT = 3
 # AdamW) round differently in the last bit; a lost or stale update moves weights by ~lr = 1e-2.
 RTOL = 1e-4
 ATOL = 1e-4
+FP16_TOL = 2e-3
 
 
 def _enable_gpu(**settings) -> None:
@@ -42,9 +44,22 @@ def _pinned_pool_bytes() -> int:
     return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
 
 
-def _assert_close(expected: dict, actual: dict) -> None:
+def _pinned_tensors_alive() -> list[str]:
+    """What holds pinned tensors now (for the failure message), then whether gc frees them."""
+    found = []
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.is_pinned():
+            holders = [type(r).__name__ for r in gc.get_referrers(obj)][:6]
+            found.append(f"{tuple(obj.shape)} {obj.dtype} held by {holders}")
+    gc.collect()
+    found.append(f"after gc.collect: {_pinned_pool_bytes()} bytes")
+    return found
+
+
+def _assert_close(expected: dict, actual: dict, tol: float = ATOL) -> None:
     for name, weight in expected.items():
-        torch.testing.assert_close(actual[name].cpu(), weight.cpu(), rtol=RTOL, atol=ATOL, msg=name)
+        diff = (actual[name].cpu() - weight.cpu()).abs().max().item()
+        assert diff <= tol + RTOL * weight.abs().max().item(), f"{name}: max |diff| {diff:.2e}"
 
 
 def _train_through_fault(model, where, kind, attach: dict | None) -> dict[str, torch.Tensor]:
@@ -89,7 +104,11 @@ def test_fault_on_gpu_then_training_matches_plain_and_leaks_nothing(where, kind)
     # The pinned allocator caches freed blocks: a second cycle reusing them proves none leaked.
     pool_after_first = _pinned_pool_bytes()
     _train_through_fault(copy.deepcopy(base), where, kind, settings)
-    assert _pinned_pool_bytes() == pool_after_first, "pinned host memory outlived disable()"
+    pool_after_second = _pinned_pool_bytes()
+    assert pool_after_second == pool_after_first, (
+        f"pinned host memory outlived disable(): {pool_after_second} vs {pool_after_first} bytes;"
+        f" alive: {_pinned_tensors_alive()}"
+    )
     assert not autooffload_threads(), "the CPU optimizer thread outlived disable()"
 
 
@@ -111,6 +130,8 @@ def test_grad_scaler_fp16_autocast_skips_like_plain(fused):
         for step, ids in enumerate(batches(STEPS)):
             ids = ids.cuda()
             poisoned["on"] = step == 2
+            if step == 2:
+                before_skip = weights(model)
             with torch.autocast("cuda", dtype=torch.float16):
                 loss = model(input_ids=ids, labels=ids).loss
             scaler.scale(loss).backward()
@@ -120,8 +141,14 @@ def test_grad_scaler_fp16_autocast_skips_like_plain(fused):
             scaler.update()
             optimizer.zero_grad()
             scales.append(scaler.get_scale())
+            if step == 2:
+                # The skipped step left every weight, offloaded or persistent, bit-identical.
+                for name, weight in weights(model).items():
+                    assert torch.equal(weight, before_skip[name]), f"{name} moved on a skip"
         autooffload.disable()
         runs.append((scales, weights(model)))
     assert runs[0][0] == runs[1][0], "the scaler skipped different steps"
     assert runs[0][0][2] < runs[0][0][1]
-    _assert_close(runs[0][1], runs[1][1])
+    # fp16 autocast turns last-bit differences of the two optimizers' kernels into ~1e-4 weight
+    # differences after a few steps; a lost or extra update moves weights by ~lr = 1e-2.
+    _assert_close(runs[0][1], runs[1][1], tol=FP16_TOL)
