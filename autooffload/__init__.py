@@ -33,6 +33,7 @@ __all__ = [
     "enable",
     "gathered",
     "last_plan",
+    "no_sync",
 ]
 
 
@@ -86,6 +87,14 @@ def attach(model: Any, optimizer: Any = None, **settings: Any) -> Any:
     from autooffload.runtime import attach as attach_runtime
 
     return attach_runtime(model, optimizer, resolved)
+
+
+def no_sync(model: Any) -> contextlib.AbstractContextManager[None]:
+    """Skip cross-rank gradient averaging of ``model``'s persistent and resident params for the
+    backward passes inside (gradient accumulation under torchrun, like ``DDP.no_sync``)."""
+    from autooffload.runtime.distributed import no_sync as _no_sync
+
+    return _no_sync(model)
 
 
 def last_plan() -> Plan | None:

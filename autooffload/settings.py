@@ -20,6 +20,7 @@ ACTIVATION_MODES = ("auto", "keep", "checkpoint", "swap", "off")
 EOS_MODES = ("turn", "last", "all", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEVICES = ("cuda", "cpu")
+DATA_PARALLEL_MODES = ("auto", "off")
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
 BOUNDARY_KEYS = ("role", "start", "end", "include_start", "include_end")
 
@@ -319,6 +320,10 @@ class Settings:
         cache_dir: Directory of the per-machine hardware measurements cache.
         reprofile: Ignore the hardware cache and measure again.
         print_plan: Print the plan summary to stdout when it is made (not only log it).
+        data_parallel: ``auto``: when a ``torch.distributed`` process group of several ranks
+            exists (torchrun, accelerate launch), every rank's attached replica averages its
+            gradients across ranks chunk by chunk; ``off``: leave gradients local (the script
+            reduces them itself).
     """
 
     enabled: bool = _knob(True, "AUTOOFFLOAD", _parse_bool, "master switch; 0 turns everything off")
@@ -408,6 +413,12 @@ class Settings:
     )
     print_plan: bool = _knob(
         False, "AUTOOFFLOAD_PRINT_PLAN", _parse_bool, "print the plan summary to stdout"
+    )
+    data_parallel: str = _knob(
+        "auto",
+        "AUTOOFFLOAD_DATA_PARALLEL",
+        _enum(DATA_PARALLEL_MODES),
+        "auto (average gradients across torch.distributed ranks) or off",
     )
 
     def __post_init__(self) -> None:

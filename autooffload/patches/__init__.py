@@ -27,6 +27,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "bnb",
     "hf_collators",
     "trl_fused_head",
+    "torch_ddp",
 )
 
 # The registry state: the settings of the current enable() (None when disabled), the

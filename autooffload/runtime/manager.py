@@ -18,11 +18,15 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
 from autooffload.runtime.chunks import ALIGN, Chunk, ChunkLayout, ParamSlot
 from autooffload.runtime.host import HostArena
+
+if TYPE_CHECKING:
+    from autooffload.runtime.distributed import DataParallel
 
 
 class Residency(enum.Enum):
@@ -76,6 +80,11 @@ class ChunkManager:
         self.host_busy: list[Future | None] = [None] * len(self.chunks)
         self.staging_busy: list[Future | None] = [None] * len(self.chunks)
         self.on_grads_ready: GradsReady | None = None
+        # Data parallelism (runtime/distributed.py): the reducer, and per chunk the backward
+        # pass whose gradients it last reduced (each chunk is reduced once per backward).
+        self.data_parallel: DataParallel | None = None
+        self._reduced: dict[int, int] = {}
+        self._backward_id = 0
         # Hold counts of chunks whose release waits for the last ``unhold`` (code reading a
         # group's weights after the group's own forward returned: DoRA around a base layer).
         self.held: dict[int, int] = {}
@@ -259,10 +268,16 @@ class ChunkManager:
         """Copy the gradients of an offloaded chunk to pinned host staging and free them on GPU.
 
         The CPU optimizer side is told through ``on_grads_ready`` with the event to wait on.
+        Under data parallelism the gradients are averaged across ranks first (a persistent
+        chunk's in place, finished at the end of backward; see ``runtime/distributed.py``).
         """
-        if index in self.persistent:
-            return
         chunk = self.chunks[index]
+        if index in self.persistent:
+            self._reduce_persistent(chunk)
+            return
+        if self.data_parallel is not None:
+            self._offload_averaged_grads(chunk)
+            return
         slots = [s for s in chunk.trainable_slots if s.param.grad is not None]
         if not slots:
             return
@@ -287,11 +302,81 @@ class ChunkManager:
         else:
             for slot in slots:
                 self.staging_view(slot, chunk).copy_(slot.param.grad)
+        self._grads_sent(chunk, slots, event, norms)
+
+    def _grads_sent(
+        self,
+        chunk: Chunk,
+        slots: list[ParamSlot],
+        event: torch.cuda.Event | None,
+        norms: Sequence[torch.Tensor],
+    ) -> None:
         for slot in slots:
             slot.param.grad = None
             self.stats["d2h_bytes"] += slot.nbytes
         if self.on_grads_ready is not None:
-            self.on_grads_ready(chunk, slots, event, norms)
+            self.on_grads_ready(chunk, slots, event, tuple(norms))
+
+    def _offload_averaged_grads(self, chunk: Chunk) -> None:
+        """``offload_grads`` under data parallelism: every trainable slot (zeros where this
+        rank has no gradient, so all ranks reduce the same tensors), averaged across ranks,
+        then norms and D2H copies on the D2H stream once the collective is done."""
+        assert self.data_parallel is not None
+        slots = list(chunk.trainable_slots)
+        if not slots or self._reduced.get(chunk.index) == self._backward_id:
+            return
+        if all(s.param.grad is None for s in slots):
+            return
+        self._reduced[chunk.index] = self._backward_id
+        self._wait(self.staging_busy, chunk.index)
+        grads = [
+            s.param.grad
+            if s.param.grad is not None
+            else torch.zeros(s.shape, dtype=s.dtype, device=self.device)
+            for s in slots
+        ]
+        reduction = self.data_parallel.start(grads)
+        for slot in slots:
+            slot.param.grad = None
+        event = None
+        if self.is_cuda:
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h_stream):
+                reduction.wait()
+                norms = torch._foreach_norm(reduction.views, 2, dtype=torch.float32)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.d2h_stream)
+                for slot, averaged in zip(slots, reduction.views, strict=True):
+                    self.staging_view(slot, chunk).copy_(averaged, non_blocking=True)
+                for flat in reduction.flats:
+                    flat.record_stream(self.d2h_stream)
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(self.d2h_stream)
+            self._timed.append(("d2h_s", start, event))
+        else:
+            reduction.wait()
+            norms = torch._foreach_norm(reduction.views, 2, dtype=torch.float32)
+            for slot, averaged in zip(slots, reduction.views, strict=True):
+                self.staging_view(slot, chunk).copy_(averaged)
+        self._grads_sent(chunk, slots, event, norms)
+
+    def _reduce_persistent(self, chunk: Chunk) -> None:
+        """Start averaging a persistent chunk's gradients across ranks (once per backward)."""
+        dp = self.data_parallel
+        if dp is None or not dp.sync or self._reduced.get(chunk.index) == self._backward_id:
+            return
+        slots = list(chunk.trainable_slots)
+        if not slots or all(s.param.grad is None for s in slots):
+            return
+        self._reduced[chunk.index] = self._backward_id
+        for slot in slots:
+            if slot.param.grad is None:
+                slot.param.grad = torch.zeros_like(slot.param)
+        dp.reduce_in_place([s.param.grad for s in slots])
+
+    def begin_backward(self, backward_id: int) -> None:
+        """A new backward pass: every chunk's gradients may be reduced once again."""
+        self._backward_id = backward_id
 
     def fold_copy_times(self, wait: bool = False) -> None:
         """Add the measured durations of finished copies to ``stats`` (all of them if ``wait``)."""

@@ -93,6 +93,15 @@ class CpuOptimizer:
             else:
                 self.masters[id(slot.param)] = host
 
+    def refresh_masters(self) -> None:
+        """Re-read fp32 masters from the host store after its bytes were overwritten."""
+        self.wait()
+        for chunk, slot in self.offloaded_slots():
+            master = self.masters.get(id(slot.param))
+            host = self.manager.host_view(slot, chunk)
+            if master is not None and master.data_ptr() != host.data_ptr():
+                master.copy_(host)
+
     def offloaded_slots(self) -> list[tuple[Chunk, ParamSlot]]:
         """Every trainable slot of a non-persistent chunk."""
         return [

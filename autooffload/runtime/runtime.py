@@ -27,6 +27,7 @@ from autooffload.runtime.adapters import adapter_params
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
+from autooffload.runtime.distributed import attach_data_parallel
 from autooffload.runtime.manager import ChunkManager, Residency
 from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
@@ -79,6 +80,7 @@ class Runtime:
             n_buffer=self.plan.n_buffer,
             pin_memory=True,
         )
+        self.data_parallel = attach_data_parallel(self, settings)
         self.manager.adopt_params()
         for param in self.resident_params:
             param.data = param.data.to(device)
@@ -95,6 +97,7 @@ class Runtime:
         self._last_trace: list[int] = [g.index for g in self.groups]
         self._position = {g: i for i, g in enumerate(self._last_trace)}
         self._backward_task: int | None = None
+        self._backward_count = 0
         self._steps = 0
         self._step_started = time.perf_counter()
         self.swapper: ActivationSwapper | None = None
@@ -250,6 +253,8 @@ class Runtime:
             self._trace = []
         self._active.clear()
         self.manager.release_all()
+        if self.data_parallel is not None:
+            self.data_parallel.discard()
 
     def _chunks(self, group: Group) -> list[int]:
         return self.layout.chunks_of_group[group.index]
@@ -335,6 +340,12 @@ class Runtime:
             if all(self._position.get(u, -1) > position for u in users):
                 self.manager.offload_grads(index)
                 self.manager.release(index)
+        if self.data_parallel is not None:
+            # Persistent chunks whose backward is complete start their gradient average now.
+            for index in self.manager.persistent:
+                users = self.layout.chunks[index].groups
+                if all(self._position.get(u, -1) > position for u in users):
+                    self.manager.offload_grads(index)
         for index in self._chunks(group):
             self.manager.gather(index)
         if isinstance(self.profiler, StepProfiler):
@@ -349,12 +360,16 @@ class Runtime:
         task = torch._C._current_graph_task_id()
         if task != self._backward_task:
             self._backward_task = task
+            self._backward_count += 1
+            self.manager.begin_backward(self._backward_count)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         for index in range(len(self.layout.chunks)):
             self.manager.offload_grads(index)
             self.manager.release(index)
+        if self.data_parallel is not None:
+            self.data_parallel.end_backward(self.resident_params)
         self._backward_task = None
         self._backwards_this_step += 1
         self._trace_end()
@@ -435,6 +450,8 @@ class Runtime:
         """Profiling step done: search the plan for the measured profile, switch, log it once."""
         plan = plan_from_profile(self, profile, cpu_rate)
         plan = replace(plan, chunk_size=self.layout.chunk_size)
+        if self.data_parallel is not None:
+            plan = self.data_parallel.agree(plan)
         self.profile = profile
         self.apply_plan(plan)
         from autooffload import runtime as rt

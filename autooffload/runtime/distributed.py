@@ -1,0 +1,292 @@
+"""Data parallelism over ``torch.distributed``: chunk-level gradient averaging across ranks.
+
+Every rank attaches its own replica of the model with the same layout and plan. Gradients are
+averaged with the process group's collectives (NCCL on GPUs, gloo in the CPU simulation), one
+collective per chunk, issued the moment the chunk's backward is complete:
+
+* an **offloaded** chunk's gradients are flattened (one buffer per dtype) and all-reduced
+  asynchronously from the compute stream; the D2H stream waits for the collective, takes the
+  clipping norms of the averaged gradients and copies them to host staging, so the reduction
+  overlaps the rest of the backward and the CPU optimizer receives averaged gradients;
+* a **persistent** chunk's gradients (and resident adapters') are reduced the same way and
+  copied back into ``.grad`` at the end of backward, where the user's optimizer reads them.
+
+Plans are agreed: rank 0's searched plan is broadcast (profiles differ per rank; plans must
+not, or the ranks would issue different collectives and hang). At attach, ranks compare
+their layouts and settings and all raise the same error if they differ. ``no_sync`` (DDP's, or
+:func:`autooffload.no_sync`) skips the reduction of persistent and resident gradients, which
+accumulate locally and are averaged at the next synchronised backward; offloaded chunks are
+reduced on every backward, since their gradients leave the GPU anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from autooffload.errors import AttachError
+from autooffload.log import logger
+
+if TYPE_CHECKING:
+    from autooffload.plan.types import Plan
+    from autooffload.runtime.chunks import ChunkLayout
+    from autooffload.runtime.runtime import Runtime
+    from autooffload.settings import Settings
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@dataclass
+class Reduction:
+    """One asynchronous gradient average: flat buffers per dtype and their views per tensor."""
+
+    works: list[Any]
+    flats: list[torch.Tensor]
+    views: list[torch.Tensor]
+    targets: list[torch.Tensor] = field(default_factory=list)
+
+    def wait(self) -> None:
+        """Make the current stream (or, on CPU, the caller) wait for the collectives."""
+        for work in self.works:
+            work.wait()
+
+
+class DataParallel:
+    """Gradient averaging of one attached model across the ranks of a process group."""
+
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+        self.device = device
+        # False inside no_sync: persistent and resident gradients accumulate locally.
+        self.sync = True
+        self._pending: list[Reduction] = []
+        self.reduced_bytes = 0
+
+    @staticmethod
+    def create(settings: Settings, device: torch.device) -> DataParallel | None:
+        """The data-parallel reducer for this process, or None (no group, one rank, or off)."""
+        if settings.data_parallel == "off":
+            return None
+        _, size = world()
+        if size <= 1:
+            return None
+        return DataParallel(device)
+
+    # ---- agreement ----------------------------------------------------------------------------
+
+    def check_same(self, what: dict[str, Any]) -> None:
+        """Raise the same ``AttachError`` on every rank if ``what`` differs between ranks."""
+        mine = json.dumps(what, sort_keys=True, default=str)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        differing = sorted(
+            key
+            for key in what
+            if len({json.dumps(json.loads(g)[key], default=str) for g in gathered}) > 1
+        )
+        if differing:
+            values = {
+                key: [json.loads(g)[key] for g in gathered] for key in differing[:3]
+            }  # per rank
+            raise AttachError(
+                f"ranks disagree on {', '.join(differing)} (per rank: {values}); every rank must"
+                " attach the same model with the same AUTOOFFLOAD_* settings (budget, chunk"
+                " size, counts), or the ranks would issue different collectives and hang"
+            )
+
+    def agree(self, plan: Plan) -> Plan:
+        """Rank 0's plan, on every rank."""
+        box = [plan if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=self._global_rank(0), group=self.group)
+        agreed = box[0]
+        assert agreed is not None
+        if self.rank != 0 and agreed != plan:
+            logger.debug("rank %d takes rank 0's plan: %s", self.rank, agreed.summary())
+        return agreed
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def broadcast_(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite ``tensors`` with rank 0's (weights at wrap time, as DDP does)."""
+        for tensor in tensors:
+            if self.backend == "nccl" and tensor.device.type != "cuda":
+                staged = tensor.to(self.device)
+                dist.broadcast(staged, src=self._global_rank(0), group=self.group)
+                tensor.copy_(staged)
+            else:
+                dist.broadcast(tensor, src=self._global_rank(0), group=self.group)
+
+    def sync_replica(self, runtime: Runtime) -> None:
+        """Make this rank's replica equal rank 0's: chunk bytes (host store, or device storage
+        of persistent chunks), resident params and buffers (DDP does this when it wraps)."""
+        runtime.synchronize()
+        manager = runtime.manager
+        manager.release_all()
+        tensors = [
+            manager.gpu_flat[chunk.index]
+            if chunk.index in manager.persistent
+            else manager.host.view(chunk.index)
+            for chunk in manager.chunks
+        ]
+        tensors += [p.data for p in runtime.resident_params]
+        tensors += [b for b in runtime.model.buffers() if b is not None]
+        self.broadcast_(tensors)
+        runtime.cpu_optim.refresh_masters()
+
+    # ---- reduction ----------------------------------------------------------------------------
+
+    def start(self, grads: list[torch.Tensor]) -> Reduction:
+        """Average ``grads`` across ranks asynchronously; returns flat buffers and views.
+
+        The flatten runs on the current stream; the collective on the backend's stream.
+        """
+        works, flats, views = [], [], [None] * len(grads)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, grad in enumerate(grads):
+            by_dtype.setdefault(grad.dtype, []).append(i)
+        for indices in by_dtype.values():
+            members = [grads[i] for i in indices]
+            flat = torch.cat([g.reshape(-1) for g in members])
+            if self.backend == "nccl":
+                op = dist.ReduceOp.AVG
+            else:
+                # gloo has no AVG: divide first (exact for power-of-two world sizes).
+                flat.div_(self.world_size)
+                op = dist.ReduceOp.SUM
+            works.append(dist.all_reduce(flat, op=op, group=self.group, async_op=True))
+            flats.append(flat)
+            offset = 0
+            for i, grad in zip(indices, members, strict=True):
+                views[i] = flat[offset : offset + grad.numel()].view(grad.shape)
+                offset += grad.numel()
+            self.reduced_bytes += flat.numel() * flat.element_size()
+        return Reduction(works, flats, views)  # type: ignore[arg-type]
+
+    def reduce_in_place(self, grads: list[torch.Tensor]) -> None:
+        """Start averaging ``grads`` (GPU-resident ``.grad`` tensors); :meth:`finish` writes
+        the averages back."""
+        if not grads:
+            return
+        reduction = self.start(grads)
+        reduction.targets = grads
+        self._pending.append(reduction)
+
+    def finish(self) -> None:
+        """Wait for the pending in-place reductions and copy the averages into ``.grad``."""
+        pending, self._pending = self._pending, []
+        for reduction in pending:
+            reduction.wait()
+            torch._foreach_copy_(reduction.targets, reduction.views)
+
+    def end_backward(self, resident: list[torch.nn.Parameter]) -> None:
+        """End of a backward pass: average the resident trainable params' gradients (adapters),
+        then write every pending average into ``.grad``."""
+        if self.sync:
+            self.reduce_in_place([p.grad for p in resident if p.grad is not None])
+        self.finish()
+
+    def discard(self) -> None:
+        """Drop pending reductions after an interrupted backward (their collectives finish)."""
+        for reduction in self._pending:
+            reduction.wait()
+        self._pending = []
+
+
+def attach_data_parallel(runtime: Runtime, settings: Settings) -> DataParallel | None:
+    """Set up data parallelism for a runtime being attached (None on one rank): check that
+    every rank attaches the same layout and plan, give the CPU optimizer its share of cores."""
+    reducer = DataParallel.create(settings, runtime.device)
+    if reducer is None:
+        return None
+    reducer.check_same(
+        {
+            "layout": layout_fingerprint(runtime.layout),
+            "chunks": len(runtime.layout.chunks),
+            "initial plan": runtime.plan.summary(),
+            "settings": {
+                k: getattr(settings, k)
+                for k in (
+                    "offload",
+                    "chunk_size",
+                    "n_persist",
+                    "n_buffer",
+                    "n_swap",
+                    "n_checkpoint",
+                    "activation_mode",
+                    "master_weights",
+                    "budget",
+                )
+            },
+        }
+    )
+    share_cpu_threads()
+    runtime.manager.data_parallel = reducer
+    logger.debug("data parallel over %d ranks (%s)", reducer.world_size, reducer.backend)
+    return reducer
+
+
+def layout_fingerprint(layout: ChunkLayout) -> str:
+    """A short hash of the chunk layout: names, shapes, dtypes and offsets of every slot."""
+    digest = hashlib.sha256()
+    for chunk in layout.chunks:
+        digest.update(f"{chunk.index}:{chunk.nbytes}".encode())
+        for slot in chunk.slots:
+            digest.update(f"{slot.name}:{tuple(slot.shape)}:{slot.dtype}:{slot.offset}".encode())
+    return digest.hexdigest()[:16]
+
+
+@contextmanager
+def no_sync(model: torch.nn.Module) -> Iterator[None]:
+    """Skip the gradient averaging of persistent and resident params for the backward passes
+    inside (gradient accumulation); the next backward outside averages the accumulated sums.
+
+    Works like ``DistributedDataParallel.no_sync``; DDP's own ``no_sync`` works too.
+    """
+    from autooffload import runtime as rt
+
+    runtimes = [r for m in model.modules() if (r := rt.runtime_of(m)) is not None]
+    reducers = [r.data_parallel for r in runtimes if r.data_parallel is not None]
+    before = [r.sync for r in reducers]
+    for reducer in reducers:
+        reducer.sync = False
+    try:
+        yield
+    finally:
+        for reducer, sync in zip(reducers, before, strict=True):
+            reducer.sync = sync
+
+
+def share_cpu_threads() -> None:
+    """Give the CPU optimizer this rank's share of the host cores.
+
+    ``torchrun`` sets ``OMP_NUM_THREADS=1`` when it starts several processes per node, which
+    would leave the fused CPU optimizer on one core (~10x slower); each rank takes
+    ``cores // local_world_size`` instead, unless the user set a larger count.
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local <= 1:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cores or 1) // local)
+    if torch.get_num_threads() < share:
+        logger.debug("CPU optimizer threads: %d -> %d", torch.get_num_threads(), share)
+        torch.set_num_threads(share)

@@ -1,0 +1,136 @@
+"""Data parallelism: two ranks (torchrun, gloo on CPU; NCCL on two GPUs) train an attached model
+like one process averaging the two halves of each global batch; DDP wrapping, no_sync, clipping,
+mismatched settings and checkpoints written at world size 2 and resumed at 1 and 2.
+
+One ``torchrun`` launch runs every case (tests/runtime/dp_worker.py); the tests read its report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dp_worker import LR, RESUME_AT, STEPS, global_batches, local_part, weights
+from runtime_models import CHUNK_SIZE, tiny_llama
+
+import autooffload
+
+WORKER = Path(__file__).with_name("dp_worker.py")
+# fp32, same kernels and the same summation order as the averaged reference: last-bit noise
+# only. A gradient not averaged (or averaged twice) moves weights by ~lr = 1e-2 in 10 steps.
+TOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(out: Path, device: str, dtype: str = "float32", nproc: int = 2) -> list[dict]:
+    """Run the worker on ``nproc`` ranks; return each rank's report."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={_free_port()}",
+        str(WORKER),
+        f"--out={out}",
+        f"--device={device}",
+        f"--dtype={dtype}",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    reports = []
+    for rank in range(nproc):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no report:\n{done.stdout}\n{done.stderr}"
+        report = json.loads(path.read_text())
+        assert "error" not in report, report["error"]
+        reports.append(report)
+    assert done.returncode == 0, done.stderr
+    return reports
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory) -> tuple[list[dict], Path]:
+    out = tmp_path_factory.mktemp("dp")
+    return launch(out, "cpu"), out
+
+
+def test_two_ranks_train_like_one_process_averaging_the_halves(cpu_run):
+    reports, _ = cpu_run
+    for report in reports:
+        assert report["world"] == 2
+        assert report["dp_vs_averaged"] < TOL
+        assert report["dp_ranks_identical"]
+        # Against the whole batch in one process, the difference is the one plain torch has
+        # between averaged halves and the whole batch (Adam amplifies last-bit differences).
+        assert report["dp_vs_whole_batch"] < 2 * report["averaged_vs_whole_batch"] + TOL
+
+
+def test_ddp_wrapper_no_sync_accumulation_clipping_and_start_up_broadcast(cpu_run):
+    # Rank 1 built its model from another seed: DDP's start-up broadcast made it rank 0's.
+    reports, _ = cpu_run
+    for report in reports:
+        assert report["ddp_vs_averaged"] < TOL
+        assert report["ddp_ranks_identical"]
+
+
+def test_mismatched_settings_raise_the_same_error_on_every_rank(cpu_run):
+    reports, _ = cpu_run
+    errors = {report["mismatch_error"] for report in reports}
+    assert len(errors) == 1
+    (error,) = errors
+    assert error.startswith("ranks disagree on") and "n_persist" in error
+
+
+def test_checkpoint_of_two_ranks_resumes_at_two_and_at_one(cpu_run):
+    reports, out = cpu_run
+    for report in reports:
+        assert report["resume2_vs_averaged"] < TOL
+    # World size 1: this process, attached, the two halves as gradient accumulation.
+    checkpoint = torch.load(out / "world2.pt", weights_only=True)
+    autooffload.enable(device="cpu", force_attach=True, chunk_size=CHUNK_SIZE, mask=False)
+    try:
+        model = tiny_llama(seed=3).to("cpu")
+        model.load_state_dict(checkpoint["model"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        for ids in global_batches(STEPS)[RESUME_AT:]:
+            for rank in range(2):
+                half = local_part(ids, rank, 2)
+                (model(input_ids=half, labels=half).loss / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        resumed = weights(model)
+    finally:
+        autooffload.disable()
+    expected = torch.load(out / "averaged.pt", weights_only=True)
+    for name, weight in expected.items():
+        torch.testing.assert_close(resumed[name], weight, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_nccl_fp32_and_bf16(tmp_path):
+    reports = launch(tmp_path / "fp32", "cuda")
+    for report in reports:
+        # CUDA kernels of one process vs two: same math, last-bit differences amplified by Adam.
+        assert report["dp_vs_averaged"] < 1e-4
+        assert report["ddp_vs_averaged"] < 1e-4
+        assert report["resume2_vs_averaged"] < 1e-4
+        assert report["dp_ranks_identical"] and report["ddp_ranks_identical"]
+    reports = launch(tmp_path / "bf16", "cuda", "bfloat16")
+    for report in reports:
+        assert report["dp_ranks_identical"] and report["ddp_ranks_identical"]
+        # bf16 rounding of two averaged halves vs one process: well under one lr step.
+        assert report["dp_vs_averaged"] < 5e-3
