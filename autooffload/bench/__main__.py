@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="settings passed to autooffload.enable() (e.g. n_persist=4)",
     )
+    parser.add_argument(
+        "--nproc",
+        type=_nprocs,
+        default=[1],
+        help="GPU count(s), e.g. 2 or 1,2: each run data-parallel over that many ranks (torchrun)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--log-dir", type=Path, help="keep each worker's output here")
@@ -114,6 +120,16 @@ def _from_json(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nprocs(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"invalid --nproc {text!r}; use e.g. 1, 2 or 1,2")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -134,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     device = args.device or _default_device()
-    runs = plan_runs(workloads, caps, peers, args.repeat, vanilla_caps)
+    runs = plan_runs(workloads, caps, peers, args.repeat, vanilla_caps, args.nproc)
     date = dt.datetime.now()
     out = (
         args.out or RESULTS_DIR / f"{'+'.join(w.name for w in workloads)}-{date:%Y%m%d-%H%M%S}.json"

@@ -36,12 +36,13 @@ def _apply_cap(device: str, cap_bytes: int | None) -> dict[str, Any]:
 
     if device != "cuda":
         return {}
-    torch.cuda.set_device(0)
-    total = torch.cuda.get_device_properties(0).total_memory
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    total = torch.cuda.get_device_properties(local).total_memory
     info: dict[str, Any] = {"device_total_gib": total / GiB}
     if cap_bytes is not None:
         fraction = min(1.0, cap_bytes / total)
-        torch.cuda.set_per_process_memory_fraction(fraction, 0)
+        torch.cuda.set_per_process_memory_fraction(fraction, local)
         info["cap_fraction"] = fraction
     return info
 
@@ -70,7 +71,7 @@ def _memory(device: str) -> dict[str, Any]:
         if torch.cuda.is_initialized():
             out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
             out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
-            out["device_name"] = torch.cuda.get_device_name(0)
+            out["device_name"] = torch.cuda.get_device_name()
     else:
         out["device_name"] = f"cpu ({platform.processor() or platform.machine()})"
     return out
@@ -100,14 +101,30 @@ def _train(trainee: Any, spec: dict[str, Any], workload: Any) -> dict[str, Any]:
         losses.append(float(loss))
     timed = step_s[warmup:]
     median = statistics.median(timed)
+    world = _world_size()
     return {
         "step_s": step_s,
         "losses": losses,
         "step_s_median": median,
-        "tokens_per_s": workload.tokens_per_step / median,
+        # Every rank trains its own batch of the workload's shape: global throughput.
+        "tokens_per_s": world * workload.tokens_per_step / median,
+        "tokens_per_s_per_gpu": workload.tokens_per_step / median,
         "loss_first": losses[0],
         "loss_final": losses[-1],
     }
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _init_distributed(device: str) -> None:
+    """Under torchrun (several ranks): the default process group, before any peer is built."""
+    import torch.distributed as dist
+
+    if _world_size() > 1 and not dist.is_initialized():
+        # gloo beside NCCL: FSDP2's CPU-offloaded DTensors reduce host tensors.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -120,6 +137,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         import torch
 
         result["cap_info"] = _apply_cap(device, spec.get("cap_bytes"))
+        _init_distributed(device)
         torch.manual_seed(spec["seed"])
 
         from autooffload.bench.peers import PeerContext, get_peer
@@ -170,6 +188,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     result = run(spec)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     path = Path(spec["result_path"])
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, default=str))

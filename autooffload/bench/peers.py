@@ -68,10 +68,20 @@ def _adamw(model: nn.Module, ctx: PeerContext, fused: bool | None = None) -> tor
     return torch.optim.AdamW(params, lr=ctx.workload.lr, weight_decay=0.0, fused=fused)
 
 
+def _data_parallel() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _setup_vanilla(ctx: PeerContext) -> Trainee:
     model = build_model(ctx.workload, seed=ctx.seed)
     model.to(ctx.device)
-    return Trainee(model, _adamw(model, ctx))
+    optimizer = _adamw(model, ctx)
+    if _data_parallel():  # several GPUs: plain DDP is the reference
+        ids = [torch.cuda.current_device()] if ctx.device == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    return Trainee(model, optimizer)
 
 
 # --- autooffload -------------------------------------------------------------------------------
@@ -207,13 +217,14 @@ def _setup_fsdp2(ctx: PeerContext) -> Trainee:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    _single_process_env()
-    if ctx.device == "cuda":
-        torch.cuda.set_device(0)
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl", rank=0, world_size=1)
-    else:
-        dist.init_process_group(backend="gloo", rank=0, world_size=1)
-    mesh = init_device_mesh(ctx.device, (1,))
+    if not dist.is_initialized():
+        _single_process_env()
+        if ctx.device == "cuda":
+            torch.cuda.set_device(0)
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl", rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend="gloo", rank=0, world_size=1)
+    mesh = init_device_mesh(ctx.device, (dist.get_world_size(),))
     model = build_model(ctx.workload, seed=ctx.seed)
     if ctx.workload.dtype == "bfloat16":
         # LoRA adapters are fp32 (PEFT's default): compute in bf16, keep fp32 grads and master.

@@ -112,8 +112,21 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["breakdown"] = {
             k: _median([(r.get("breakdown") or {}).get(k) for r in ok]) for k in breakdown_keys
         }
+        row["nproc"] = max([r.get("nproc") or 1 for r in runs])
         rows.append(row)
+    _scaling(rows)
     return rows
+
+
+def _scaling(rows: list[dict[str, Any]]) -> None:
+    """``scaling``: a multi-GPU row's tok/s over N times its one-GPU row's (same cap, peer)."""
+    single = {(r["workload"], r["cap"], r["peer_label"]): r for r in rows if r["nproc"] == 1}
+    for row in rows:
+        n = row["nproc"]
+        base_label = row["peer_label"].removesuffix(f" x{n}")
+        base = single.get((row["workload"], row["cap"], base_label))
+        ok = n > 1 and base and base.get("tokens_per_s") and row.get("tokens_per_s")
+        row["scaling"] = row["tokens_per_s"] / (n * base["tokens_per_s"]) if ok else None
 
 
 def _fmt(value: Any, spec: str = ".2f", scale: float = 1.0) -> str:
@@ -171,6 +184,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             breakdown,
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    scaled = [r for r in rows if r.get("scaling") is not None]
+    if scaled:
+        lines += ["", "Scaling efficiency (tok/s on N GPUs / (N x tok/s on one)):"]
+        lines += [
+            f"- {r['workload']} / {r['cap']} / {r['peer_label']}: {r['scaling']:.2f}"
+            for r in scaled
+        ]
     if notes:
         lines += ["", "Notes:", *notes]
     return "\n".join(lines)

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -144,10 +145,16 @@ class RunSpec:
     peer: PeerSpec
     cap: int | None
     repeat: int
+    nproc: int = 1
+
+    @property
+    def label(self) -> str:
+        """The peer's label, with the GPU count when several (``autooffload x2``)."""
+        return self.peer.label + (f" x{self.nproc}" if self.nproc > 1 else "")
 
     def describe(self) -> str:
         cap = cap_label(self.cap)
-        return f"{self.workload.name} | cap {cap} | {self.peer.label} | rep {self.repeat}"
+        return f"{self.workload.name} | cap {cap} | {self.label} | rep {self.repeat}"
 
 
 def plan_runs(
@@ -156,25 +163,29 @@ def plan_runs(
     peers: list[PeerSpec],
     repeat: int,
     vanilla_caps: list[int | None] | None = None,
+    nprocs: list[int] | None = None,
 ) -> list[RunSpec]:
-    """The runs in execution order: per workload, per repeat, per cap, every peer (A B A B ...).
+    """The runs in execution order: per workload, per repeat, per GPU count, per cap, every peer
+    (A B A B ...).
 
     ``vanilla_caps`` (when given) replaces ``caps`` for the vanilla peer, e.g. ``[None]`` runs the
-    reference once uncapped per repeat instead of once per cap.
+    reference once uncapped per repeat instead of once per cap. ``nprocs`` lists the process
+    (GPU) counts, each run data-parallel over that many ranks (default ``[1]``).
     """
     runs = []
     for workload in workloads:
         for rep in range(repeat):
-            done_vanilla: set[int | None] = set()
-            for cap in caps:
-                for peer in peers:
-                    if peer.name == "vanilla" and vanilla_caps is not None:
-                        for vcap in vanilla_caps:
-                            if vcap not in done_vanilla:
-                                done_vanilla.add(vcap)
-                                runs.append(RunSpec(workload, peer, vcap, rep))
-                        continue
-                    runs.append(RunSpec(workload, peer, cap, rep))
+            for nproc in nprocs or [1]:
+                done_vanilla: set[int | None] = set()
+                for cap in caps:
+                    for peer in peers:
+                        if peer.name == "vanilla" and vanilla_caps is not None:
+                            for vcap in vanilla_caps:
+                                if vcap not in done_vanilla:
+                                    done_vanilla.add(vcap)
+                                    runs.append(RunSpec(workload, peer, vcap, rep, nproc))
+                            continue
+                        runs.append(RunSpec(workload, peer, cap, rep, nproc))
     return runs
 
 
@@ -191,6 +202,12 @@ class CommonSettings:
     verbose: bool = False
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         text = path.read_text(errors="replace").strip().splitlines()
@@ -205,7 +222,8 @@ def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> 
         "workload": run.workload.name,
         **{k: v for k, v in workload_to_dict(run.workload).items() if k != "name"},
         "peer": run.peer.name,
-        "peer_label": run.peer.label,
+        "peer_label": run.label,
+        "nproc": run.nproc,
         "options": run.peer.options,
         "cap": cap_label(run.cap),
         "cap_bytes": run.cap,
@@ -235,6 +253,7 @@ def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> 
         "steps": common.steps,
         "warmup": common.warmup,
         "seed": common.seed,
+        "nproc": run.nproc,
         "result_path": str(result_path),
     }
     spec_path.write_text(json.dumps(spec))
@@ -242,6 +261,11 @@ def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> 
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cmd = [sys.executable, "-m", "autooffload.bench._worker", str(spec_path)]
+    if run.nproc > 1:
+        # One process per GPU under torchrun; rank 0 writes the result.
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={run.nproc}"]
+        launcher.append(f"--master-port={_free_port()}")
+        cmd = [*launcher, "-m", "autooffload.bench._worker", str(spec_path)]
     with open(log_path, "w") as log:
         out = None if common.verbose else log
         proc = subprocess.Popen(

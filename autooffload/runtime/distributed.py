@@ -71,7 +71,9 @@ class DataParallel:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.backend = dist.get_backend(group)
+        self.backend = str(dist.get_backend(group))
+        # NCCL reduces device tensors (with AVG); gloo (the CPU simulation) host ones.
+        self.nccl = "nccl" in self.backend
         self.device = device
         # False inside no_sync: persistent and resident gradients accumulate locally.
         self.sync = True
@@ -128,7 +130,7 @@ class DataParallel:
     def broadcast_(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite ``tensors`` with rank 0's (weights at wrap time, as DDP does)."""
         for tensor in tensors:
-            if self.backend == "nccl" and tensor.device.type != "cuda":
+            if self.nccl and tensor.device.type != "cuda":
                 staged = tensor.to(self.device)
                 dist.broadcast(staged, src=self._global_rank(0), group=self.group)
                 tensor.copy_(staged)
@@ -166,7 +168,7 @@ class DataParallel:
         for indices in by_dtype.values():
             members = [grads[i] for i in indices]
             flat = torch.cat([g.reshape(-1) for g in members])
-            if self.backend == "nccl":
+            if self.nccl and flat.is_cuda:
                 op = dist.ReduceOp.AVG
             else:
                 # gloo has no AVG: divide first (exact for power-of-two world sizes).
