@@ -220,6 +220,16 @@ WORKLOADS: dict[str, Workload] = {
             description="Llama-3.2-3B dims (tied embeddings), full fine-tuning, bf16, AdamW, gc",
         ),
         _w(
+            name="llama-8b-full",
+            arch="llama",
+            text_dims=LLAMA3_8B,
+            mode="full",
+            bs=4,
+            seq=1024,
+            gc=True,
+            description="Llama-3-8B dims, full fine-tuning, bf16, AdamW, gc (multi-GPU bench)",
+        ),
+        _w(
             name="llama-8b-lora",
             lr=LORA_LR,
             arch="llama",
