@@ -8,8 +8,9 @@ collective per chunk, issued the moment the chunk's backward is complete:
   asynchronously from the compute stream; the D2H stream waits for the collective, takes the
   clipping norms of the averaged gradients and copies them to host staging, so the reduction
   overlaps the rest of the backward and the CPU optimizer receives averaged gradients;
-* a **persistent** chunk's gradients (and resident adapters') are reduced the same way and
-  copied back into ``.grad`` at the end of backward, where the user's optimizer reads them.
+* a **persistent** chunk's gradients are all-reduced in place (one collective per tensor, no
+  extra memory), resident adapters' flattened into one; the end of backward waits for them,
+  so the user's optimizer reads averaged ``.grad`` tensors.
 
 Plans are agreed: rank 0's searched plan is broadcast (profiles differ per rank; plans must
 not, or the ranks would issue different collectives and hang). At attach, ranks compare
@@ -183,27 +184,43 @@ class DataParallel:
             self.reduced_bytes += flat.numel() * flat.element_size()
         return Reduction(works, flats, views)  # type: ignore[arg-type]
 
-    def reduce_in_place(self, grads: list[torch.Tensor]) -> None:
-        """Start averaging ``grads`` (GPU-resident ``.grad`` tensors); :meth:`finish` writes
-        the averages back."""
+    def reduce_in_place(self, grads: list[torch.Tensor], flatten: bool = False) -> None:
+        """Start averaging ``grads`` (``.grad`` tensors that stay where they are); :meth:`finish`
+        completes it. Big tensors (a chunk's) are reduced in place, one collective each, using
+        no extra memory; many small ones (adapters) are better ``flatten``-ed into one."""
         if not grads:
             return
-        reduction = self.start(grads)
-        reduction.targets = grads
-        self._pending.append(reduction)
+        if flatten:
+            reduction = self.start(grads)
+            reduction.targets = grads
+            self._pending.append(reduction)
+            return
+        works = []
+        for grad in grads:
+            if self.nccl and grad.is_cuda:
+                op = dist.ReduceOp.AVG
+            else:
+                grad.div_(self.world_size)
+                op = dist.ReduceOp.SUM
+            works.append(dist.all_reduce(grad, op=op, group=self.group, async_op=True))
+            self.reduced_bytes += grad.numel() * grad.element_size()
+        self._pending.append(Reduction(works, [], []))
 
     def finish(self) -> None:
-        """Wait for the pending in-place reductions and copy the averages into ``.grad``."""
+        """Wait for the pending in-place reductions (the current stream waits, on GPUs) and
+        copy flattened averages back into their ``.grad`` tensors."""
         pending, self._pending = self._pending, []
         for reduction in pending:
             reduction.wait()
-            torch._foreach_copy_(reduction.targets, reduction.views)
+            if reduction.targets:
+                torch._foreach_copy_(reduction.targets, reduction.views)
 
     def end_backward(self, resident: list[torch.nn.Parameter]) -> None:
         """End of a backward pass: average the resident trainable params' gradients (adapters),
         then write every pending average into ``.grad``."""
         if self.sync:
-            self.reduce_in_place([p.grad for p in resident if p.grad is not None])
+            grads = [p.grad for p in resident if p.grad is not None]
+            self.reduce_in_place(grads, flatten=True)
         self.finish()
 
     def discard(self) -> None:
@@ -215,7 +232,9 @@ class DataParallel:
 
 def attach_data_parallel(runtime: Runtime, settings: Settings) -> DataParallel | None:
     """Set up data parallelism for a runtime being attached (None on one rank): check that
-    every rank attaches the same layout and plan, give the CPU optimizer its share of cores."""
+    every rank attaches the same layout with the same settings, take rank 0's initial plan
+    (budgets derived from free memory may differ per GPU), give the CPU optimizer its share
+    of cores."""
     reducer = DataParallel.create(settings, runtime.device)
     if reducer is None:
         return None
@@ -223,7 +242,6 @@ def attach_data_parallel(runtime: Runtime, settings: Settings) -> DataParallel |
         {
             "layout": layout_fingerprint(runtime.layout),
             "chunks": len(runtime.layout.chunks),
-            "initial plan": runtime.plan.summary(),
             "settings": {
                 k: getattr(settings, k)
                 for k in (
@@ -240,8 +258,8 @@ def attach_data_parallel(runtime: Runtime, settings: Settings) -> DataParallel |
             },
         }
     )
+    runtime.plan = reducer.agree(runtime.plan)
     share_cpu_threads()
-    runtime.manager.data_parallel = reducer
     logger.debug("data parallel over %d ranks (%s)", reducer.world_size, reducer.backend)
     return reducer
 

@@ -178,8 +178,10 @@ class CpuOptimizer:
         """Norm of the host gradients of ``param_ids`` (None without any). The 2-norm over all
         of them comes from the per-param sums of squares taken during accumulation."""
         self.wait()
+        # In layout order, not the set's (ids are addresses): the sum, hence the clipping
+        # coefficient, must be bit-identical run to run and across data-parallel ranks.
         present = [
-            pid for pid in param_ids if pid in self.masters and self.masters[pid].grad is not None
+            pid for pid, m in self.masters.items() if pid in param_ids and m.grad is not None
         ]
         if not present:
             return None
@@ -365,9 +367,7 @@ class CpuOptimizer:
             return
         self.host_grads()
         grads = [
-            self.masters[pid].grad
-            for pid in param_ids
-            if pid in self.masters and self.masters[pid].grad is not None
+            m.grad for pid, m in self.masters.items() if pid in param_ids and m.grad is not None
         ]
         if grads:
             torch._foreach_mul_(grads, coef)

@@ -72,6 +72,8 @@ class Runtime:
         chunk_size = settings.chunk_size or default_chunk_size(block_bytes)
         self.layout = build_layout(params_by_group, chunk_size)
         self.plan: Plan = initial_plan(self, settings)
+        # Under torchrun: rank 0's plan on every rank, same layout and settings checked.
+        self.data_parallel = attach_data_parallel(self, settings)
         check_host_memory(self.layout, self.plan.n_persist, settings, _host_param_bytes(model))
         self.manager = ChunkManager(
             self.layout,
@@ -80,7 +82,7 @@ class Runtime:
             n_buffer=self.plan.n_buffer,
             pin_memory=True,
         )
-        self.data_parallel = attach_data_parallel(self, settings)
+        self.manager.data_parallel = self.data_parallel
         self.manager.adopt_params()
         for param in self.resident_params:
             param.data = param.data.to(device)

@@ -204,6 +204,13 @@ def main() -> None:
             report[f"{name}_ranks_max_diff"] = max(
                 (g - gathered[0]).abs().max().item() for g in gathered
             )
+            other = gathered[1 - rank].cpu() if world == 2 else gathered[0].cpu()
+            pieces = other.split([t.numel() for t in tensors.values()])
+            report[f"{name}_ranks_differ_in"] = [
+                key
+                for (key, mine), theirs in zip(tensors.items(), pieces, strict=True)
+                if not torch.equal(mine.reshape(-1).cpu(), theirs)
+            ][:5]
         if rank == 0:
             torch.save(averaged, args.out / "averaged.pt")
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
