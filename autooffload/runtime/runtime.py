@@ -28,6 +28,7 @@ from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.manager import ChunkManager, Residency
+from autooffload.runtime.oom import OomRetry
 from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
     check_host_memory,
@@ -107,6 +108,9 @@ class Runtime:
         # state_dict / load_state_dict see and set the weights wherever they live (removed on
         # detach with the other hooks).
         self._handles.extend(ModelStateHooks(self).install())
+        # A device OOM inside the model's forward or backward is retried once (runtime/oom.py).
+        self.oom = OomRetry(self).install()
+        self._handles.append(self.oom)  # type: ignore[arg-type]
         if self.profiler is not None:
             self.profiler = StepProfiler(self)
             logger.debug("%s", self.plan.summary())
