@@ -40,9 +40,11 @@ from torch.utils._pytree import tree_flatten
 from autooffload.errors import AutoOffloadError, PlanError
 from autooffload.log import logger
 from autooffload.plan.profile import StepProfiler
+from autooffload.plan.profile_types import ModelProfile, UnitProfile
+from autooffload.plan.search import make_plan
 from autooffload.plan.types import GiB, Plan
 from autooffload.runtime.forward_wrap import install_forward, remove_forward
-from autooffload.runtime.planning import plan_from_profile
+from autooffload.runtime.planning import budget_bytes, hardware_profile, plan_from_profile
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
@@ -111,6 +113,28 @@ def _describe(plan: Plan) -> str:
     )
 
 
+def scale_activations(profile: ModelProfile, ratio: float) -> ModelProfile:
+    """``profile`` for a batch ``ratio`` times larger: activation bytes grow linearly (attention
+    that is quadratic in the sequence grows more; the retry's budget cut is the margin)."""
+
+    def scaled(unit: UnitProfile) -> UnitProfile:
+        return replace(
+            unit,
+            act_bytes_keep=int(unit.act_bytes_keep * ratio),
+            act_bytes_checkpoint=int(unit.act_bytes_checkpoint * ratio),
+            fwd_transient_bytes=int(unit.fwd_transient_bytes * ratio),
+            bwd_transient_bytes=int(unit.bwd_transient_bytes * ratio),
+        )
+
+    return replace(
+        profile,
+        blocks=tuple(scaled(b) for b in profile.blocks),
+        pre=scaled(profile.pre),
+        post=scaled(profile.post),
+        batch_tokens=int(profile.batch_tokens * ratio),
+    )
+
+
 class OomRetry:
     """The OOM retry of one runtime: a wrapper on the root model's ``forward`` and the
     backward-side entry :meth:`run_backward`."""
@@ -121,6 +145,10 @@ class OomRetry:
         self.retrying = False
         self.last_call: _ForwardCall | None = None
         self.retries = 0
+        # Elements of the model's input tensors in the profiling step, and in the last forward:
+        # a longer batch than the profiled one scales the profile's activations at a retry.
+        self.profiled_numel = 0
+        self.input_numel = 0
 
     def install(self) -> OomRetry:
         model = self.runtime.model
@@ -133,7 +161,7 @@ class OomRetry:
         return self
 
     def remove(self) -> None:
-        """Restore the model's ``forward`` (a runtime handle, removed on detach)."""
+        """Restore the model's ``forward`` (on detach)."""
         remove_forward(self.runtime.model, _KEY)
         self.last_call = None
 
@@ -143,6 +171,11 @@ class OomRetry:
         if not state.active or _in_backward():
             return state.inner_forward(*args, **kwargs)
         call = self._save_call(args, kwargs) if torch.is_grad_enabled() else None
+        self.input_numel = sum(
+            t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        )
+        if isinstance(self.runtime.profiler, StepProfiler):
+            self.profiled_numel = self.input_numel
         self.last_call = None
         try:
             output = state.inner_forward(*args, **kwargs)
@@ -247,7 +280,16 @@ class OomRetry:
             if current.n_buffer <= widest:
                 return None
             return replace(current, n_buffer=widest, source="OOM retry")
-        limits = [b for b in (current.budget_bytes, current.predicted_peak_bytes) if b]
+        ratio = self.input_numel / self.profiled_numel if self.profiled_numel else 1.0
+        if ratio > 1.0:
+            profile = scale_activations(profile, ratio)
+        hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
+        # What the current plan needs for this batch, the budget it had, and (on a GPU) what
+        # is available now: another process may have taken memory since the plan was made.
+        needed = make_plan(profile, hw, current.knobs, None).predicted_peak_bytes
+        limits = [b for b in (needed, current.budget_bytes) if b]
+        if runtime.manager.is_cuda:
+            limits.append(budget_bytes(runtime.settings, runtime.device))
         if not limits:
             return None
         reference = min(limits)

@@ -110,7 +110,6 @@ class Runtime:
         self._handles.extend(ModelStateHooks(self).install())
         # A device OOM inside the model's forward or backward is retried once (runtime/oom.py).
         self.oom = OomRetry(self).install()
-        self._handles.append(self.oom)  # type: ignore[arg-type]
         if self.profiler is not None:
             self.profiler = StepProfiler(self)
             logger.debug("%s", self.plan.summary())
@@ -495,6 +494,7 @@ class Runtime:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.oom.remove()
         for group in self.groups:
             if group.is_block:
                 remove_policy(group.module)

@@ -12,6 +12,7 @@ import torch
 from _faults import (
     BATCH,
     VOCAB,
+    Records,
     assert_same_weights,
     enable_cpu,
     no_offloaded_grad_on_device,
@@ -64,17 +65,6 @@ class OomFault:
         if self.where == "backward" and torch.is_grad_enabled() and self.times > 0:
             return _OomInBackward.apply(output, self)
         return output
-
-
-class Records(logging.Handler):
-    """The package logger's messages (it does not propagate to the root logger)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def long_batches(n: int, seed: int = 1) -> list[torch.Tensor]:
@@ -236,3 +226,32 @@ def test_disable_restores_the_model_forward():
 
     autooffload.disable()
     assert "forward" not in model.__dict__
+
+
+def test_a_longer_batch_than_the_profiled_one_is_replanned_for_its_size():
+    """The plan was searched on short batches; the OOM comes with a 4x longer one: the retry
+    scales the profile's activations by the input size, so it checkpoints more blocks."""
+    base = tiny_llama()
+    short = [ids[:, :16] for ids in long_batches(4)]
+    data = [*short, *long_batches(2, seed=2)]
+    runs = []
+    for attach in (False, True):
+        model = copy.deepcopy(base)
+        runtime = None
+        if attach:
+            enable_cpu()
+            model.to("cpu")
+            runtime = rt.runtime_of(model)
+        fault = OomFault(model.model.layers[1].mlp, "forward")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for step, ids in enumerate(data):
+            fault.times = 1 if attach and step == 4 else 0
+            if runtime is not None and step == 4:
+                before = runtime.plan
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append(weights(model))
+    assert_same_weights(*runs)
+    assert runtime.oom.retries == 1 and runtime.plan.source == "OOM retry"
+    assert runtime.plan.n_checkpoint + runtime.plan.n_swap > before.n_checkpoint + before.n_swap
