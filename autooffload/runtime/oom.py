@@ -170,7 +170,7 @@ class OomRetry:
     def _forward(self, state: SimpleNamespace, args: tuple, kwargs: dict) -> Any:
         if not state.active or _in_backward():
             return state.inner_forward(*args, **kwargs)
-        call = self._save_call(args, kwargs) if torch.is_grad_enabled() else None
+        call = self._save_call(args, kwargs)
         self.input_numel = sum(
             t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
         )
@@ -208,17 +208,15 @@ class OomRetry:
         )
         return _ForwardCall(args, dict(kwargs), torch.get_rng_state(), device_rng, autocast, [])
 
-    def _remember(self, call: _ForwardCall | None, output: Any) -> Any:
-        if call is not None:
+    def _remember(self, call: _ForwardCall, output: Any) -> Any:
+        if torch.is_grad_enabled():
             call.output_nodes = [
                 t.grad_fn if isinstance(t, torch.Tensor) else None for t in tree_flatten(output)[0]
             ]
             self.last_call = call
         return output
 
-    def _restore_rng(self, call: _ForwardCall | None) -> None:
-        if call is None:
-            return
+    def _restore_rng(self, call: _ForwardCall) -> None:
         torch.set_rng_state(call.cpu_rng)
         if call.device_rng is not None:
             torch.cuda.set_rng_state(call.device_rng, self.runtime.device)

@@ -255,3 +255,28 @@ def test_a_longer_batch_than_the_profiled_one_is_replanned_for_its_size():
     assert_same_weights(*runs)
     assert runtime.oom.retries == 1 and runtime.plan.source == "OOM retry"
     assert runtime.plan.n_checkpoint + runtime.plan.n_swap > before.n_checkpoint + before.n_swap
+
+
+def test_backward_of_a_scaled_loss_is_retried_with_the_same_scale():
+    """``GradScaler.scale(loss)`` multiplies by a tensor; ``loss / accum`` divides by a number.
+    A wrong scale on the retried backward would move the weights by a different step."""
+    base = tiny_llama()
+    scale = torch.tensor(8.0)
+    ids = long_batches(1)[0]
+    runs = []
+    for attach in (False, True):
+        model = copy.deepcopy(base)
+        if attach:
+            enable_cpu(n_persist=1, activation_mode="keep")
+            model.to("cpu")
+        fault = OomFault(model.model.layers[1].mlp, "backward")
+        fault.times = 1 if attach else 0
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        (scale * (model(input_ids=ids, labels=ids).loss / 2)).backward()
+        optimizer.step()
+        if attach:
+            assert rt.runtime_of(model).oom.retries == 1
+        runs.append(weights(model))
+    assert_same_weights(*runs)
+    moved = max((runs[0][k] - weights(base)[k]).abs().max().item() for k in runs[0])
+    assert moved > 1e-2
