@@ -40,7 +40,6 @@ from torch.utils._pytree import tree_flatten
 from autooffload.errors import AutoOffloadError, PlanError
 from autooffload.log import logger
 from autooffload.plan.profile import StepProfiler
-from autooffload.plan.profile_types import ModelProfile, UnitProfile
 from autooffload.plan.search import make_plan
 from autooffload.plan.types import GiB, Plan
 from autooffload.runtime.forward_wrap import install_forward, remove_forward
@@ -110,28 +109,6 @@ def _describe(plan: Plan) -> str:
     return (
         f"budget {budget}, n_persist={plan.n_persist}, n_buffer={plan.n_buffer},"
         f" {plan.n_checkpoint} blocks checkpointed, {plan.n_swap} swapped"
-    )
-
-
-def scale_activations(profile: ModelProfile, ratio: float) -> ModelProfile:
-    """``profile`` for a batch ``ratio`` times larger: activation bytes grow linearly (attention
-    that is quadratic in the sequence grows more; the retry's budget cut is the margin)."""
-
-    def scaled(unit: UnitProfile) -> UnitProfile:
-        return replace(
-            unit,
-            act_bytes_keep=int(unit.act_bytes_keep * ratio),
-            act_bytes_checkpoint=int(unit.act_bytes_checkpoint * ratio),
-            fwd_transient_bytes=int(unit.fwd_transient_bytes * ratio),
-            bwd_transient_bytes=int(unit.bwd_transient_bytes * ratio),
-        )
-
-    return replace(
-        profile,
-        blocks=tuple(scaled(b) for b in profile.blocks),
-        pre=scaled(profile.pre),
-        post=scaled(profile.post),
-        batch_tokens=int(profile.batch_tokens * ratio),
     )
 
 
@@ -280,7 +257,7 @@ class OomRetry:
             return replace(current, n_buffer=widest, source="OOM retry")
         ratio = self.input_numel / self.profiled_numel if self.profiled_numel else 1.0
         if ratio > 1.0:
-            profile = scale_activations(profile, ratio)
+            profile = profile.with_batch_scaled(ratio)
         hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
         # What the current plan needs for this batch, the budget it had, and (on a GPU) what
         # is available now: another process may have taken memory since the plan was made.
