@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import platform
 import resource
 import statistics
@@ -18,6 +17,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from autooffload.atomic import write_text_atomic
 
 GiB = 1 << 30
 TRACEBACK_LINES = 15
@@ -191,9 +192,7 @@ def main(argv: list[str]) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     path = Path(spec["result_path"])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, default=str))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(result, default=str))
     return 0
 
 

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from autooffload.atomic import atomic_write, write_text_atomic
 from autooffload.bench.runner import failure_message
 
 GiB = 1 << 30
@@ -245,10 +246,7 @@ def build_payload_from_file(path: Path) -> dict[str, Any]:
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     """Write ``payload`` to ``path`` atomically (parents created)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(payload, indent=1, default=str))
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
@@ -275,9 +273,11 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
 
         fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_write(path, "wb") as file:
+            fig.savefig(file, format="png", dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def _cap_x(caps: list[str]) -> dict[str, float]:

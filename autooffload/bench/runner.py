@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autooffload.atomic import write_text_atomic
 from autooffload.bench.peers import get_peer
 from autooffload.bench.workloads import UnknownNameError, Workload, get_workload, workload_to_dict
 
@@ -256,7 +257,7 @@ def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> 
         "nproc": run.nproc,
         "result_path": str(result_path),
     }
-    spec_path.write_text(json.dumps(spec))
+    write_text_atomic(spec_path, json.dumps(spec))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

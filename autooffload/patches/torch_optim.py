@@ -85,17 +85,12 @@ def _post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> N
 
 
 def _backward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``torch.autograd.backward`` (``Tensor.backward`` calls it): when it raises (or Ctrl-C),
-    the runtimes clean up at once instead of at the next forward or step."""
-    try:
-        return wrapped(*args, **kwargs)
-    except BaseException:
-        if torch._C._current_graph_task_id() == -1:
-            from autooffload import runtime as rt
+    """``torch.autograd.backward`` (``Tensor.backward`` calls it): a device OOM in the backward
+    of an attached model's output is retried once (``runtime/oom.py``); on any other exception
+    (or Ctrl-C) the runtimes clean up at once instead of at the next forward or step."""
+    from autooffload.runtime.oom import run_backward
 
-            for runtime in rt.runtimes():
-                runtime.recover_interrupted()
-        raise
+    return run_backward(wrapped, args, kwargs)
 
 
 def _unscale_args(

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from autooffload.atomic import atomic_write
 from autooffload.log import logger
 from autooffload.plan.profile_types import HardwareProfile
 
@@ -142,11 +142,8 @@ def read_cache(path: Path, key: dict[str, Any]) -> HardwareProfile | None:
 def write_cache(path: Path, key: dict[str, Any], profile: HardwareProfile) -> None:
     """Write atomically (temp file + os.replace); a read-only cache dir only logs at DEBUG."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temp = tempfile.mkstemp(dir=path.parent, prefix=".hardware-", suffix=".tmp")
-        with os.fdopen(handle, "w") as file:
+        with atomic_write(path) as file:
             json.dump({"key": key, "profile": profile.to_dict()}, file, indent=1)
-        os.replace(temp, path)
     except OSError as error:
         logger.debug("could not write hardware cache %s: %s", path, error)
 

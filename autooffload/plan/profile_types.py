@@ -166,6 +166,27 @@ class ModelProfile:
         frag[self.weight_dtype] = float(factor)
         return replace(self, fragmentation=frag)
 
+    def with_batch_scaled(self, ratio: float) -> ModelProfile:
+        """A copy for a batch ``ratio`` times larger: activation bytes grow linearly (attention
+        that is quadratic in the sequence grows more; the OOM retry's budget cut is the margin)."""
+
+        def scaled(unit: UnitProfile) -> UnitProfile:
+            return replace(
+                unit,
+                act_bytes_keep=int(unit.act_bytes_keep * ratio),
+                act_bytes_checkpoint=int(unit.act_bytes_checkpoint * ratio),
+                fwd_transient_bytes=int(unit.fwd_transient_bytes * ratio),
+                bwd_transient_bytes=int(unit.bwd_transient_bytes * ratio),
+            )
+
+        return replace(
+            self,
+            blocks=tuple(scaled(b) for b in self.blocks),
+            pre=scaled(self.pre),
+            post=scaled(self.post),
+            batch_tokens=int(self.batch_tokens * ratio),
+        )
+
     def validate(self) -> None:
         """Raise ``PlanError`` if the profile is inconsistent (unit out of range, negative size)."""
         n_units = self.n_units

@@ -187,11 +187,18 @@ def optim_state_bytes(optimizer: torch.optim.Optimizer | None, dtype: torch.dtyp
 
 
 def plan_from_profile(
-    runtime: Runtime, profile: ModelProfile, cpu_optim_rate: float | None = None
+    runtime: Runtime,
+    profile: ModelProfile,
+    cpu_optim_rate: float | None = None,
+    budget: int | None = None,
+    pinned: dict[str, int] | None = None,
 ) -> Plan:
-    """Search the plan for the measured ``profile`` under the budget; user knobs stay fixed."""
+    """Search the plan for the measured ``profile`` under the budget; user knobs stay fixed.
+
+    ``budget``: bytes to plan for instead of the settings' (the OOM retry's smaller one);
+    ``pinned``: knobs held at these values unless the user fixed them."""
     settings = runtime.settings
-    fixed: dict[str, int] = {}
+    fixed: dict[str, int] = dict(pinned or {})
     for knob in ("n_persist", "n_buffer", "n_swap", "n_checkpoint"):
         value = getattr(settings, knob)
         if value is not None:
@@ -214,6 +221,8 @@ def plan_from_profile(
             hw.cpu_optim_params_per_s / 1e9,
         )
         hw = replace(hw, cpu_optim_params_per_s=cpu_optim_rate)
+    if budget is not None:
+        return search({profile.chunk_size: profile}, hw, budget, fixed)
     budget = budget_bytes(settings, runtime.device)
     if budget is not None and runtime.device.type == "cuda":
         # Headroom for what the model does not see: allocator growth at the cap costs a

@@ -29,6 +29,7 @@ from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.distributed import attach_data_parallel
 from autooffload.runtime.manager import ChunkManager, Residency
+from autooffload.runtime.oom import OomRetry
 from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
     check_host_memory,
@@ -112,6 +113,8 @@ class Runtime:
         # state_dict / load_state_dict see and set the weights wherever they live (removed on
         # detach with the other hooks).
         self._handles.extend(ModelStateHooks(self).install())
+        # A device OOM inside the model's forward or backward is retried once (runtime/oom.py).
+        self.oom = OomRetry(self).install()
         if self.profiler is not None:
             self.profiler = StepProfiler(self)
             logger.debug("%s", self.plan.summary())
@@ -510,6 +513,7 @@ class Runtime:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.oom.remove()
         for group in self.groups:
             if group.is_block:
                 remove_policy(group.module)

@@ -3,6 +3,7 @@ the runtime's state after a fault."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -97,6 +98,17 @@ def worker_idle(runtime: Runtime) -> bool:
 
 def autooffload_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("autooffload")]
+
+
+class Records(logging.Handler):
+    """The package logger's messages (it does not propagate to the root logger)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 class Boom(RuntimeError):

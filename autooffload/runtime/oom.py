@@ -1,0 +1,436 @@
+"""Out-of-memory retry: a device OOM inside the attached model's step is retried once under a
+smaller plan, and a second one raises an error that names the budget, the plan and the knobs.
+
+What is retried, and why only that: autooffload cannot re-run the user's code, but it owns the
+root model's ``forward`` (a wrapper installed here) and sees every ``torch.autograd.backward``
+(``patches/torch_optim.py``).
+
+- An OOM inside the model's forward: the runtime is recovered (chunks released, cached blocks
+  freed), the plan shrunk, and the forward re-run with the same inputs and RNG state.
+- An OOM inside ``backward()``: retried when the tensor handed to ``backward`` is one of the
+  model's own outputs of its last forward (HF ``outputs.loss``), optionally times or divided by
+  constants (``loss / accum``, ``GradScaler.scale(loss)``), and no parameter of the model had a
+  gradient when that backward started (the first backward after ``zero_grad()``): then the
+  partial gradients the failed backward left are discarded exactly (``.grad`` set back to None,
+  host gradients forgotten), the forward is re-run with the saved inputs, RNG and autocast state,
+  and the backward runs once more. Anything else (a loss computed outside the model from its
+  logits, a later micro-batch of gradient accumulation whose partial sum cannot be told apart)
+  raises :class:`OutOfMemoryRetryError` at once.
+
+Shrinking keeps the persistent chunks (their optimizer state lives in the user's optimizer and
+demotion is not supported): the search re-runs with ``n_persist`` pinned and the budget cut by
+the failed allocation's size (at least ``OOM_BUDGET_CUT`` of it), so buffers and activation
+policies (more checkpointing or swapping) absorb the cut. Each failed pass (a forward, or a
+backward with the forward it re-runs) is retried once; a later OOM gets its own retry, each
+under a smaller plan than the last.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from autooffload.errors import AutoOffloadError, PlanError
+from autooffload.log import logger
+from autooffload.plan.profile import StepProfiler
+from autooffload.plan.search import make_plan
+from autooffload.plan.types import GiB, Plan
+from autooffload.runtime.forward_wrap import install_forward, remove_forward
+from autooffload.runtime.planning import budget_bytes, hardware_profile, plan_from_profile
+
+if TYPE_CHECKING:
+    from autooffload.runtime.runtime import Runtime
+
+# The retry's budget is the old one (or the predicted peak, if lower) minus at least this share.
+OOM_BUDGET_CUT = 0.1
+# Mul/Div by constants between an output of the model and the tensor handed to backward().
+_SCALE_NODES = {"MulBackward0": "mul", "MulBackward1": "mul", "DivBackward0": "div"}
+_MAX_SCALE_NODES = 4
+_KEY = "_autooffload_oom_retry"
+_ALLOCATION = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
+
+
+class OutOfMemoryRetryError(AutoOffloadError, torch.OutOfMemoryError):
+    """The device ran out of memory inside an attached step and could not be retried, or ran out
+    again after the retry; still a ``torch.OutOfMemoryError`` for code that catches those."""
+
+
+@dataclass
+class _ForwardCall:
+    """What the last grad-enabled forward of the root model needs to run again."""
+
+    args: tuple
+    kwargs: dict
+    cpu_rng: torch.Tensor
+    device_rng: torch.Tensor | None
+    autocast: tuple[bool, torch.dtype]
+    # The grad_fn of each output tensor (flattened order): how a loss is traced back to it.
+    # Dropped after the backward and at the next forward, so no graph outlives its step.
+    output_nodes: list[Any]
+
+
+@dataclass
+class _Replay:
+    """A backward that can be run again: output ``index`` of ``call``, scaled as the user did."""
+
+    call: _ForwardCall
+    index: int
+    scale: list[tuple[str, Any]]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _requested_bytes(message: str) -> int:
+    """The failed allocation's size from torch's OOM message (0 if it does not say)."""
+    match = _ALLOCATION.search(message)
+    if match is None:
+        return 0
+    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+    return int(float(match.group(1)) * units[match.group(2)])
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "unbounded"
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _describe(plan: Plan) -> str:
+    budget = _size(plan.budget_bytes)
+    return (
+        f"budget {budget}, n_persist={plan.n_persist}, n_buffer={plan.n_buffer},"
+        f" {plan.n_checkpoint} blocks checkpointed, {plan.n_swap} swapped"
+    )
+
+
+class OomRetry:
+    """The OOM retry of one runtime: a wrapper on the root model's ``forward`` and the
+    backward-side entry :meth:`run_backward`."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        # True while a retried pass runs: an OOM in it is the second one.
+        self.retrying = False
+        self.last_call: _ForwardCall | None = None
+        self.retries = 0
+        # Elements of the model's input tensors in the profiling step, and in the last forward:
+        # a longer batch than the profiled one scales the profile's activations at a retry.
+        self.profiled_numel = 0
+        self.input_numel = 0
+
+    def install(self) -> OomRetry:
+        model = self.runtime.model
+        state = SimpleNamespace(
+            inner_forward=model.forward,
+            prior_forward=model.__dict__.get("forward"),
+            active=True,
+        )
+        install_forward(model, _KEY, state, self._forward)
+        return self
+
+    def remove(self) -> None:
+        """Restore the model's ``forward`` (on detach)."""
+        remove_forward(self.runtime.model, _KEY)
+        self.last_call = None
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def _forward(self, state: SimpleNamespace, args: tuple, kwargs: dict) -> Any:
+        if not state.active or _in_backward():
+            return state.inner_forward(*args, **kwargs)
+        call = self._save_call(args, kwargs)
+        self.input_numel = sum(
+            t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        )
+        if isinstance(self.runtime.profiler, StepProfiler):
+            self.profiled_numel = self.input_numel
+        self.last_call = None
+        try:
+            output = state.inner_forward(*args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            message = str(error)
+        else:
+            return self._remember(call, output)
+        # Out of the except block: the traceback (and the activations its frames hold) is gone.
+        self.recover("forward", message)
+        self._restore_rng(call)
+        self._resume_root_group(args, kwargs)
+        self.retrying = True
+        try:
+            output = state.inner_forward(*args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            message = str(error)
+        else:
+            return self._remember(call, output)
+        finally:
+            self.retrying = False
+        self.runtime.recover_interrupted()
+        raise self._error("again after the retry", message)
+
+    def _save_call(self, args: tuple, kwargs: dict) -> _ForwardCall:
+        device = self.runtime.device
+        device_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        autocast = (
+            torch.is_autocast_enabled(device.type),
+            torch.get_autocast_dtype(device.type),
+        )
+        return _ForwardCall(args, dict(kwargs), torch.get_rng_state(), device_rng, autocast, [])
+
+    def _remember(self, call: _ForwardCall, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            call.output_nodes = [
+                t.grad_fn if isinstance(t, torch.Tensor) else None for t in tree_flatten(output)[0]
+            ]
+            self.last_call = call
+        return output
+
+    def _restore_rng(self, call: _ForwardCall) -> None:
+        torch.set_rng_state(call.cpu_rng)
+        if call.device_rng is not None:
+            torch.cuda.set_rng_state(call.device_rng, self.runtime.device)
+
+    def _resume_root_group(self, args: tuple, kwargs: dict) -> None:
+        """The root model's own group hook ran before the failed forward; run it again."""
+        runtime = self.runtime
+        for group in runtime.groups:
+            if group.module is runtime.model:
+                runtime._pre_forward(group, args, kwargs)
+
+    # ---- recovery and re-plan -----------------------------------------------------------------
+
+    def recover(self, where: str, message: str) -> None:
+        """Clean up after the OOM, shrink the plan and log it; raise if no retry is left."""
+        runtime = self.runtime
+        if self.retrying:
+            runtime.recover_interrupted()
+            raise self._error("again after the retry", message)
+        runtime._trace = []
+        runtime.recover_interrupted()
+        runtime._active.clear()
+        runtime.manager.release_all()
+        if isinstance(runtime.profiler, StepProfiler):
+            # The failed pass left partial marks; the profiling step starts over.
+            runtime.profiler = StepProfiler(runtime, warm=runtime.profiler.warm)
+        self._free_cached_memory()
+        old = runtime.plan
+        plan = self.shrunk_plan(_requested_bytes(message))
+        if plan is None:
+            raise self._error("and no smaller plan keeps the persistent chunks", message)
+        runtime.apply_plan(plan)
+        self.retries += 1
+        logger.warning(
+            "device out of memory in %s (step %d); retrying it once under a smaller plan: %s"
+            " (was %s)",
+            where,
+            runtime._steps,
+            _describe(plan),
+            _describe(old),
+        )
+
+    def _free_cached_memory(self) -> None:
+        if self.runtime.manager.is_cuda:
+            gc.collect()
+            torch.cuda.synchronize(self.runtime.device)
+            torch.cuda.empty_cache()
+
+    def shrunk_plan(self, requested_bytes: int) -> Plan | None:
+        """A plan predicted to use less memory than the current one, with the same persistent
+        chunks; None if there is none."""
+        runtime = self.runtime
+        current = runtime.plan
+        profile = getattr(runtime, "profile", None)
+        if profile is None or isinstance(runtime.profiler, StepProfiler):
+            # Before the searched plan: nothing is persistent and every block checkpointed;
+            # only the streaming buffers can go, down to the widest block's chunks.
+            widest = max((len(v) for v in runtime.layout.chunks_of_group.values()), default=1)
+            if current.n_buffer <= widest:
+                return None
+            return replace(current, n_buffer=widest, source="OOM retry")
+        ratio = self.input_numel / self.profiled_numel if self.profiled_numel else 1.0
+        if ratio > 1.0:
+            profile = profile.with_batch_scaled(ratio)
+        hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
+        # What the current plan needs for this batch, the budget it had, and (on a GPU) what
+        # is available now: another process may have taken memory since the plan was made.
+        needed = make_plan(profile, hw, current.knobs, None).predicted_peak_bytes
+        limits = [b for b in (needed, current.budget_bytes) if b]
+        if runtime.manager.is_cuda:
+            limits.append(budget_bytes(runtime.settings, runtime.device))
+        if not limits:
+            return None
+        reference = min(limits)
+        budget = reference - max(requested_bytes, int(OOM_BUDGET_CUT * reference))
+        try:
+            plan = plan_from_profile(
+                runtime, profile, budget=budget, pinned={"n_persist": current.n_persist}
+            )
+        except PlanError as error:
+            logger.debug("no plan fits the OOM retry's budget %d: %s", budget, error)
+            return None
+        if plan.knobs == current.knobs:
+            return None
+        return replace(plan, chunk_size=runtime.layout.chunk_size, source="OOM retry")
+
+    def _error(self, what: str, message: str) -> OutOfMemoryRetryError:
+        budget = self.runtime.settings.budget
+        setting = "unset" if budget is None else budget
+        first = message.splitlines()[0] if message else "out of memory"
+        return OutOfMemoryRetryError(
+            f"device out of memory {what} under the plan ({_describe(self.runtime.plan)}):"
+            f" {first}; lower AUTOOFFLOAD_BUDGET (now {setting}), set a smaller"
+            " AUTOOFFLOAD_N_PERSIST or AUTOOFFLOAD_N_BUFFER,"
+            " AUTOOFFLOAD_ACTIVATION_MODE=checkpoint, or use a smaller batch or sequence length"
+        )
+
+    # ---- backward -----------------------------------------------------------------------------
+
+    def replay_for(self, args: tuple, kwargs: dict) -> _Replay | str:
+        """How to re-run the backward ``torch.autograd.backward(*args, **kwargs)`` from this
+        model's last forward, or why it cannot be."""
+        call = self.last_call
+        if call is None:
+            return "the tensor handed to backward() is not an output of the attached model"
+        names = ("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables")
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        tensors = bound.get("tensors")
+        if isinstance(tensors, (tuple, list)) and len(tensors) == 1:
+            tensors = tensors[0]
+        if not isinstance(tensors, torch.Tensor) or bound.get("create_graph"):
+            return "backward() of several tensors or with create_graph"
+        if bound.get("retain_graph") or bound.get("inputs") is not None:
+            return "backward() with retain_graph or inputs"
+        node, scale = tensors.grad_fn, []
+        while node is not None and not any(node is n for n in call.output_nodes):
+            kind = _SCALE_NODES.get(type(node).__name__)
+            if kind is None or len(scale) == _MAX_SCALE_NODES:
+                return "the loss is computed outside the model from its outputs"
+            (first, _), (second, _) = node.next_functions
+            if kind == "div" and first is not None and second is None:
+                scale.append(("div", node._saved_other))
+                node = first
+            elif kind == "mul" and first is not None and second is None:
+                scale.append(("mul", node._saved_other))
+                node = first
+            elif kind == "mul" and first is None and second is not None:
+                scale.append(("mul", node._saved_self))
+                node = second
+            else:
+                return "the loss is computed outside the model from its outputs"
+        if node is None:
+            return "the tensor handed to backward() is not an output of the attached model"
+        index = next(i for i, n in enumerate(call.output_nodes) if n is node)
+        inputs = tree_flatten((call.args, call.kwargs))[0]
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+            # Their partial gradients, outside the model, could not be discarded.
+            return "an input of the model requires grad"
+        runtime = self.runtime
+        if any(p.grad is not None for p in runtime.model.parameters()) or (
+            runtime.cpu_optim.accumulations
+        ):
+            return (
+                "gradients from an earlier backward (gradient accumulation) cannot be told apart"
+                " from the failed backward's partial ones"
+            )
+        return _Replay(call, index, list(reversed(scale)))
+
+    def retry_backward(
+        self, replay: _Replay | str, message: str, run: Callable[[torch.Tensor], Any]
+    ) -> Any:
+        """After an OOM in backward: discard its partial gradients, re-plan, re-run the forward
+        and ``run`` the backward of the new loss (once)."""
+        if isinstance(replay, str):
+            self.runtime.recover_interrupted()
+            raise self._error(f"in backward, not retried because {replay},", message)
+        self.recover("backward", message)
+        self._discard_gradients()
+        call = replay.call
+        self._restore_rng(call)
+        device_type = self.runtime.device.type
+        enabled, dtype = call.autocast
+        self.retrying = True
+        try:
+            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                output = self.runtime.model(*call.args, **call.kwargs)
+            loss = tree_flatten(output)[0][replay.index]
+            del output
+            for kind, value in replay.scale:
+                loss = loss * value if kind == "mul" else loss / value
+            return run(loss)
+        except torch.OutOfMemoryError as error:
+            if isinstance(error, OutOfMemoryRetryError):
+                raise
+            message = str(error)
+        finally:
+            self.retrying = False
+        self._discard_gradients()
+        raise self._error("again after the retry", message)
+
+    def _discard_gradients(self) -> None:
+        """Back to no gradient at all, as when the failed backward started (checked by
+        :meth:`replay_for`): partial device and host gradients are dropped."""
+        runtime = self.runtime
+        runtime.recover_interrupted()
+        for param in runtime.model.parameters():
+            param.grad = None
+        runtime.cpu_optim.zero_grad(set_to_none=True)
+
+    def backward_done(self) -> None:
+        """A backward of this model's output finished: nothing to replay any more."""
+        self.last_call = None
+
+
+def run_backward(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``torch.autograd.backward`` with the OOM retry of the runtime whose output it runs
+    from, and the clean-up of every runtime when it raises (or Ctrl-C)."""
+    from autooffload import runtime as rt
+
+    outermost = not _in_backward()
+    replays: list[tuple[OomRetry, _Replay | str]] = []
+    if outermost:
+        for runtime in rt.runtimes():
+            guard = getattr(runtime, "oom", None)
+            if guard is not None and guard.last_call is not None:
+                replays.append((guard, guard.replay_for(args, kwargs)))
+    try:
+        result = wrapped(*args, **kwargs)
+    except torch.OutOfMemoryError as error:
+        if not outermost or not replays:
+            _recover_all()
+            raise
+        message = str(error)
+    except BaseException:
+        if outermost:
+            _recover_all()
+        raise
+    else:
+        for guard, _ in replays:
+            guard.backward_done()
+        return result
+    guard, replay = next(
+        ((g, r) for g, r in replays if not isinstance(r, str)), replays[0]
+    )  # the runtime whose output the loss is, else the first one's reason
+
+    def run_again(loss: torch.Tensor) -> Any:
+        if "tensors" in kwargs:
+            return wrapped(*args, **(kwargs | {"tensors": loss}))
+        return wrapped(loss, *args[1:], **kwargs)
+
+    result = guard.retry_backward(replay, message, run_again)
+    guard.backward_done()
+    return result
+
+
+def _recover_all() -> None:
+    from autooffload import runtime as rt
+
+    for runtime in rt.runtimes():
+        runtime.recover_interrupted()
