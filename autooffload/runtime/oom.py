@@ -215,6 +215,13 @@ class OomRetry:
             raise self._error("again after the retry", message)
         runtime._trace = []
         runtime.recover_interrupted()
+        if runtime.data_parallel is not None:
+            # One rank re-planning alone would issue other collectives than the rest: hang.
+            raise self._error(
+                f"on rank {runtime.data_parallel.rank} of {runtime.data_parallel.world_size}"
+                " (no retry under data parallelism: every rank must keep the same plan)",
+                message,
+            )
         runtime._active.clear()
         runtime.manager.release_all()
         if isinstance(runtime.profiler, StepProfiler):

@@ -132,5 +132,6 @@ def test_two_gpus_nccl_fp32_and_bf16(tmp_path):
     reports = launch(tmp_path / "bf16", "cuda", "bfloat16")
     for report in reports:
         assert report["dp_ranks_identical"] and report["ddp_ranks_identical"]
-        # bf16 rounding of two averaged halves vs one process: well under one lr step.
-        assert report["dp_vs_averaged"] < 5e-3
+        # bf16: both references are a few bf16 ulps (~0.008 at 1.0) from any other rounding
+        # of the same math; the yardstick is plain torch's whole-batch vs averaged-halves gap.
+        assert report["dp_vs_averaged"] <= 2 * report["averaged_vs_whole_batch"] + 1e-3
