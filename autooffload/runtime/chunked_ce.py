@@ -3,11 +3,9 @@
 transformers' ``ForCausalLMLoss`` upcasts the whole ``(tokens, vocab)`` logits to fp32, and
 ``cross_entropy`` saves an fp32 log-softmax of that size for backward, whose backward makes two
 more: at seq 8192 and vocab 128256 that is 4 GiB each next to the 2 GiB of bf16 logits.
-:class:`ChunkedCrossEntropy` upcasts ``chunk_rows`` rows at a time in forward (keeping only one
-fp32 log-sum-exp per row) and rebuilds the gradient chunk by chunk in backward, straight into a
-tensor of the logits' own dtype. The math is that of ``F.cross_entropy(ignore_index=...)``:
-``loss_i = logsumexp(x_i) - x_i[t_i]``, ``dloss_i/dx_i = softmax(x_i) - onehot(t_i)``, zero
-for ignored rows.
+:class:`ChunkedCrossEntropy` upcasts ``chunk_rows`` rows at a time in forward (saving nothing
+fp32) and recomputes each chunk's gradient in backward, straight into a tensor of the logits' own
+dtype, with the same kernels as ``F.cross_entropy(ignore_index=...)``.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# fp32 bytes of one chunk of rows; forward holds about two chunks (the upcast and exp's temporary).
+# fp32 bytes of one chunk of rows; a chunk's backward holds about four (upcast, log-softmax, grads).
 CHUNK_BYTES = 128 << 20
 
 
@@ -29,10 +27,12 @@ def rows_per_chunk(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Sum over rows of ``-log_softmax(logits)[target]``, skipping ``ignore_index`` rows, in fp32.
 
-    ``logits`` is ``(rows, vocab)`` of any float dtype; its gradient comes back in that dtype,
-    computed in fp32 one chunk of rows at a time (as ``logits.float()`` + ``cross_entropy``
-    would, then cast). Only the per-row log-sum-exp (fp32, ``rows`` values) is saved besides the
-    logits themselves, which the caller's output holds anyway.
+    ``logits`` is ``(rows, vocab)`` of any float dtype; its gradient comes back in that dtype.
+    Each chunk of rows runs the very kernels of ``logits.float()`` + ``cross_entropy``: in
+    forward, and again in backward (recomputed from the saved logits, differentiated with
+    autograd), so the gradient is bitwise what transformers' loss gives; only the loss value's
+    sum runs in a different order. Nothing but the logits (which the caller's output holds
+    anyway) and the targets is saved.
     """
 
     @staticmethod
@@ -43,38 +43,30 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         chunk_rows: int,
     ) -> torch.Tensor:
-        valid = targets != ignore_index
-        safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for start in range(0, logits.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
-            chunk = logits[rows].float()
-            lse[rows] = torch.logsumexp(chunk, dim=-1)
-            picked = chunk.gather(1, safe_targets[rows, None]).squeeze(1)
-            del chunk
-            total += torch.where(valid[rows], lse[rows] - picked, 0.0).sum()
-        ctx.save_for_backward(logits, safe_targets, valid, lse)
-        ctx.chunk_rows = chunk_rows
+            total += F.cross_entropy(
+                logits[rows].float(), targets[rows], ignore_index=ignore_index, reduction="sum"
+            )
+        ctx.save_for_backward(logits, targets)
+        ctx.ignore_index, ctx.chunk_rows = ignore_index, chunk_rows
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        logits, safe_targets, valid, lse = ctx.saved_tensors
+        logits, targets = ctx.saved_tensors
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        scale = grad_total.float()
         for start in range(0, logits.shape[0], ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
-            # copy=True: for fp32 logits .float() is the logits themselves, and this goes in place.
-            probs = logits[rows].to(torch.float32, copy=True).sub_(lse[rows, None]).exp_()
-            probs.scatter_add_(
-                1,
-                safe_targets[rows, None],
-                torch.full((probs.shape[0], 1), -1.0, dtype=probs.dtype, device=probs.device),
-            )
-            probs.mul_(torch.where(valid[rows], scale, 0.0)[:, None])
-            grad_logits[rows] = probs
-            del probs
+            with torch.enable_grad():
+                chunk = logits[rows].detach().float().requires_grad_()
+                loss = F.cross_entropy(
+                    chunk, targets[rows], ignore_index=ctx.ignore_index, reduction="sum"
+                )
+                (grad_chunk,) = torch.autograd.grad(loss, chunk, grad_total)
+            grad_logits[rows] = grad_chunk
+            del chunk, loss, grad_chunk
         return grad_logits, None, None, None
 
 
