@@ -306,6 +306,12 @@ class Settings:
             own optimizer updates bf16 parameters in bf16, and so does the CPU twin, so an
             attached run trains like the unchanged script (and the CPU update moves 3x fewer
             bytes). On: better numerics for the offloaded part, at that CPU cost.
+        chunked_loss: Compute transformers' causal-LM loss (``ForCausalLMLoss``, what every HF
+            ``*ForCausalLM`` uses when given ``labels``) over chunks of rows, upcasting one chunk
+            at a time instead of copying all the logits to fp32: same loss and gradients (fp32
+            math), peak memory no longer grows with seq x vocab in fp32. ``outputs.logits`` is
+            unchanged. Applies to every model while enabled, attached or not; ``False`` keeps
+            transformers' loss.
         device: ``cuda`` or ``cpu`` (the CPU simulation used by tests); ``None``: cuda when
             available.
         mask: Turn chat data labels into assistant-only labels in collators and processors.
@@ -377,6 +383,12 @@ class Settings:
     )
     master_weights: bool = _knob(
         False, "AUTOOFFLOAD_MASTER_WEIGHTS", _parse_bool, "fp32 masters for offloaded bf16 params"
+    )
+    chunked_loss: bool = _knob(
+        True,
+        "AUTOOFFLOAD_CHUNKED_LOSS",
+        _parse_bool,
+        "causal-LM loss over row chunks, no fp32 copy of all the logits",
     )
     device: str | None = _knob(
         None,

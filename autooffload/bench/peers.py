@@ -11,7 +11,7 @@ import importlib.util
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -82,6 +82,36 @@ def _setup_vanilla(ctx: PeerContext) -> Trainee:
         ids = [torch.cuda.current_device()] if ctx.device == "cuda" else None
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     return Trainee(model, optimizer)
+
+
+def _setup_hf_gc(ctx: PeerContext) -> Trainee:
+    # build_model turns on gradient_checkpointing_enable(use_reentrant=False) (+ PEFT input grads).
+    model = build_model(replace(ctx.workload, gc=True), seed=ctx.seed)
+    model.to(ctx.device)
+    return Trainee(model, _adamw(model, ctx))
+
+
+class SaveOnCpuTrainee(Trainee):
+    """Every tensor autograd saves goes to (pinned) host memory in forward, back in backward."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, pin: bool) -> None:
+        super().__init__(model, optimizer)
+        self.pin = pin
+
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu(pin_memory=self.pin):
+            loss = self.model(**batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def _setup_save_on_cpu(ctx: PeerContext) -> Trainee:
+    model = build_model(replace(ctx.workload, gc=False), seed=ctx.seed)
+    model.to(ctx.device)
+    # Pinning needs an accelerator; CPU-only runs (tests) use pageable memory.
+    return SaveOnCpuTrainee(model, _adamw(model, ctx), pin=ctx.device == "cuda")
 
 
 # --- autooffload -------------------------------------------------------------------------------
@@ -182,6 +212,15 @@ def _setup_autooffload(ctx: PeerContext) -> Trainee:
     model = build_model(ctx.workload, seed=ctx.seed)
     model.to(ctx.device)
     return AutoOffloadTrainee(model, _adamw(model, ctx))
+
+
+def _fixed_activation_mode(mode: str) -> Callable[[PeerContext], Trainee]:
+    """The autooffload peer with ``activation_mode`` forced; everything else still planned."""
+
+    def setup(ctx: PeerContext) -> Trainee:
+        return _setup_autooffload(replace(ctx, options={**ctx.options, "activation_mode": mode}))
+
+    return setup
 
 
 # --- FSDP2 with CPUOffloadPolicy ---------------------------------------------------------------
@@ -343,6 +382,22 @@ PEERS: dict[str, PeerDef] = {
         "autooffload.enable(budget=cap, **opts) + the vanilla script unchanged",
         takes_options=True,
     ),
+    "hf_gc": PeerDef(
+        _setup_hf_gc,
+        "vanilla + model.gradient_checkpointing_enable(use_reentrant=False), whatever --gc says",
+    ),
+    "save_on_cpu": PeerDef(
+        _setup_save_on_cpu,
+        "vanilla (no gc) with forward under torch.autograd.graph.save_on_cpu(pin_memory=True)",
+    ),
+    **{
+        f"autooffload_{short}": PeerDef(
+            _fixed_activation_mode(mode),
+            f"autooffload with activation_mode={mode} for every block; the rest planned",
+            takes_options=True,
+        )
+        for short, mode in (("keep", "keep"), ("ckpt", "checkpoint"), ("swap", "swap"))
+    },
     "_oom": PeerDef(_setup_oom, "test: raises CUDA OOM", hidden=True),
     "_error": PeerDef(_setup_error, "test: raises an error", hidden=True),
     "_crash": PeerDef(_setup_crash, "test: the worker dies", hidden=True),

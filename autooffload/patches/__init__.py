@@ -23,6 +23,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "torch_module",
     "torch_optim",
     "transformers_loading",
+    "transformers_loss",
     "peft_lora",
     "bnb",
     "hf_collators",

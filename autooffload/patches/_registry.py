@@ -52,16 +52,18 @@ def wrap(
     attr: str,
     wrapper: Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any],
     group: str,
+    factory: type[wrapt.FunctionWrapper] = wrapt.FunctionWrapper,
 ) -> wrapt.FunctionWrapper:
     """Replace ``owner.attr`` by a ``wrapt.FunctionWrapper`` calling ``wrapper(wrapped, instance,
     args, kwargs)``; remember the original under ``group``. Wrapping an attribute twice is a no-op
-    that returns the existing wrapper."""
+    that returns the existing wrapper. ``factory`` is a ``FunctionWrapper`` subclass for wrappers
+    that need more of the descriptor protocol (e.g. a property's setter)."""
     key = (id(owner), attr)
     record = _records.get(key)
     if record is not None:
         return record.wrapper
     original, own = _lookup(owner, attr)
-    function_wrapper = wrapt.FunctionWrapper(original, wrapper)
+    function_wrapper = factory(original, wrapper)
     setattr(owner, attr, function_wrapper)
     _records[key] = PatchRecord(owner, attr, original, function_wrapper, group, own)
     logger.debug("patched %s.%s (%s)", _name_of(owner), attr, group)
