@@ -93,3 +93,24 @@ def assert_bit_identical(
 def quantized_bytes(model: nn.Module) -> int:
     """Real bytes of the packed 4-bit weights and every tensor of their quant states."""
     return sum(t.numel() * t.element_size() for t in quant_tensors(model).values())
+
+
+def int8_model(device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The resident-size tiny Llama in ``dtype`` with every decoder linear a ``Linear8bitLt``
+    (int8 weights, fp32 row scales ``SCB``), quantized by the move to ``device``."""
+    from tests.peft.peft_runs import tiny_llama
+
+    model = tiny_llama("resident").to(dtype)
+    for layer in model.model.layers:
+        for name, child in list(layer.named_modules()):
+            if isinstance(child, nn.Linear):
+                parent_name, _, attr = name.rpartition(".")
+                quantized = bnb.nn.Linear8bitLt(
+                    child.in_features, child.out_features, bias=False, has_fp16_weights=False
+                )
+                quantized.weight = bnb.nn.Int8Params(
+                    child.weight.data.clone(), requires_grad=False, has_fp16_weights=False
+                )
+                setattr(layer.get_submodule(parent_name), attr, quantized.to(device))
+    model.is_loaded_in_8bit = True
+    return model

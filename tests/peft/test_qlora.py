@@ -13,9 +13,10 @@ import copy
 
 import pytest
 import torch
-from peft import get_peft_model, prepare_model_for_kbit_training
+from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
 
 import autooffload
+from autooffload.errors import AttachError
 from autooffload.runtime.chunks import ALIGN
 from autooffload.runtime.manager import Residency
 from tests.peft.peft_runs import (
@@ -35,6 +36,7 @@ from tests.peft.qlora_runs import (
     QUANT_KINDS,
     assert_bit_identical,
     bnb,
+    int8_model,
     quant_tensors,
     quantize_linears,
     quantized_bytes,
@@ -52,7 +54,7 @@ def qlora_model(kind: str = "nf4-double") -> torch.nn.Module:
     return quantize_linears(tiny_llama("resident"), **QUANT_KINDS[kind])
 
 
-def wrap(base: torch.nn.Module, targets: str, attached: bool, **kbit) -> torch.nn.Module:
+def wrap(base: torch.nn.Module, targets: str, attached: bool, **kbit) -> PeftModel:
     """What a QLoRA script does: prepare for k-bit training, get_peft_model, move."""
     model = prepare_model_for_kbit_training(copy.deepcopy(base), **kbit)
     torch.manual_seed(123)
@@ -183,24 +185,6 @@ def test_disable_restores_shared_code_tables():
     assert tables() == before, "detach did not put bitsandbytes' shared code table back"
 
 
-def int8_model() -> torch.nn.Module:
-    """The tiny Llama with every decoder linear a ``Linear8bitLt`` (int8 weights, fp32 SCB)."""
-    model = tiny_llama("resident")
-    for layer in model.model.layers:
-        for name, child in list(layer.named_modules()):
-            if isinstance(child, torch.nn.Linear):
-                parent_name, _, attr = name.rpartition(".")
-                quantized = bnb.nn.Linear8bitLt(
-                    child.in_features, child.out_features, bias=False, has_fp16_weights=False
-                )
-                quantized.weight = bnb.nn.Int8Params(
-                    child.weight.data.clone(), requires_grad=False, has_fp16_weights=False
-                )
-                setattr(layer.get_submodule(parent_name), attr, quantized.to("cpu"))
-    model.is_loaded_in_8bit = True
-    return model
-
-
 def test_int8_lora_attached_matches_plain():
     base, data = int8_model(), batches(4)
     original = {
@@ -227,3 +211,62 @@ def test_int8_lora_attached_matches_plain():
             assert torch.equal(module.weight.data, data_)
             assert torch.equal(module.state.SCB, scb)
             assert module.state.CB.data_ptr() == module.weight.data_ptr()
+
+
+def train_with(model: torch.nn.Module, optimizer_cls: type, data: list) -> list[float]:
+    optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_bnb_8bit_optimizer_trains_resident_adapters_like_plain():
+    """A bitsandbytes optimizer as the user's optimizer: resident adapters stay its own
+    (it runs on the CPU here too); the attached run equals the plain one."""
+    base, data = qlora_model(), batches(STEPS)
+    plain = wrap(base, "resident", attached=False)
+    expected = Run(train_with(plain, bnb.optim.AdamW8bit, data), trained_weights(plain))
+    model = wrap(base, "resident", attached=True)
+    losses = train_with(model, bnb.optim.AdamW8bit, data)
+    autooffload.disable()
+    assert_same_training(expected, Run(losses, trained_weights(model)))
+
+
+def test_bnb_optimizer_over_offloaded_adapters_is_a_clear_error():
+    """Adapters chunked with the base (over a tenth of the bytes) need a CPU twin, which a
+    bitsandbytes optimizer has not: refused with a message that says what to use."""
+    model = wrap(qlora_model(), "chunked", attached=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(AttachError, match="bitsandbytes optimizers update only params"):
+        bnb.optim.AdamW8bit(params, lr=1e-2)
+
+
+def test_qlora_with_base_attached_before_get_peft_model_matches_plain():
+    """Order 2: the quantized base attaches, then PEFT wraps it (its bnb LoRA layers are created
+    around chunked Linear4bit layers)."""
+    base, data = qlora_model(), batches(STEPS)
+    plain = wrap(base, "resident", attached=False)
+    expected = Run(train(plain, data), trained_weights(plain))
+    model = prepare_model_for_kbit_training(copy.deepcopy(base), use_gradient_checkpointing=False)
+    enable_cpu(chunk_size=CHUNK_SIZE)
+    model.to("cpu")
+    torch.manual_seed(123)
+    model = get_peft_model(model, lora(target_modules=TARGETS["resident"]))
+    model.to("cpu")
+    assert runtime_for(model) is not None
+    losses = train(model, data)
+    autooffload.disable()
+    assert_same_training(expected, Run(losses, trained_weights(model)))
+
+
+def test_merging_into_an_attached_quantized_base_is_refused():
+    model = wrap(qlora_model(), "resident", attached=True)
+    with pytest.raises(AttachError, match="disable"):
+        model.merge_adapter()
+    autooffload.disable()
+    model.merge_adapter()  # detached: PEFT's own merge
