@@ -75,8 +75,9 @@ def build_layout(
     A parameter that does not fit in the current chunk starts the next one; a parameter larger
     than ``chunk_size`` gets a chunk of its own size. A parameter shared by several groups
     (tied weights) is stored once, where it is first seen, and its chunk is needed by all of them.
-    ``companions`` (param id -> named tensors, a quantized weight's quant state) are laid right
-    after their param, in the same chunk: the param and its companions fit or move on as one.
+    ``companions`` (param id -> tensors named relative to it: a quantized weight's quant state)
+    are laid right after their param, in the same chunk: the param and its companions fit or
+    move on as one.
     """
     companions = companions or {}
     chunks: list[Chunk] = []
@@ -88,7 +89,8 @@ def build_layout(
         for name, param in params:
             chunk = placed.get(id(param))
             if chunk is None:
-                unit = [(name, param), *companions.get(id(param), ())]
+                unit = [(name, param)]
+                unit += [(f"{name}.{suffix}", t) for suffix, t in companions.get(id(param), ())]
                 unit_bytes = sum(_align(t.numel() * t.element_size()) for _, t in unit)
                 if current is None or current.nbytes + unit_bytes > chunk_size:
                     current = Chunk(index=len(chunks))

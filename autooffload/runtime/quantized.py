@@ -33,7 +33,7 @@ _SHARED_ATTRS = ("code",)
 class Companion:
     """One tensor of a quantized param's state, stored in the param's chunk."""
 
-    name: str
+    name: str  # relative to the param: ``quant_state.absmax``, ``state.SCB``
     owner: object
     attr: str
     tensor: torch.Tensor
@@ -72,7 +72,7 @@ class QuantizedParams:
                         original, tensor = tensor, tensor.detach().clone()
                         setattr(owner, attr, tensor)
                     seen.add(id(tensor))
-                    companions.append(Companion(f"{name}.{suffix}", owner, attr, tensor, original))
+                    companions.append(Companion(suffix, owner, attr, tensor, original))
                 found.companions[id(param)] = companions
                 found.aliases[id(param)] = _aliases_of(module, param)
                 if getattr(module, "support_avx512bf16_for_cpu", False):

@@ -54,13 +54,16 @@ def qlora_model(kind: str = "nf4-double") -> torch.nn.Module:
     return quantize_linears(tiny_llama("resident"), **QUANT_KINDS[kind])
 
 
-def wrap(base: torch.nn.Module, targets: str, attached: bool, **kbit) -> PeftModel:
-    """What a QLoRA script does: prepare for k-bit training, get_peft_model, move."""
+def wrap(
+    base: torch.nn.Module, targets: str, attached: bool, n_persist: int = 0, **kbit
+) -> PeftModel:
+    """What a QLoRA script does: prepare for k-bit training, get_peft_model, move (attached
+    with the first ``n_persist`` chunks persistent)."""
     model = prepare_model_for_kbit_training(copy.deepcopy(base), **kbit)
     torch.manual_seed(123)
     model = get_peft_model(model, lora(target_modules=TARGETS[targets]))
     if attached:
-        enable_cpu(chunk_size=CHUNK_SIZE)
+        enable_cpu(chunk_size=CHUNK_SIZE, n_persist=n_persist)
         model.to("cpu")
         assert runtime_for(model) is not None, "the model is not attached"
     return model
@@ -145,11 +148,12 @@ def test_quant_state_moves_with_its_chunk_and_sizes_count_real_bytes():
     assert runtime.plan.n_chunks == len(layout.chunks)
 
 
-def test_state_dict_of_attached_qlora_equals_plain():
+@pytest.mark.parametrize("n_persist", [0, 4])
+def test_state_dict_of_attached_qlora_equals_plain(n_persist):
     base, data = qlora_model(), batches(2)
     plain = wrap(base, "resident", attached=False)
     train(plain, data)
-    model = wrap(base, "resident", attached=True)
+    model = wrap(base, "resident", attached=True, n_persist=n_persist)
     train(model, data)
     expected, actual = plain.state_dict(), model.state_dict()
     assert any(k.endswith("weight.nested_absmax") for k in actual)
