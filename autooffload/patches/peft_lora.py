@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from autooffload.errors import AttachError
 from autooffload.patches import _registry
 from autooffload.patches.torch_module import attach_suppressed
 from autooffload.settings import Settings
@@ -48,6 +49,15 @@ def _layer_wrapper(writes: bool) -> Callable[..., Any]:
         if runtime is None:
             return wrapped(*args, **kwargs)
         written = _base_params(instance) if writes else []
+        name = getattr(wrapped, "__name__", "")
+        if name in ("merge", "unmerge") and any(runtime.quantized.of(p) for p in written):
+            # PEFT re-quantizes the merged weight into a new Params4bit/Int8Params: a param
+            # no chunk holds, and the chunked original would be left behind.
+            raise AttachError(
+                f"{type(instance).__name__}.{name} on a bitsandbytes-quantized base layer is not"
+                " supported while the model is attached; call autooffload.disable() (or"
+                " model.cpu()) first, then merge"
+            )
         with params_on_device(runtime, params, written):
             return wrapped(*args, **kwargs)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -68,13 +68,18 @@ class ChunkLayout:
 def build_layout(
     params_by_group: Sequence[tuple[int, Sequence[tuple[str, nn.Parameter]]]],
     chunk_size: int,
+    companions: Mapping[int, Sequence[tuple[str, torch.Tensor]]] | None = None,
 ) -> ChunkLayout:
     """Lay parameters into chunks of ``chunk_size`` bytes, in the given group order.
 
     A parameter that does not fit in the current chunk starts the next one; a parameter larger
     than ``chunk_size`` gets a chunk of its own size. A parameter shared by several groups
     (tied weights) is stored once, where it is first seen, and its chunk is needed by all of them.
+    ``companions`` (param id -> tensors named relative to it: a quantized weight's quant state)
+    are laid right after their param, in the same chunk: the param and its companions fit or
+    move on as one.
     """
+    companions = companions or {}
     chunks: list[Chunk] = []
     placed: dict[int, Chunk] = {}
     chunks_of_group: dict[int, list[int]] = {}
@@ -84,14 +89,20 @@ def build_layout(
         for name, param in params:
             chunk = placed.get(id(param))
             if chunk is None:
-                nbytes = param.numel() * param.element_size()
-                if current is None or current.nbytes + _align(nbytes) > chunk_size:
+                unit = [(name, param)]
+                unit += [(f"{name}.{suffix}", t) for suffix, t in companions.get(id(param), ())]
+                unit_bytes = sum(_align(t.numel() * t.element_size()) for _, t in unit)
+                if current is None or current.nbytes + unit_bytes > chunk_size:
                     current = Chunk(index=len(chunks))
                     chunks.append(current)
-                slot = ParamSlot(param, name, current.nbytes, nbytes, param.shape, param.dtype)
-                current.slots.append(slot)
-                current.nbytes += _align(nbytes)
-                placed[id(param)] = current
+                for tensor_name, tensor in unit:
+                    nbytes = tensor.numel() * tensor.element_size()
+                    slot = ParamSlot(
+                        tensor, tensor_name, current.nbytes, nbytes, tensor.shape, tensor.dtype
+                    )
+                    current.slots.append(slot)
+                    current.nbytes += _align(nbytes)
+                    placed[id(tensor)] = current
                 chunk = current
             chunk.groups.add(group_index)
             if chunk.index not in needed:

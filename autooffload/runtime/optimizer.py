@@ -34,9 +34,14 @@ def check_optimizer_class(optimizer: torch.optim.Optimizer) -> None:
     cls = type(optimizer)
     if cls.__module__.startswith("torch.optim") and cls.__name__ in CPU_OPTIMIZERS:
         return
+    hint = ""
+    if cls.__module__.startswith("bitsandbytes"):
+        # bnb optimizers (8-bit, paged) keep their state on the GPU: they fit resident params
+        # (LoRA adapters under a tenth of the model's bytes), not chunks updated on the CPU.
+        hint = " (bitsandbytes optimizers update only params that stay on the GPU)"
     raise AttachError(
         f"optimizer class {cls.__module__}.{cls.__name__} has no CPU path for offloaded"
-        f" parameters; use one of torch.optim.{{{', '.join(CPU_OPTIMIZERS)}}}, or keep every"
+        f" parameters{hint}; use one of torch.optim.{{{', '.join(CPU_OPTIMIZERS)}}}, or keep every"
         " trainable parameter on the GPU (AUTOOFFLOAD_OFFLOAD=0, or a larger AUTOOFFLOAD_N_PERSIST)"
     )
 

@@ -174,11 +174,14 @@ def check_host_memory(
 
 def optim_state_bytes(optimizer: torch.optim.Optimizer | None, dtype: torch.dtype) -> int:
     """GPU optimizer-state bytes per persistent trainable element (torch keeps states in the
-    param dtype): Adam-family 2 states, SGD with momentum / Adagrad / RMSprop 1."""
+    param dtype): Adam-family 2 states, SGD with momentum / Adagrad / RMSprop 1; bitsandbytes
+    8-bit optimizers one byte per state."""
     element = torch.empty((), dtype=dtype).element_size()
     if optimizer is None:
         return 2 * element
     name = type(optimizer).__name__
+    if name.endswith("8bit"):  # bitsandbytes: one byte per state (block scales are ~1%)
+        return 2 if "Adam" in name else 1
     if name in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam"):
         return 2 * element
     if name == "SGD":

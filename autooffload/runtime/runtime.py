@@ -37,6 +37,7 @@ from autooffload.runtime.planning import (
     optim_state_bytes,
     plan_from_profile,
 )
+from autooffload.runtime.quantized import QuantizedParams
 from autooffload.runtime.state import ModelStateHooks
 from autooffload.settings import Settings
 
@@ -59,6 +60,8 @@ class Runtime:
         self.groups = discover_groups(model)
         if not any(g.is_block for g in self.groups):
             logger.debug("no repeated blocks found; every module with parameters is a group")
+        # bitsandbytes params' quant-state tensors, laid into the chunk right after their param.
+        self.quantized = QuantizedParams.collect(model.modules())
         self.resident_params = self._resident_trainable_params()
         resident_ids = {id(p) for p in self.resident_params}
         params_by_group = [
@@ -66,12 +69,12 @@ class Runtime:
             for g in self.groups
         ]
         block_bytes = [
-            aligned_bytes([p for _, p in params])
+            aligned_bytes([t for _, p in params for t in (p, *self.quantized.of(p))])
             for g, (_, params) in zip(self.groups, params_by_group, strict=True)
             if g.is_block
         ]
         chunk_size = settings.chunk_size or default_chunk_size(block_bytes)
-        self.layout = build_layout(params_by_group, chunk_size)
+        self.layout = build_layout(params_by_group, chunk_size, self.quantized.named())
         self.plan: Plan = initial_plan(self, settings)
         # Under torchrun: rank 0's plan on every rank, same layout and settings checked.
         self.data_parallel = attach_data_parallel(self, settings)
@@ -85,6 +88,7 @@ class Runtime:
         )
         self.manager.data_parallel = self.data_parallel
         self.manager.adopt_params()
+        self.quantized.bind_aliases(model.parameters())
         for param in self.resident_params:
             param.data = param.data.to(device)
         for module in model.modules():
@@ -130,7 +134,7 @@ class Runtime:
         PEFT adapters count as trainable whether active or not (``set_adapter`` switches them).
         """
         params = list(dict.fromkeys(self.model.parameters()))
-        total = sum(p.numel() * p.element_size() for p in params)
+        total = sum(p.numel() * p.element_size() for p in params) + self.quantized.nbytes
         switchable = {id(p) for p in adapter_params(self.model)}
         trainable = [p for p in params if p.requires_grad or id(p) in switchable]
         trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
@@ -268,10 +272,13 @@ class Runtime:
         return self._position.get(group_index, len(self._position) + group_index)
 
     def weight_dtype(self) -> torch.dtype:
+        """The floating dtype holding most chunk bytes (packed quantized bytes are no dtype
+        the compute or the optimizer uses)."""
         sizes: dict[torch.dtype, int] = {}
         for chunk in self.layout.chunks:
             for slot in chunk.slots:
-                sizes[slot.dtype] = sizes.get(slot.dtype, 0) + slot.nbytes
+                if slot.dtype.is_floating_point:
+                    sizes[slot.dtype] = sizes.get(slot.dtype, 0) + slot.nbytes
         return max(sizes, key=sizes.__getitem__) if sizes else torch.float32
 
     def _pre_forward(self, group: Group, args: tuple = (), kwargs: dict | None = None) -> None:
@@ -520,6 +527,8 @@ class Runtime:
         if self.hf_checkpointing_taken:
             restore_hf_gradient_checkpointing(self.model)
         self.manager.materialize(target)
+        self.quantized.bind_aliases(self.model.parameters())
+        self.quantized.restore(target)
         for param in self.resident_params:
             param.data = param.data.to(target)
         for module in self.model.modules():

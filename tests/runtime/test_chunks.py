@@ -91,3 +91,24 @@ def test_bf16_params_take_their_own_element_size():
     layout = build_layout([(0, _named("p", params))], chunk_size=1 << 20)
     assert [s.nbytes for s in layout.chunks[0].slots] == [20, 20]
     assert [s.offset for s in layout.chunks[0].slots] == [0, 64]
+
+
+def test_companions_share_their_params_chunk_and_count_their_bytes():
+    """A quantized weight's quant state is laid right after it, in the same chunk, even when
+    the param alone would still fit the current chunk and its companions would not."""
+    filler = nn.Parameter(torch.zeros(48, dtype=torch.uint8), requires_grad=False)
+    weight = nn.Parameter(torch.zeros(8, dtype=torch.uint8), requires_grad=False)
+    absmax = torch.zeros(16)
+    layout = build_layout(
+        [(0, [("filler", filler), ("weight", weight)])],
+        chunk_size=128,
+        companions={id(weight): [("quant_state.absmax", absmax)]},
+    )
+    assert [[s.name for s in c.slots] for c in layout.chunks] == [
+        ["filler"],
+        ["weight", "weight.quant_state.absmax"],
+    ]
+    second = layout.chunks[1]
+    assert [s.offset for s in second.slots] == [0, ALIGN]
+    assert second.nbytes == ALIGN + 64
+    assert second.trainable_slots == []
