@@ -40,8 +40,12 @@ def _runtimes_of_optimizer(optimizer: torch.optim.Optimizer) -> list:
 def _bind(optimizer: torch.optim.Optimizer) -> None:
     from autooffload import runtime as rt
 
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     for runtime in rt.runtimes():
-        if any(runtime.owns(p) for g in optimizer.param_groups for p in g["params"]):
+        # Chunked or resident params, or any other param of the attached model (adapters
+        # PEFT injected after attach): its steps drive the profiling steps and the CPU update.
+        in_model = {id(p) for p in runtime.model.parameters()}
+        if any(runtime.manages(p) or id(p) in in_model for p in params):
             runtime.bind_optimizer(optimizer)
 
 

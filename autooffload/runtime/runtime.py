@@ -381,7 +381,11 @@ class Runtime:
             self.manager.offload_grads(index)
             self.manager.release(index)
         if self.data_parallel is not None:
-            self.data_parallel.end_backward(self.resident_params)
+            # Every trainable param outside chunks: resident ones and any PEFT added later.
+            unchunked = [
+                p for p in self.model.parameters() if p.grad is not None and not self.owns(p)
+            ]
+            self.data_parallel.end_backward(unchunked)
         self._backward_task = None
         self._backwards_this_step += 1
         self._trace_end()

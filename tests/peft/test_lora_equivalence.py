@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
+from peft import get_peft_model
 
 import autooffload
 from autooffload import runtime as rt
@@ -18,6 +20,7 @@ from tests.peft.peft_runs import (
     Run,
     assert_same_training,
     batches,
+    enable_cpu,
     lora,
     run,
     runtime_for,
@@ -103,3 +106,22 @@ def test_peft_injection_never_attaches_the_new_adapter_modules():
     assert [type(r.model).__name__ for r in rt.runtimes()] == ["PeftModel"]
     assert runtime_for(model).model is model
     assert model(input_ids=batches(1)[0]).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("order", ["peft_then_move", "move_then_peft"])
+def test_resident_adapters_optimizer_drives_profiling_to_the_searched_plan(order):
+    """The user's optimizer holds only resident adapters (no chunk-owned param): its steps
+    must still end the profiling steps, or the run stays on the conservative plan for good
+    (everything streamed, every block recomputed)."""
+    enable_cpu("resident", n_persist=None)
+    base = tiny_llama()
+    if order == "move_then_peft":
+        base.to("cpu")
+    torch.manual_seed(123)
+    model = get_peft_model(base, lora())
+    model.to("cpu")
+    runtime = runtime_for(model)
+    assert runtime is not None and runtime.plan.source == "profiling step"
+    train(model, batches(4))
+    assert runtime.plan.source != "profiling step", runtime.plan.summary()
+    assert autooffload.last_plan() is runtime.plan
