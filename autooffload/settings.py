@@ -326,6 +326,10 @@ class Settings:
         cache_dir: Directory of the per-machine hardware measurements cache.
         reprofile: Ignore the hardware cache and measure again.
         print_plan: Print the plan summary to stdout when it is made (not only log it).
+        oom_retry: After a device OOM in the attached model's forward, or in ``backward()`` of
+            its own loss, re-plan under a smaller budget and retry the step once. Experimental
+            and off by default: its CPU-simulation tests pass, but on an H100 a real OOM was not
+            retried (no smaller plan found) and a later step hit an illegal memory access.
         data_parallel: ``auto``: when a ``torch.distributed`` process group of several ranks
             exists (torchrun, accelerate launch), every rank's attached replica averages its
             gradients across ranks chunk by chunk; ``off``: leave gradients local (the script
@@ -425,6 +429,12 @@ class Settings:
     )
     print_plan: bool = _knob(
         False, "AUTOOFFLOAD_PRINT_PLAN", _parse_bool, "print the plan summary to stdout"
+    )
+    oom_retry: bool = _knob(
+        False,
+        "AUTOOFFLOAD_OOM_RETRY",
+        _parse_bool,
+        "retry a step once under a smaller plan after a device OOM (experimental)",
     )
     data_parallel: str = _knob(
         "auto",

@@ -89,7 +89,7 @@ def train(
 ) -> dict:
     runtime = None
     if attach is not None:
-        enable_cpu(**attach)
+        enable_cpu(oom_retry=True, **attach)
         model.to("cpu")
         runtime = rt.runtime_of(model)
     fault = OomFault(model.model.layers[1].mlp, where)
@@ -163,7 +163,7 @@ def test_oom_is_retried_once_under_a_smaller_plan(settings, where):
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_second_oom_raises_a_clear_error(where):
     model = tiny_llama()
-    enable_cpu(n_persist=1, activation_mode="keep")
+    enable_cpu(oom_retry=True, n_persist=1, activation_mode="keep")
     model.to("cpu")
     runtime = rt.runtime_of(model)
     fault = OomFault(model.model.layers[1].mlp, where)
@@ -189,7 +189,7 @@ def test_second_oom_raises_a_clear_error(where):
 
 def test_oom_in_backward_of_a_loss_computed_outside_the_model_is_not_retried():
     model = tiny_llama()
-    enable_cpu(n_persist=1, activation_mode="keep")
+    enable_cpu(oom_retry=True, n_persist=1, activation_mode="keep")
     model.to("cpu")
     runtime = rt.runtime_of(model)
     fault = OomFault(model.model.layers[1].mlp, "backward")
@@ -219,7 +219,7 @@ def test_oom_in_a_later_micro_batch_backward_is_not_retried_but_forward_is():
 def test_disable_restores_the_model_forward():
     model = tiny_llama()
     assert "forward" not in model.__dict__
-    enable_cpu()
+    enable_cpu(oom_retry=True)
     model.to("cpu")
     assert "forward" in model.__dict__
     import autooffload
@@ -239,7 +239,7 @@ def test_a_longer_batch_than_the_profiled_one_is_replanned_for_its_size():
         model = copy.deepcopy(base)
         runtime = None
         if attach:
-            enable_cpu()
+            enable_cpu(oom_retry=True)
             model.to("cpu")
             runtime = rt.runtime_of(model)
         fault = OomFault(model.model.layers[1].mlp, "forward")
@@ -267,7 +267,7 @@ def test_backward_of_a_scaled_loss_is_retried_with_the_same_scale():
     for attach in (False, True):
         model = copy.deepcopy(base)
         if attach:
-            enable_cpu(n_persist=1, activation_mode="keep")
+            enable_cpu(oom_retry=True, n_persist=1, activation_mode="keep")
             model.to("cpu")
         fault = OomFault(model.model.layers[1].mlp, "backward")
         fault.times = 1 if attach else 0
