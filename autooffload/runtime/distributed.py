@@ -169,13 +169,7 @@ class DataParallel:
         for indices in by_dtype.values():
             members = [grads[i] for i in indices]
             flat = torch.cat([g.reshape(-1) for g in members])
-            if self.nccl and flat.is_cuda:
-                op = dist.ReduceOp.AVG
-            else:
-                # gloo has no AVG: divide first (exact for power-of-two world sizes).
-                flat.div_(self.world_size)
-                op = dist.ReduceOp.SUM
-            works.append(dist.all_reduce(flat, op=op, group=self.group, async_op=True))
+            works.append(self._average(flat))
             flats.append(flat)
             offset = 0
             for i, grad in zip(indices, members, strict=True):
@@ -183,6 +177,16 @@ class DataParallel:
                 offset += grad.numel()
             self.reduced_bytes += flat.numel() * flat.element_size()
         return Reduction(works, flats, views)  # type: ignore[arg-type]
+
+    def _average(self, tensor: torch.Tensor) -> Any:
+        """Start the in-place all-reduce that leaves the mean over ranks in ``tensor``."""
+        if self.nccl and tensor.is_cuda:
+            op = dist.ReduceOp.AVG
+        else:
+            # gloo has no AVG: divide first (exact for power-of-two world sizes).
+            tensor.div_(self.world_size)
+            op = dist.ReduceOp.SUM
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
 
     def reduce_in_place(self, grads: list[torch.Tensor], flatten: bool = False) -> None:
         """Start averaging ``grads`` (``.grad`` tensors that stay where they are); :meth:`finish`
@@ -195,15 +199,8 @@ class DataParallel:
             reduction.targets = grads
             self._pending.append(reduction)
             return
-        works = []
-        for grad in grads:
-            if self.nccl and grad.is_cuda:
-                op = dist.ReduceOp.AVG
-            else:
-                grad.div_(self.world_size)
-                op = dist.ReduceOp.SUM
-            works.append(dist.all_reduce(grad, op=op, group=self.group, async_op=True))
-            self.reduced_bytes += grad.numel() * grad.element_size()
+        works = [self._average(grad) for grad in grads]
+        self.reduced_bytes += sum(g.numel() * g.element_size() for g in grads)
         self._pending.append(Reduction(works, [], []))
 
     def finish(self) -> None:

@@ -82,16 +82,21 @@ def enable(device: str, **overrides) -> None:
     autooffload.enable(device=device, **settings)
 
 
+def train_local(model, optimizer, batches, device, rank, world) -> None:
+    """One plain step per global batch on this rank's part of it."""
+    for ids in batches:
+        ids = local_part(ids, rank, world).to(device)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def case_dp(device, dtype, rank, world):
     """Plain loop under torchrun: the attached replicas average gradients themselves."""
     enable(device)
     model = tiny_llama().to(device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for ids in global_batches(STEPS):
-        ids = local_part(ids, rank, world).to(device)
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_local(model, optimizer, global_batches(STEPS), device, rank, world)
     result = weights(model)
     autooffload.disable()
     return result
@@ -138,11 +143,7 @@ def case_resume(device, dtype, rank, world, out: Path):
     enable(device)
     model = tiny_llama().to(device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for ids in batches[:RESUME_AT]:
-        ids = local_part(ids, rank, world).to(device)
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_local(model, optimizer, batches[:RESUME_AT], device, rank, world)
     if rank == 0:
         torch.save(
             {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
@@ -156,11 +157,7 @@ def case_resume(device, dtype, rank, world, out: Path):
     model.load_state_dict(checkpoint["model"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     optimizer.load_state_dict(checkpoint["optimizer"])
-    for ids in batches[RESUME_AT:]:
-        ids = local_part(ids, rank, world).to(device)
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_local(model, optimizer, batches[RESUME_AT:], device, rank, world)
     result = weights(model)
     autooffload.disable()
     return result
