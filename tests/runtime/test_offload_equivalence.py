@@ -274,22 +274,41 @@ def test_zero_grad_keeping_zeroed_tensors_matches_plain(make_llama, make_batches
     assert_same_training(plain, offloaded)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_auto_plan_switch_after_profiling_keeps_training_exact(
-    make_llama, make_batches, offload_cpu
+    make_llama, make_batches, offload_cpu, dtype
 ):
     """No knobs: the first steps run a conservative plan and are profiled, then the searched
     plan takes over (chunks may turn persistent, their optimizer state moving to the user's
-    optimizer; block activation policies change). The trajectory must not notice."""
-    base = make_llama()
+    optimizer; block activation policies change). The trajectory must not notice, in bf16 too
+    (the promoted state keeps its dtype; measured bit-identical). bf16 runs unclipped: see
+    ``test_bf16_clipping_norm_rounds_like_plain``."""
+    base = make_llama().to(dtype)
     data = make_batches(STEPS)
-    plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu, clip=1.0)
+    clip = 1.0 if dtype == torch.float32 else None
+    plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu, clip=clip)
     model = copy.deepcopy(base)
     offload_cpu()
     model.to("cpu")
     runtime = rt.runtime_of(model)
     assert runtime is not None and runtime.plan.source != "search"
-    offloaded = train(model, data, attach=None, offload_cpu=offload_cpu, clip=1.0)
+    offloaded = train(model, data, attach=None, offload_cpu=offload_cpu, clip=clip)
     assert runtime.plan.source == "search", "the plan was never switched after profiling"
+    assert_same_training(plain, offloaded)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="clip_grad_norm_ over offloaded bf16 grads takes fp32 norms (plain torch: bf16 norms"
+    " and a bf16 coefficient), so bf16 trajectories drift ~2e-2 in 20 steps; fp32 is exact",
+)
+def test_bf16_clipping_norm_rounds_like_plain(make_llama, make_batches, offload_cpu):
+    base = make_llama().to(torch.bfloat16)
+    data = make_batches(STEPS)
+    plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu, clip=1.0)
+    offloaded = train(
+        copy.deepcopy(base), data, attach={"n_persist": 1}, offload_cpu=offload_cpu, clip=1.0
+    )
     assert_same_training(plain, offloaded)
 
 
