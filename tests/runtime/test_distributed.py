@@ -7,17 +7,13 @@ One ``torchrun`` launch runs every case (tests/runtime/dp_worker.py); the tests 
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from dp_worker import LR, RESUME_AT, STEPS, global_batches, local_part, weights
 from runtime_models import CHUNK_SIZE, tiny_llama
+from torchrun import launch as launch_worker
 
 import autooffload
 
@@ -27,37 +23,9 @@ WORKER = Path(__file__).with_name("dp_worker.py")
 TOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(out: Path, device: str, dtype: str = "float32", nproc: int = 2) -> list[dict]:
-    """Run the worker on ``nproc`` ranks; return each rank's report."""
-    out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={_free_port()}",
-        str(WORKER),
-        f"--out={out}",
-        f"--device={device}",
-        f"--dtype={dtype}",
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    reports = []
-    for rank in range(nproc):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no report:\n{done.stdout}\n{done.stderr}"
-        report = json.loads(path.read_text())
-        assert "error" not in report, report["error"]
-        reports.append(report)
-    assert done.returncode == 0, done.stderr
-    return reports
+def launch(out: Path, device: str, dtype: str = "float32") -> list[dict]:
+    """Run the worker on two ranks; each rank's report."""
+    return launch_worker(WORKER, out, f"--device={device}", f"--dtype={dtype}")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,22 @@
+"""HF ``Trainer`` under ``torchrun --nproc-per-node 2`` (gloo DDP on CPU): the attached model is
+wrapped by the Trainer's DDP as a pass-through, autooffload averages the gradients, and training
+equals the plain Trainer's DDP run, with identical replicas on both ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torchrun import launch
+
+WORKER = Path(__file__).with_name("trainer_dp_worker.py")
+
+
+@pytest.mark.slow
+def test_trainer_ddp_over_an_attached_model_matches_plain_trainer_ddp(tmp_path):
+    for report in launch(WORKER, tmp_path):
+        assert report["attached"] and report["data_parallel"]
+        assert report["wrapper"] == "DistributedDataParallel" and report["pass_through"]
+        # Same fp32 math (mean of two ranks' gradients, clipping, AdamW): last-bit noise only.
+        assert report["max_diff_vs_plain_ddp"] < 1e-5
+        assert report["ranks_identical"]

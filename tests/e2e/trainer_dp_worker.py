@@ -1,0 +1,104 @@
+"""One rank of the HF Trainer data-parallel test, launched by ``torchrun --nproc-per-node 2``.
+
+Trains the same tiny Llama twice with an unchanged ``transformers.Trainer`` on CPU (gloo DDP, as
+``torchrun`` + ``use_cpu=True`` sets it up): plain, then with autooffload enabled (the CPU
+simulation attaches the model when the Trainer moves it). Writes ``<out>/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
+from runtime_models import CHUNK_SIZE, VOCAB, tiny_llama  # noqa: E402
+
+import autooffload  # noqa: E402
+from autooffload import runtime as rt  # noqa: E402
+
+STEPS = 6
+
+
+class Rows(torch.utils.data.Dataset):
+    """Fixed random rows: the Trainer's distributed sampler gives each rank its half."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(11)
+        self.ids = torch.randint(0, VOCAB, (4 * STEPS, 16), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def train(out: Path, attached: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    if attached:
+        autooffload.enable(
+            device="cpu", force_attach=True, chunk_size=CHUNK_SIZE, mask=False, log="warning"
+        )
+    model = tiny_llama()
+    args = TrainingArguments(
+        output_dir=str(out / ("attached" if attached else "plain")),
+        per_device_train_batch_size=2,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        max_grad_norm=1.0,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Rows())
+    trainer.train()
+    facts = {}
+    if attached:
+        runtime = rt.runtime_of(model)
+        facts["attached"] = runtime is not None
+        facts["data_parallel"] = runtime is not None and runtime.data_parallel is not None
+        wrapped = trainer.model_wrapped
+        facts["wrapper"] = type(wrapped).__name__
+        facts["pass_through"] = getattr(wrapped, "_autooffload_runtimes", None) is not None
+    weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    if attached:
+        autooffload.disable()
+    return weights, facts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    report: dict = {}
+    try:
+        plain, _ = train(args.out, attached=False)
+        attached, facts = train(args.out, attached=True)
+        report.update(facts)
+        report["rank"] = dist.get_rank()
+        report["max_diff_vs_plain_ddp"] = max(
+            (plain[k] - attached[k]).abs().max().item() for k in plain
+        )
+        flat = torch.cat([t.reshape(-1) for t in attached.values()])
+        gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flat)
+        report["ranks_identical"] = all(torch.equal(g, gathered[0]) for g in gathered)
+    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+        report["error"] = traceback.format_exc()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    (args.out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
