@@ -31,6 +31,7 @@ __all__ = [
     "attach",
     "disable",
     "enable",
+    "fsdp2_wrap",
     "gathered",
     "last_plan",
     "no_sync",
@@ -87,6 +88,14 @@ def attach(model: Any, optimizer: Any = None, **settings: Any) -> Any:
     from autooffload.runtime import attach as attach_runtime
 
     return attach_runtime(model, optimizer, resolved)
+
+
+def fsdp2_wrap(model: Any, min_num_params: int = 100_000_000, **kwargs: Any) -> Any:
+    """Shard ``model`` with FSDP2 ``fully_shard`` by size (modules over ``min_num_params`` each
+    get their own unit, then the root); autooffload then leaves its weights to FSDP2."""
+    from autooffload.fsdp2 import fsdp2_wrap as _wrap
+
+    return _wrap(model, min_num_params, **kwargs)
 
 
 def no_sync(model: Any) -> contextlib.AbstractContextManager[None]:

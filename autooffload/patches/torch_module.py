@@ -60,9 +60,17 @@ def should_attach(model: nn.Module, settings: Settings, device: torch.device) ->
         return False
     if not any(p.requires_grad for p in model.parameters()):
         return False
+    if any(_is_dtensor(p) for p in model.parameters()):
+        # Sharded by FSDP2: its CPUOffloadPolicy is the tool for weights (docs/distributed.md).
+        logger.debug("FSDP2/DTensor-sharded model: no weight offload (use CPUOffloadPolicy)")
+        return False
     if settings.force_attach:
         return True
     return _unique_param_bytes(model) >= settings.attach_threshold
+
+
+def _is_dtensor(param: torch.Tensor) -> bool:
+    return type(param).__name__ == "DTensor" or hasattr(param, "_local_tensor")
 
 
 def _runtime_inside(module: nn.Module) -> Any:
