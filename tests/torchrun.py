@@ -16,10 +16,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(worker: Path, out: Path, *args: str, nproc: int = 2) -> list[dict]:
+def launch(
+    worker: Path, out: Path, *args: str, nproc: int = 2, expect_failure: bool = False
+) -> list[dict]:
     """Run ``worker --out OUT ARGS`` on ``nproc`` ranks; each rank writes ``OUT/rank<r>.json``.
 
-    Fails the test with the workers' output when a rank wrote no report or reported an error.
+    Fails the test with the workers' output when a rank wrote no report or reported an error,
+    or (``expect_failure``) when the job did not fail.
     """
     out.mkdir(parents=True, exist_ok=True)
     command = [
@@ -41,5 +44,8 @@ def launch(worker: Path, out: Path, *args: str, nproc: int = 2) -> list[dict]:
         report = json.loads(path.read_text())
         assert "error" not in report, report["error"]
         reports.append(report)
-    assert done.returncode == 0, done.stderr
+    if expect_failure:
+        assert done.returncode != 0, "the job was expected to fail"
+    else:
+        assert done.returncode == 0, done.stderr
     return reports

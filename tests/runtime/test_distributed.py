@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dp_fault_worker import TIMEOUT_S as FAULT_TIMEOUT_S
 from dp_worker import LR, RESUME_AT, STEPS, global_batches, local_part, weights
 from runtime_models import CHUNK_SIZE, tiny_llama
 from torchrun import launch as launch_worker
@@ -85,6 +86,17 @@ def test_checkpoint_of_two_ranks_resumes_at_two_and_at_one(cpu_run):
     expected = torch.load(out / "averaged.pt", weights_only=True)
     for name, weight in expected.items():
         torch.testing.assert_close(resumed[name], weight, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["exit", "stall"])
+def test_an_exception_on_one_rank_surfaces_on_the_other_without_a_hang(tmp_path, mode):
+    """Rank 1 raises mid-forward and exits (or stays alive, hung): rank 0, in its backward's
+    gradient average, raises too, at once or at the process group's timeout, never hangs."""
+    worker = WORKER.with_name("dp_fault_worker.py")
+    rank0, rank1 = launch_worker(worker, tmp_path, f"--mode={mode}", expect_failure=True)
+    assert rank1["outcome"].startswith("Boom")
+    assert rank0["outcome"] != "finished" and rank0["outcome"].startswith("RuntimeError")
+    assert rank0["seconds"] < FAULT_TIMEOUT_S + 20  # the group's timeout, plus start-up slack
 
 
 @pytest.mark.multigpu
