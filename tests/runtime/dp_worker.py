@@ -124,6 +124,24 @@ def case_ddp(device, dtype, rank, world):
     return result
 
 
+def case_no_sync(device, dtype, rank, world):
+    """No DDP wrapper: ``autooffload.no_sync(model)`` around the first of two micro-batches."""
+    enable(device)
+    model = tiny_llama().to(device, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for ids in global_batches(STEPS):
+        first, second = local_part(ids, rank, world).to(device).chunk(2)
+        with autooffload.no_sync(model):
+            (model(input_ids=first, labels=first).loss / 2).backward()
+        (model(input_ids=second, labels=second).loss / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    result = weights(model)
+    autooffload.disable()
+    return result
+
+
 def case_mismatch(device, dtype, rank, world):
     """Ranks with different settings: the same clear error on every rank, no hang."""
     enable(device, n_persist=1 + rank)
@@ -189,6 +207,9 @@ def main() -> None:
         report["averaged_vs_whole_batch"] = max_diff(averaged, whole)
         ddp = case_ddp(device, dtype, rank, world)
         report["ddp_vs_averaged"] = max_diff(ddp, averaged_clip)
+        report["no_sync_vs_averaged"] = max_diff(
+            case_no_sync(device, dtype, rank, world), averaged_clip
+        )
         report["mismatch_error"] = case_mismatch(device, dtype, rank, world)
         resumed = case_resume(device, dtype, rank, world, args.out)
         report["resume2_vs_averaged"] = max_diff(resumed, averaged)

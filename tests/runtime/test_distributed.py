@@ -54,6 +54,12 @@ def test_ddp_wrapper_no_sync_accumulation_clipping_and_start_up_broadcast(cpu_ru
         assert report["ddp_ranks_identical"]
 
 
+def test_autooffload_no_sync_without_ddp_accumulates_then_averages(cpu_run):
+    reports, _ = cpu_run
+    for report in reports:
+        assert report["no_sync_vs_averaged"] < TOL
+
+
 def test_mismatched_settings_raise_the_same_error_on_every_rank(cpu_run):
     reports, _ = cpu_run
     errors = {report["mismatch_error"] for report in reports}
@@ -115,3 +121,22 @@ def test_two_gpus_nccl_fp32_and_bf16(tmp_path):
         # bf16: both references are a few bf16 ulps (~0.008 at 1.0) from any other rounding
         # of the same math; the yardstick is plain torch's whole-batch vs averaged-halves gap.
         assert report["dp_vs_averaged"] <= 2 * report["averaged_vs_whole_batch"] + 1e-3
+
+
+@pytest.mark.parametrize(
+    ("local_world", "threads", "expected"), [("1", 1, 1), ("2", 1, 4), ("2", 6, 6), ("4", 1, 2)]
+)
+def test_each_rank_takes_its_share_of_the_cores(monkeypatch, local_world, threads, expected):
+    """torchrun's OMP_NUM_THREADS=1 would leave the CPU optimizer on one core: each of the
+    node's ranks takes cores // local_world_size, unless the user set more."""
+    from autooffload.runtime import distributed
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: set(range(8)))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        distributed.share_cpu_threads()
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
