@@ -1,6 +1,6 @@
-"""HF ``Trainer`` under ``torchrun --nproc-per-node 2`` (gloo DDP on CPU): the attached model is
-wrapped by the Trainer's DDP as a pass-through, autooffload averages the gradients, and training
-equals the plain Trainer's DDP run, with identical replicas on both ranks."""
+"""HF ``Trainer`` and an ``accelerate`` loop under ``torchrun --nproc-per-node 2`` (gloo DDP on
+CPU): the attached model is wrapped by their DDP as a pass-through, autooffload averages the
+gradients, and training equals the plain DDP run, with identical replicas on both ranks."""
 
 from __future__ import annotations
 
@@ -20,3 +20,5 @@ def test_trainer_ddp_over_an_attached_model_matches_plain_trainer_ddp(tmp_path):
         # Same fp32 math (mean of two ranks' gradients, clipping, AdamW): last-bit noise only.
         assert report["max_diff_vs_plain_ddp"] < 1e-5
         assert report["ranks_identical"]
+        # accelerate: prepare (DDP), accumulate(2) with its no_sync, clip_grad_norm_, step.
+        assert report["accelerate_max_diff_vs_plain"] < 1e-5

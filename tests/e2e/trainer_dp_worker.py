@@ -76,6 +76,36 @@ def train(out: Path, attached: bool) -> tuple[dict[str, torch.Tensor], dict]:
     return weights, facts
 
 
+def accelerate_loop(attached: bool) -> dict[str, torch.Tensor]:
+    """An accelerate loop: prepare (DDP), accumulate over 2 micro-batches, clip, step."""
+    from accelerate import Accelerator
+
+    if attached:
+        autooffload.enable(
+            device="cpu", force_attach=True, chunk_size=CHUNK_SIZE, mask=False, log="warning"
+        )
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rows = Rows().ids
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(2 * STEPS):
+        ids = rows[2 * step : 2 * step + 2].chunk(world)[rank]
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    inner = accelerator.unwrap_model(model)
+    weights = {k: v.detach().float().clone() for k, v in inner.state_dict().items()}
+    if attached:
+        assert rt.runtime_of(inner) is not None, "the accelerate model was not attached"
+        autooffload.disable()
+    return weights
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -94,6 +124,10 @@ def main() -> None:
         gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, flat)
         report["ranks_identical"] = all(torch.equal(g, gathered[0]) for g in gathered)
+        plain_acc, attached_acc = accelerate_loop(False), accelerate_loop(True)
+        report["accelerate_max_diff_vs_plain"] = max(
+            (plain_acc[k] - attached_acc[k]).abs().max().item() for k in plain_acc
+        )
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         report["error"] = traceback.format_exc()
     rank = dist.get_rank() if dist.is_initialized() else 0
