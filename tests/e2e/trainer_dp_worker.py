@@ -40,11 +40,16 @@ class Rows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
+def enable_cpu() -> None:
+    """The CPU simulation: the Trainer's / accelerate's move to ``cpu`` attaches the model."""
+    autooffload.enable(
+        device="cpu", force_attach=True, chunk_size=CHUNK_SIZE, mask=False, log="warning"
+    )
+
+
 def train(out: Path, attached: bool) -> tuple[dict[str, torch.Tensor], dict]:
     if attached:
-        autooffload.enable(
-            device="cpu", force_attach=True, chunk_size=CHUNK_SIZE, mask=False, log="warning"
-        )
+        enable_cpu()
     model = tiny_llama()
     args = TrainingArguments(
         output_dir=str(out / ("attached" if attached else "plain")),
@@ -81,9 +86,7 @@ def accelerate_loop(attached: bool) -> dict[str, torch.Tensor]:
     from accelerate import Accelerator
 
     if attached:
-        autooffload.enable(
-            device="cpu", force_attach=True, chunk_size=CHUNK_SIZE, mask=False, log="warning"
-        )
+        enable_cpu()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -7,44 +7,23 @@ import logging
 import threading
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+# The tiny Llama, its fixed batches and the chunk size are the runtime tests' own (re-exported
+# for the fault tests).
+from runtime.runtime_models import BATCH as BATCH
+from runtime.runtime_models import CHUNK_SIZE
+from runtime.runtime_models import VOCAB as VOCAB
+from runtime.runtime_models import batches as batches
+from runtime.runtime_models import tiny_llama as tiny_llama
 
 import autooffload
 from autooffload.runtime.manager import Residency
 from autooffload.runtime.runtime import Runtime
 
-VOCAB = 128
-SEQ = 16
-BATCH = 2
-# A decoder layer of the tiny Llama (~37 KB) spans two chunks and the embedding one.
-CHUNK_SIZE = 20_000
 # Both runs do the same fp32 math with the same fused optimizer kernels; see
 # tests/runtime/test_offload_equivalence.py for why 1e-5 and what a real bug moves (~1e-2).
 RTOL = 1e-5
 ATOL = 1e-5
-
-
-def tiny_llama(*, tied: bool = True, n_layers: int = 3, seed: int = 0) -> LlamaForCausalLM:
-    """A random-init Llama small enough for CPU tests (hidden 32, vocab 128)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=n_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config).train()
-
-
-def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
-    """``n`` batches of token ids, the same for every run with the same seed."""
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(n)]
 
 
 def enable_cpu(**overrides) -> autooffload.Settings:
