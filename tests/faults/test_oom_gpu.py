@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 
 import pytest
 import torch
@@ -22,6 +23,13 @@ pytestmark = [
     # persistent chunks" (budget 1.75 GiB, 10 blocks swapped), and the next test then hit a CUDA
     # illegal memory access. The retry is off by default (AUTOOFFLOAD_OOM_RETRY) until these pass.
     pytest.mark.xfail(reason="OOM retry not yet reliable on a GPU (see above)", strict=False),
+    # Re-measured 2026-11-23: the first test still finds no smaller plan, and after the next
+    # one a CUDA illegal memory access poisons the process, failing every later GPU test.
+    # Run them alone (AUTOOFFLOAD_TEST_OOM_GPU=1) until the retry is fixed.
+    pytest.mark.skipif(
+        os.environ.get("AUTOOFFLOAD_TEST_OOM_GPU") != "1",
+        reason="poisons the CUDA context of later tests; run alone with AUTOOFFLOAD_TEST_OOM_GPU=1",
+    ),
 ]
 
 # A small vocabulary: the logits (kept whatever the plan) stay small next to the blocks.
