@@ -35,6 +35,7 @@ __all__ = [
     "gathered",
     "last_plan",
     "no_sync",
+    "consolidate",
 ]
 
 
@@ -104,6 +105,25 @@ def no_sync(model: Any) -> contextlib.AbstractContextManager[None]:
     from autooffload.runtime.distributed import no_sync as _no_sync
 
     return _no_sync(model)
+
+
+def consolidate(model: Any, to: int | None = 0) -> None:
+    """Call on every rank before saving a checkpoint when the CPU optimizer state is sharded
+    across data-parallel ranks (``AUTOOFFLOAD_SHARD_OPTIMIZER``, on by default under torchrun):
+    every rank's ``model.state_dict()`` then holds the current weights, and rank ``to``'s
+    ``optimizer.state_dict()`` the whole state in torch's standard layout, until the next step
+    (``to=None``: on every rank, at the cost of a full copy each). A no-op without sharding.
+    HF ``Trainer`` and accelerate's ``save_state`` call it for you.
+    """
+    from autooffload import runtime as rt
+    from autooffload.runtime.sharding import consolidate as _consolidate
+
+    seen = []
+    for module in model.modules():
+        runtime = rt.runtime_of(module)
+        if runtime is not None and all(r is not runtime for r in seen):
+            seen.append(runtime)
+            _consolidate(runtime, to)
 
 
 def last_plan() -> Plan | None:

@@ -29,6 +29,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "hf_collators",
     "trl_fused_head",
     "torch_ddp",
+    "checkpoint_consolidation",
 )
 
 # The registry state: the settings of the current enable() (None when disabled), the

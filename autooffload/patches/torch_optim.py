@@ -133,6 +133,10 @@ def _unscale_grads_with_host(wrapped: Any, instance: Any, args: tuple, kwargs: d
             # gradient scaling, which keeps its clipping norms consistent.
             torch._amp_foreach_non_finite_check_and_unscale_(grads, host_found, unit)
         cpu_optim.clip_(float(inv_scale), ids)
+    if any(r.cpu_optim.sharding is not None for r in runtimes):
+        # Each rank checked only the host gradients it owns: all must skip the step alike.
+        sharding = next(r.cpu_optim.sharding for r in runtimes if r.cpu_optim.sharding)
+        sharding.all_reduce_(host_found, torch.distributed.ReduceOp.MAX)
     if per_device:
         # Folded into one existing entry: fused kernels skip only on found_inf == 1, and
         # GradScaler sums the entries of all devices.

@@ -56,6 +56,7 @@ def check_params_after_attach(runtime: Runtime) -> None:
             param.requires_grad
             and chunk.index not in runtime.manager.persistent
             and id(param) not in runtime.manager.staging_offsets
+            and id(param) not in runtime.cpu_optim.offloaded_ids
         ):
             raise AttachError(
                 f"parameter {slot.name} was frozen when the model was attached and now"

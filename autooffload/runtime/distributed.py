@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -157,10 +157,16 @@ class DataParallel:
 
     # ---- reduction ----------------------------------------------------------------------------
 
-    def start(self, grads: list[torch.Tensor]) -> Reduction:
+    def start(
+        self,
+        grads: list[torch.Tensor],
+        reduce: Callable[[torch.Tensor, int], Any] | None = None,
+        index: int = -1,
+    ) -> Reduction:
         """Average ``grads`` across ranks asynchronously; returns flat buffers and views.
 
-        The flatten runs on the current stream; the collective on the backend's stream.
+        The flatten runs on the current stream; the collective on the backend's stream. With
+        ``reduce`` (``Sharding.reduce``) only chunk ``index``'s owner gets the average.
         """
         works, flats, views = [], [], [None] * len(grads)
         by_dtype: dict[torch.dtype, list[int]] = {}
@@ -169,13 +175,14 @@ class DataParallel:
         for indices in by_dtype.values():
             members = [grads[i] for i in indices]
             flat = torch.cat([g.reshape(-1) for g in members])
-            works.append(self._average(flat))
+            works.append(self._average(flat) if reduce is None else reduce(flat, index))
             flats.append(flat)
             offset = 0
             for i, grad in zip(indices, members, strict=True):
                 views[i] = flat[offset : offset + grad.numel()].view(grad.shape)
                 offset += grad.numel()
-            self.reduced_bytes += flat.numel() * flat.element_size()
+            if reduce is None:
+                self.reduced_bytes += flat.numel() * flat.element_size()
         return Reduction(works, flats, views)  # type: ignore[arg-type]
 
     def _average(self, tensor: torch.Tensor) -> Any:

@@ -26,7 +26,8 @@ from autooffload.runtime.chunks import ALIGN, Chunk, ChunkLayout, ParamSlot
 from autooffload.runtime.host import HostArena
 
 if TYPE_CHECKING:
-    from autooffload.runtime.distributed import DataParallel
+    from autooffload.runtime.distributed import DataParallel, Reduction
+    from autooffload.runtime.sharding import Sharding
 
 
 class Residency(enum.Enum):
@@ -55,6 +56,7 @@ class ChunkManager:
         persistent: Sequence[int],
         n_buffer: int,
         pin_memory: bool,
+        sharding: Sharding | None = None,
     ) -> None:
         self.layout = layout
         self.chunks = layout.chunks
@@ -63,10 +65,16 @@ class ChunkManager:
         self.persistent = set(persistent)
         self.n_buffer = max(1, n_buffer)
         self.host = HostArena([c.nbytes for c in self.chunks], pin=pin_memory and self.is_cuda)
+        # Sharded CPU optimizer state (runtime/sharding.py): chunks other ranks own get their
+        # weights by broadcast and send their gradients by reduce; no staging for them here.
+        self.sharding = sharding
         self.staging_offsets: dict[int, int] = {}
         staging_sizes = []
         for chunk in self.chunks:
             size = 0
+            if sharding is not None and not sharding.owns(chunk.index):
+                staging_sizes.append(0)
+                continue
             for slot in chunk.trainable_slots:
                 self.staging_offsets[id(slot.param)] = size
                 size += (slot.nbytes + ALIGN - 1) // ALIGN * ALIGN
@@ -99,6 +107,7 @@ class ChunkManager:
             "d2h_s": 0.0,
             "stall_s": 0.0,
             "gathers": 0,
+            "broadcast_bytes": 0,
         }
         # (stat, start, end) CUDA events of copies not yet added to the stats.
         self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -140,10 +149,13 @@ class ChunkManager:
             self.persistent.discard(index)
             self.release(index)
         for index in sorted(new - self.persistent):
-            self.persistent.add(index)
+            # Gathered while still offloaded: a sharded chunk comes from its owner's bytes.
             self._wait(self.host_busy, index)
             if self.state[index] != Residency.RESIDENT:
                 self.gather(index)
+            self.persistent.add(index)
+            if self.sharding is not None:
+                self.sharding.dirty.discard(index)
         self.n_buffer = max(1, n_buffer)
 
     def _write_back(self, index: int) -> None:
@@ -181,7 +193,14 @@ class ChunkManager:
             1 for i, s in enumerate(self.state) if s != Residency.HOST and i not in self.persistent
         )
 
+    def is_sharded(self, index: int) -> bool:
+        """Whether chunk ``index`` comes from its owning rank (runtime/sharding.py)."""
+        return self.sharding is not None and self.sharding.applies(index, self.persistent)
+
     def _start_copy_in(self, index: int) -> None:
+        if self.is_sharded(index):
+            self._start_broadcast_in(index)
+            return
         chunk = self.chunks[index]
         flat = self.gpu_flat[index]
         host = self.host.view(index)
@@ -203,6 +222,40 @@ class ChunkManager:
         self.stats["h2d_bytes"] += chunk.nbytes
         self.stats["gathers"] += 1
 
+    def _start_broadcast_in(self, index: int) -> None:
+        """``_start_copy_in`` of a sharded chunk: its owner copies it in from the host store
+        and broadcasts the device bytes; the other ranks receive them."""
+        assert self.sharding is not None
+        chunk = self.chunks[index]
+        flat = self.gpu_flat[index]
+        owner = self.sharding.owns(index)
+        if owner:
+            self._wait(self.host_busy, index)
+        if self.is_cuda:
+            with torch.cuda.stream(self.h2d_stream):
+                flat.untyped_storage().resize_(chunk.nbytes)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.h2d_stream)
+                if owner:
+                    flat.copy_(self.host.view(index), non_blocking=True)
+                # The collective waits for the copy queued on this stream; this stream (and
+                # through the event, compute) waits for the collective.
+                self.sharding.broadcast(flat, index).wait()
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(self.h2d_stream)
+            self._timed.append(("h2d_s", start, event))
+            self.ready_events[index] = event
+        else:
+            flat.untyped_storage().resize_(chunk.nbytes)
+            if owner:
+                flat.copy_(self.host.view(index))
+            self.sharding.broadcast(flat, index).wait()
+        self.state[index] = Residency.IN_FLIGHT
+        if owner:
+            self.stats["h2d_bytes"] += chunk.nbytes
+        self.stats["broadcast_bytes"] += chunk.nbytes
+        self.stats["gathers"] += 1
+
     def gather(self, index: int) -> None:
         """Make chunk ``index`` usable by work queued next on the current stream."""
         if self.state[index] == Residency.RESIDENT:
@@ -222,7 +275,9 @@ class ChunkManager:
         if self.n_in_use() >= self.n_buffer:
             return False
         busy = self.host_busy[index]
-        if busy is not None and not busy.done():
+        # A sharded chunk's prefetch is a collective: every rank must decide alike, so it
+        # waits for the owner's update rather than depend on CPU timing.
+        if busy is not None and not busy.done() and not self.is_sharded(index):
             return False
         self._start_copy_in(index)
         return True
@@ -335,9 +390,15 @@ class ChunkManager:
             else torch.zeros(s.shape, dtype=s.dtype, device=self.device)
             for s in slots
         ]
-        reduction = self.data_parallel.start(grads)
+        sharded = self.is_sharded(chunk.index)
+        reduction = self.data_parallel.start(
+            grads, reduce=self.sharding.reduce if sharded else None, index=chunk.index
+        )
         for slot in slots:
             slot.param.grad = None
+        if sharded and not self.sharding.owns(chunk.index):
+            self._drop_after(reduction)
+            return
         event = None
         if self.is_cuda:
             self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -359,6 +420,18 @@ class ChunkManager:
             for slot, averaged in zip(slots, reduction.views, strict=True):
                 self.staging_view(slot, chunk).copy_(averaged)
         self._grads_sent(chunk, slots, event, norms)
+
+    def _drop_after(self, reduction: Reduction) -> None:
+        """A non-owner's part of a sharded chunk's gradient reduce: keep the buffers until the
+        collective has read them, then let them go."""
+        if self.is_cuda:
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h_stream):
+                reduction.wait()
+                for flat in reduction.flats:
+                    flat.record_stream(self.d2h_stream)
+        else:
+            reduction.wait()
 
     def _reduce_persistent(self, chunk: Chunk) -> None:
         """Start averaging a persistent chunk's gradients across ranks (once per backward)."""

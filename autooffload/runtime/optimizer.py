@@ -85,10 +85,16 @@ class CpuOptimizer:
         self.updated_params = 0
         self.updates = 0
         manager.on_grads_ready = self._grads_ready
+        # Every offloaded trainable param, on every rank (masters exist only for the chunks
+        # this rank owns when the state is sharded: runtime/sharding.py).
+        self.offloaded_ids: set[int] = set()
+        self.sharding = manager.sharding
         for chunk in manager.chunks:
             if chunk.index in manager.persistent:
                 continue
-            self._make_masters(chunk)
+            self.offloaded_ids.update(id(s.param) for s in chunk.trainable_slots)
+            if self.sharding is None or self.sharding.owns(chunk.index):
+                self._make_masters(chunk)
 
     def _make_masters(self, chunk: Chunk) -> None:
         for slot in chunk.trainable_slots:
@@ -181,7 +187,24 @@ class CpuOptimizer:
 
     def host_grad_norm(self, norm_type: float, param_ids: set[int]) -> torch.Tensor | None:
         """Norm of the host gradients of ``param_ids`` (None without any). The 2-norm over all
-        of them comes from the per-param sums of squares taken during accumulation."""
+        of them comes from the per-param sums of squares taken during accumulation. Sharded,
+        a collective: the norm over every rank's share."""
+        if self.sharding is not None:
+            return self._sharded_norm(norm_type, param_ids)
+        return self._local_norm(norm_type, param_ids)
+
+    def _sharded_norm(self, norm_type: float, param_ids: set[int]) -> torch.Tensor | None:
+        assert self.sharding is not None
+        local = self._local_norm(norm_type, param_ids)
+        if not any(pid in param_ids for pid in self.offloaded_ids):
+            return None  # the same answer on every rank: no collective needed
+        value = torch.zeros((), dtype=torch.float32) if local is None else local.float().cpu()
+        if math.isinf(norm_type):
+            return self.sharding.all_reduce_(value, torch.distributed.ReduceOp.MAX)
+        powered = self.sharding.all_reduce_(value.pow(norm_type))
+        return powered.pow(1.0 / norm_type)
+
+    def _local_norm(self, norm_type: float, param_ids: set[int]) -> torch.Tensor | None:
         self.wait()
         # In layout order, not the set's (ids are addresses): the sum, hence the clipping
         # coefficient, must be bit-identical run to run and across data-parallel ranks.
@@ -217,7 +240,7 @@ class CpuOptimizer:
         owned = {
             id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]
         }
-        if not any(pid in owned for pid in self.masters):
+        if not any(pid in owned for pid in self.offloaded_ids):
             return
         check_optimizer_class(optimizer)
         if not any(o is optimizer for o in self.optimizers):
@@ -334,6 +357,7 @@ class CpuOptimizer:
                 if master is not None and master in twin.state:
                     states[id(slot.param)] = dict(twin.state[master])
         for slot in chunk.slots:
+            self.offloaded_ids.discard(id(slot.param))
             self.masters.pop(id(slot.param), None)
             self.grad_buffers.pop(id(slot.param), None)
             self.accumulations.pop(id(slot.param), None)
@@ -345,6 +369,11 @@ class CpuOptimizer:
         (in the param's dtype, on ``device``; ``step`` where that optimizer keeps it) and its
         masters are dropped."""
         states = self.release_chunk(chunk)
+        if self.sharding is not None and chunk.index in self.sharding.trainable:
+            # Only the owner had the state; every rank's optimizer takes it over.
+            by_name = {s.name: states.get(id(s.param)) for s in chunk.trainable_slots}
+            by_name = self.sharding.broadcast_object(by_name, chunk.index)
+            states = {id(s.param): by_name[s.name] for s in chunk.trainable_slots}
         for slot in chunk.trainable_slots:
             state = states.get(id(slot.param))
             optimizer = self.optimizer_of_param.get(id(slot.param))

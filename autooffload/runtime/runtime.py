@@ -38,6 +38,7 @@ from autooffload.runtime.planning import (
     plan_from_profile,
 )
 from autooffload.runtime.quantized import QuantizedParams
+from autooffload.runtime.sharding import Sharding, refresh_hosts
 from autooffload.runtime.state import ModelStateHooks
 from autooffload.settings import Settings
 
@@ -85,6 +86,7 @@ class Runtime:
             persistent=range(self.plan.n_persist),
             n_buffer=self.plan.n_buffer,
             pin_memory=True,
+            sharding=Sharding.create(settings, self.data_parallel, self.layout),
         )
         self.manager.data_parallel = self.data_parallel
         self.manager.adopt_params()
@@ -457,6 +459,9 @@ class Runtime:
                 if seconds > 0 and params > 0:
                     measured_rate = params / seconds
         self._steps += 1
+        sharding = self.manager.sharding
+        if apply_update and sharding is not None:
+            sharding.dirty.update(i for i in sharding.trainable if self.manager.is_sharded(i))
         self.manager.fold_copy_times()
         if profile is not None:
             # Switched at the next forward: other optimizers of this model step after this one.
@@ -478,6 +483,11 @@ class Runtime:
         if self.settings.print_plan:
             print(plan.summary(), flush=True)  # noqa: T201 - the launcher's --print-plan
             raise SystemExit(0)
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps seen since attach (a consolidated state is valid until the next)."""
+        return self._steps
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.recover_interrupted()
@@ -522,6 +532,7 @@ class Runtime:
         """Return the ordinary model, trained weights on ``device`` (default: the attach device)."""
         target = torch.device(device) if device is not None else self.device
         self.cpu_optim.wait()
+        refresh_hosts(self)  # a collective under sharding: every rank detaches
         for handle in self._handles:
             handle.remove()
         self._handles = []

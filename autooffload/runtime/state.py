@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from autooffload.runtime.chunks import Chunk, ParamSlot
 from autooffload.runtime.manager import Residency
+from autooffload.runtime.sharding import consolidated_states
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
@@ -64,6 +65,9 @@ class ModelStateHooks:
         if self._depth == 0:
             self._copies.clear()
             self._destination = None
+            sharding = self.runtime.manager.sharding
+            if sharding is not None and sharding.dirty:
+                raise sharding.not_consolidated("model.state_dict()")
             # Pending CPU updates write the host store: the state dict shows the stepped weights.
             self.runtime.synchronize()
         self._depth += 1
@@ -178,7 +182,8 @@ def _offloaded_owned(runtime: Runtime, optimizer: torch.optim.Optimizer) -> dict
             continue
         for slot in chunk.trainable_slots:
             pid = id(slot.param)
-            if pid in cpu_optim.masters and cpu_optim.optimizer_of_param.get(pid) is optimizer:
+            mine = cpu_optim.optimizer_of_param.get(pid) is optimizer
+            if pid in cpu_optim.offloaded_ids and mine:
                 owned[pid] = chunk
     return owned
 
@@ -197,6 +202,12 @@ def add_offloaded_state(
     runtime.synchronize()
     indices = param_indices(optimizer)
     packed = state_dict["state"]
+    if runtime.manager.sharding is not None:
+        gathered = consolidated_states(runtime, optimizer)
+        for pid, state in gathered.items():
+            if pid in owned and pid in indices:
+                packed[indices[pid]] = state
+        owned = {p: c for p, c in owned.items() if not runtime.manager.is_sharded(c.index)}
     for pid, chunk in owned.items():
         twin = runtime.cpu_optim.twins.get((chunk.index, id(optimizer)))
         master = runtime.cpu_optim.masters[pid]
@@ -237,11 +248,16 @@ def load_offloaded_state(
 ) -> None:
     """Give the twins of ``optimizer`` the loaded state of its offloaded params (replacing what
     they held, as torch does); twins are built for chunks that get state."""
-    owned = _offloaded_owned(runtime, optimizer)
+    cpu_optim = runtime.cpu_optim
+    # Sharded: each rank keeps the state of the chunks it owns (masters exist only there).
+    owned = {
+        pid: chunk
+        for pid, chunk in _offloaded_owned(runtime, optimizer).items()
+        if pid in cpu_optim.masters
+    }
     if not owned:
         return
     runtime.synchronize()
-    cpu_optim = runtime.cpu_optim
     chunks = {chunk.index: chunk for chunk in owned.values()}
     for index, chunk in chunks.items():
         needs_state = any(id(s.param) in states for s in chunk.trainable_slots)

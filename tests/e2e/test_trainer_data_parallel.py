@@ -22,3 +22,7 @@ def test_trainer_ddp_over_an_attached_model_matches_plain_trainer_ddp(tmp_path):
         assert report["ranks_identical"]
         # accelerate: prepare (DDP), accumulate(2) with its no_sync, clip_grad_norm_, step.
         assert report["accelerate_max_diff_vs_plain"] < 1e-5
+        # save_state of the sharded run: every param's optimizer state, in torch's layout.
+        plain_count, attached_count = report["saved_state_params"]
+        assert attached_count == plain_count > 0
+        assert report["saved_state_max_diff"] < 1e-5

@@ -75,14 +75,17 @@ def train(out: Path, attached: bool) -> tuple[dict[str, torch.Tensor], dict]:
         wrapped = trainer.model_wrapped
         facts["wrapper"] = type(wrapped).__name__
         facts["pass_through"] = getattr(wrapped, "_autooffload_runtimes", None) is not None
+    if attached:
+        autooffload.consolidate(model)  # every rank: the CPU optimizer state is sharded
     weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     if attached:
         autooffload.disable()
     return weights, facts
 
 
-def accelerate_loop(attached: bool) -> dict[str, torch.Tensor]:
-    """An accelerate loop: prepare (DDP), accumulate over 2 micro-batches, clip, step."""
+def accelerate_loop(attached: bool, out: Path) -> dict[str, torch.Tensor]:
+    """An accelerate loop: prepare (DDP), accumulate over 2 micro-batches, clip, step, then
+    ``save_state`` into ``out`` (the sharded optimizer state gathered by autooffload's patch)."""
     from accelerate import Accelerator
 
     if attached:
@@ -101,6 +104,7 @@ def accelerate_loop(attached: bool) -> dict[str, torch.Tensor]:
                 accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
+    accelerator.save_state(str(out))
     inner = accelerator.unwrap_model(model)
     weights = {k: v.detach().float().clone() for k, v in inner.state_dict().items()}
     if attached:
@@ -127,9 +131,21 @@ def main() -> None:
         gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, flat)
         report["ranks_identical"] = all(torch.equal(g, gathered[0]) for g in gathered)
-        plain_acc, attached_acc = accelerate_loop(False), accelerate_loop(True)
+        plain_acc = accelerate_loop(False, args.out / "acc_plain")
+        attached_acc = accelerate_loop(True, args.out / "acc_attached")
         report["accelerate_max_diff_vs_plain"] = max(
             (plain_acc[k] - attached_acc[k]).abs().max().item() for k in plain_acc
+        )
+        dist.barrier()
+        saved = [
+            torch.load(args.out / name / "optimizer.bin", weights_only=True)["state"]
+            for name in ("acc_plain", "acc_attached")
+        ]
+        report["saved_state_params"] = [len(state) for state in saved]
+        report["saved_state_max_diff"] = max(
+            (saved[0][i][key] - saved[1][i][key]).abs().max().item()
+            for i in saved[0]
+            for key in ("exp_avg", "exp_avg_sq")
         )
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         report["error"] = traceback.format_exc()

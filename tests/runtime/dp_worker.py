@@ -36,7 +36,28 @@ def global_batches(n: int, vocab: int = 128, seq: int = 16) -> list[torch.Tensor
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights; a collective under sharding (every rank calls it)."""
+    autooffload.consolidate(model)
     return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def sharding_facts(model: torch.nn.Module) -> dict:
+    """What sharding looks like on this rank: masters kept, chunks owned, the error of a
+    state_dict() taken without consolidating."""
+    from autooffload import runtime as rt
+
+    runtime = rt.runtime_of(model)
+    facts = {
+        "masters": len(runtime.cpu_optim.masters),
+        "offloaded": len(runtime.cpu_optim.offloaded_ids),
+        "sharded": runtime.manager.sharding is not None,
+    }
+    try:
+        model.state_dict()
+        facts["unconsolidated_error"] = None
+    except autooffload.AutoOffloadError as error:
+        facts["unconsolidated_error"] = str(error)
+    return facts
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -91,15 +112,39 @@ def train_local(model, optimizer, batches, device, rank, world) -> None:
         optimizer.zero_grad()
 
 
-def case_dp(device, dtype, rank, world):
-    """Plain loop under torchrun: the attached replicas average gradients themselves."""
-    enable(device)
+def case_dp(device, dtype, rank, world, **overrides):
+    """Plain loop under torchrun: the attached replicas average gradients themselves (and, by
+    default, each rank keeps and updates the CPU optimizer state of its own chunks)."""
+    enable(device, **overrides)
     model = tiny_llama().to(device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     train_local(model, optimizer, global_batches(STEPS), device, rank, world)
+    facts = sharding_facts(model)
     result = weights(model)
     autooffload.disable()
-    return result
+    return result, facts
+
+
+def case_promote(device, dtype, rank, world):
+    """Sharded, and after a few steps a re-plan makes more chunks persistent: their owners'
+    optimizer state moves into every rank's optimizer, and training goes on unchanged."""
+    from dataclasses import replace
+
+    from autooffload import runtime as rt
+
+    enable(device)
+    model = tiny_llama().to(device, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    batches = global_batches(STEPS)
+    train_local(model, optimizer, batches[:3], device, rank, world)
+    runtime = rt.runtime_of(model)
+    promoted = len(runtime.cpu_optim.offloaded_ids)
+    runtime.apply_plan(replace(runtime.plan, n_persist=3))
+    promoted -= len(runtime.cpu_optim.offloaded_ids)
+    train_local(model, optimizer, batches[3:], device, rank, world)
+    result = weights(model)
+    autooffload.disable()
+    return result, promoted
 
 
 def case_ddp(device, dtype, rank, world):
@@ -162,6 +207,7 @@ def case_resume(device, dtype, rank, world, out: Path):
     model = tiny_llama().to(device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     train_local(model, optimizer, batches[:RESUME_AT], device, rank, world)
+    autooffload.consolidate(model)  # every rank; then rank 0 holds the whole optimizer state
     if rank == 0:
         torch.save(
             {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
@@ -201,7 +247,13 @@ def main() -> None:
         averaged_clip = weights(
             train_plain(device, dtype, STEPS, accum=2, clip=0.5, world=world)[0]
         )
-        dp = case_dp(device, dtype, rank, world)
+        dp, report["sharding"] = case_dp(device, dtype, rank, world)
+        replicated, report["replicated"] = case_dp(
+            device, dtype, rank, world, shard_optimizer="off"
+        )
+        report["replicated_vs_averaged"] = max_diff(replicated, averaged)
+        promoted, report["promoted_params"] = case_promote(device, dtype, rank, world)
+        report["promote_vs_averaged"] = max_diff(promoted, averaged)
         report["dp_vs_averaged"] = max_diff(dp, averaged)
         report["dp_vs_whole_batch"] = max_diff(dp, whole)
         report["averaged_vs_whole_batch"] = max_diff(averaged, whole)

@@ -46,6 +46,35 @@ def test_two_ranks_train_like_one_process_averaging_the_halves(cpu_run):
         assert report["dp_vs_whole_batch"] < 2 * report["averaged_vs_whole_batch"] + TOL
 
 
+def test_sharded_state_each_rank_keeps_its_half_and_saving_needs_consolidate(cpu_run):
+    reports, _ = cpu_run
+    facts = [report["sharding"] for report in reports]
+    assert all(f["sharded"] for f in facts)
+    offloaded = facts[0]["offloaded"]
+    assert offloaded > 2
+    # Chunks are owned round-robin: every master exists on exactly one rank.
+    assert sum(f["masters"] for f in facts) == offloaded
+    assert all(0 < f["masters"] < offloaded for f in facts)
+    for f in facts:
+        assert "autooffload.consolidate(model) on every rank" in f["unconsolidated_error"]
+
+
+def test_chunks_made_persistent_take_their_owners_optimizer_state(cpu_run):
+    reports, _ = cpu_run
+    for report in reports:
+        assert report["promoted_params"] > 0
+        assert report["promote_vs_averaged"] < TOL
+
+
+def test_replicated_state_still_trains_like_one_process(cpu_run):
+    reports, _ = cpu_run
+    for report in reports:
+        facts = report["replicated"]
+        assert not facts["sharded"] and facts["masters"] == facts["offloaded"]
+        assert facts["unconsolidated_error"] is None
+        assert report["replicated_vs_averaged"] < TOL
+
+
 def test_ddp_wrapper_no_sync_accumulation_clipping_and_start_up_broadcast(cpu_run):
     # Rank 1 built its model from another seed: DDP's start-up broadcast made it rank 0's.
     reports, _ = cpu_run
