@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--log-dir", type=Path, help="keep each worker's output here")
     parser.add_argument("--verbose", action="store_true", help="stream worker output")
-    parser.add_argument("--from-json", type=Path, help="re-print table / plot of a results file")
+    parser.add_argument(
+        "--from-json",
+        metavar="PATHS",
+        help="re-print table / plots of results file(s); a comma list is merged (--out writes it)",
+    )
     parser.add_argument("--list", action="store_true", help="list workloads and peers")
     return parser
 
@@ -111,12 +115,16 @@ def _plot_path(args: argparse.Namespace, out: Path) -> Path | None:
 
 
 def _from_json(args: argparse.Namespace) -> int:
-    payload = report.build_payload_from_file(args.from_json)
+    paths = [Path(part) for part in args.from_json.split(",") if part.strip()]
+    payload = report.build_payload_from_files(paths)
+    if args.out:
+        report.write_json(args.out, payload)
+        print(f"results: {args.out}")
     print(report.format_table(payload["summary"]))
-    plot_path = _plot_path(args, args.from_json)
+    plot_path = _plot_path(args, args.out or paths[0])
     if plot_path:
-        report.plot(payload["summary"], plot_path, payload.get("command", ""))
-        print(f"plot: {plot_path}")
+        for path in report.write_plots(payload, plot_path, payload.get("command", "")):
+            print(f"plot: {path}")
     return 0
 
 
@@ -196,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nresults: {out}")
     plot_path = _plot_path(args, out)
     if plot_path:
-        report.plot(payload["summary"], plot_path, command)
-        print(f"plot: {plot_path}")
+        for path in report.write_plots(payload, plot_path, command):
+            print(f"plot: {path}")
     return 0
 
 

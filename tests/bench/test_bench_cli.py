@@ -104,6 +104,11 @@ def test_autooffload_peer_ok_once_runtime_landed(tiny_run: tuple[dict, str, Path
         assert run["status"] == "ok", run.get("reason")
         assert run["loss_check"] == "ok", (run["loss_final"], run["loss_vs_vanilla"])
         assert "plan" in run and "breakdown" in run
+        # The feasible set the plan came from, summarised, with the plan on its frontier.
+        summary = run["candidates"]
+        assert summary["count"] >= len(summary["frontier"]) >= 1, summary
+        assert summary["chosen_on_frontier"] is True
+        assert summary["chosen"][2:] == [run["plan"][k] for k in summary["columns"][2:]]
     else:
         assert run["status"] in ("error", "skipped")
         assert "autooffload" in run["reason"]
