@@ -7,6 +7,7 @@ import datetime as dt
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="start no run after this many seconds (the rest are recorded as skipped)",
+    )
     parser.add_argument("--log-dir", type=Path, help="keep each worker's output here")
     parser.add_argument("--verbose", action="store_true", help="stream worker output")
     parser.add_argument(
@@ -139,6 +146,7 @@ def _nprocs(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -193,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     common = CommonSettings(
         device, args.steps, args.warmup, args.seed, args.timeout, args.log_dir, args.verbose
     )
+    if args.deadline is not None:
+        common.deadline = started + args.deadline
 
     def save(results: list[dict[str, Any]]) -> None:
         report.write_json(out, report.build_payload(results, meta))

@@ -206,3 +206,15 @@ def test_bad_nproc_is_a_clear_error(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--workload", "llama-tiny", "--nproc", "0", "--dry-run"])
     assert "invalid --nproc" in capsys.readouterr().err
+
+
+def test_runs_after_the_deadline_are_recorded_as_skipped(tmp_path: Path) -> None:
+    out = tmp_path / "late.json"
+    argv = ["--workload", "llama-tiny", "--device", "cpu", "--peers", "vanilla,autooffload"]
+    argv += ["--cap", "1GiB,none", "--deadline", "0", "--out", str(out)]
+    assert main(argv) == 0
+    payload = json.loads(out.read_text())
+    check_schema(payload)
+    assert len(payload["runs"]) == 4
+    assert {r["status"] for r in payload["runs"]} == {"skipped"}
+    assert all("--deadline" in r["reason"] for r in payload["runs"])
