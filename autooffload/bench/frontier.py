@@ -155,7 +155,7 @@ def plot_frontier(
     if title:
         import textwrap
 
-        fig.suptitle("\n".join(textwrap.wrap(title, 140)), fontsize=8)
+        fig.suptitle("\n".join(textwrap.wrap(title, 140, max_lines=3)), fontsize=8)
     fig.tight_layout()
     try:
         with atomic_write(path, "wb") as file:
@@ -216,6 +216,6 @@ def _plot_workload(
     ax.set_xlabel("GiB: predicted peak (grey, *) / max reserved in the timed steps (o, +)")
     ax.set_ylabel("tokens/s")
     ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.05)  # the fastest star sits at the top: keep it whole
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")

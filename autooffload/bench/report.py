@@ -364,7 +364,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     if title:
         import textwrap
 
-        fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=8)
+        fig.suptitle("\n".join(textwrap.wrap(title, 110, max_lines=3)), fontsize=8)
     fig.tight_layout()
     try:
         with atomic_write(path, "wb") as file:
