@@ -10,18 +10,23 @@ fastest feasible configuration and how far the measurement is from the predictio
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from autooffload.atomic import atomic_write
 
+if TYPE_CHECKING:
+    from autooffload.plan.search import Candidates
+    from autooffload.plan.types import Plan
+    from autooffload.runtime.runtime import Runtime
+
 GiB = 1 << 30
 COLUMNS = ("peak_gib", "tokens_per_s", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 MAX_FRONTIER = 300
 MAX_OTHERS = 300
-# Float noise between the vectorised search and the plan's scalar prediction is ~1e-12.
-STEP_REL_TOL = 1e-9
+# The vectorised search and the plan's scalar prediction differ by float noise (~1e-12, a byte).
+REL_TOL = 1e-9
 
 
 def _spread(indices: np.ndarray, limit: int) -> np.ndarray:
@@ -33,9 +38,9 @@ def _spread(indices: np.ndarray, limit: int) -> np.ndarray:
 
 
 def summarise_candidates(
-    candidates: Any, plan: Any, tokens_per_step: int, max_others: int = MAX_OTHERS
+    candidates: Candidates, plan: Plan, tokens_per_step: int, max_others: int = MAX_OTHERS
 ) -> dict[str, Any]:
-    """A JSON-ready summary of ``candidates`` (a ``plan.search.Candidates``) around ``plan``.
+    """A JSON-ready summary of the feasible set ``candidates`` around the chosen ``plan``.
 
     Throughput is ``tokens_per_step / predicted step`` (the bench's own token count, so that it
     compares with the measured tokens/s). ``frontier``: the Pareto rows by peak (at most
@@ -61,9 +66,11 @@ def summarise_candidates(
     rest = rest[np.argsort(peak[rest], kind="stable")]
     plan_peak = float(plan.predicted_peak_bytes)
     plan_step = float(plan.predicted_step_s)
-    faster = step < plan_step * (1 - STEP_REL_TOL)
-    no_slower = step <= plan_step * (1 + STEP_REL_TOL)
-    dominated = ((peak <= plan_peak) & faster) | ((peak < plan_peak) & no_slower)
+    faster = step < plan_step * (1 - REL_TOL)
+    no_slower = step <= plan_step * (1 + REL_TOL)
+    smaller = peak < plan_peak * (1 - REL_TOL)
+    no_larger = peak <= plan_peak * (1 + REL_TOL)
+    dominated = (no_larger & faster) | (smaller & no_slower)
     chosen = [
         round(plan_peak / GiB, 4),
         round(tokens_per_step / plan_step, 1),
@@ -85,7 +92,9 @@ def summarise_candidates(
     }
 
 
-def candidates_of(runtime: Any, plan: Any, tokens_per_step: int) -> dict[str, Any] | None:
+def candidates_of(
+    runtime: Runtime | None, plan: Plan | None, tokens_per_step: int
+) -> dict[str, Any] | None:
     """The summary of the search behind ``runtime``'s plan, timed; None when there was none."""
     list_candidates = getattr(runtime, "candidates", None)
     if runtime is None or plan is None or list_candidates is None:
