@@ -155,9 +155,9 @@ def _prediction_notes(rows: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["", "Predicted vs measured (autooffload, (pred - meas) / meas):"]
     for key, target, what in (
-        ("peak_err_pct", PEAK_ERR_TARGET_PCT, "peak (vs max reserved, timed steps)"),
-        ("alloc_err_pct", None, "allocated (vs max allocated, timed steps)"),
-        ("step_err_pct", STEP_ERR_TARGET_PCT, "step time (vs median timed step)"),
+        ("peak_err_pct", PEAK_ERR_TARGET_PCT, "peak vs max reserved"),
+        ("alloc_err_pct", None, "allocated vs max allocated"),
+        ("step_err_pct", STEP_ERR_TARGET_PCT, "step time vs median step"),
     ):
         known = [r for r in planned if r.get(key) is not None]
         if not known:

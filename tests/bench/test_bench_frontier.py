@@ -132,7 +132,7 @@ def test_table_shows_predicted_vs_measured_with_error_percentages() -> None:
     assert row["pred / meas alloc GiB"] == "9.00 / 10.00"
     assert (row["step ms"], row["pred step ms"], row["step err %"]) == ("1000", "900", "-10.0")
     notes = "\n".join(table)
-    assert "peak (vs max reserved, timed steps): +5.0% .. +5.0%" in notes
+    assert "peak vs max reserved: +5.0% .. +5.0%" in notes
     assert "within +-5%: 1 of 1" in notes and "within +-15%: 1 of 1" in notes
 
 
