@@ -7,6 +7,7 @@ import datetime as dt
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="start no run after this many seconds (the rest are recorded as skipped)",
+    )
     parser.add_argument("--log-dir", type=Path, help="keep each worker's output here")
     parser.add_argument("--verbose", action="store_true", help="stream worker output")
-    parser.add_argument("--from-json", type=Path, help="re-print table / plot of a results file")
+    parser.add_argument(
+        "--from-json",
+        metavar="PATHS",
+        help="re-print table / plots of results file(s); a comma list is merged (--out writes it)",
+    )
     parser.add_argument("--list", action="store_true", help="list workloads and peers")
     return parser
 
@@ -111,12 +122,16 @@ def _plot_path(args: argparse.Namespace, out: Path) -> Path | None:
 
 
 def _from_json(args: argparse.Namespace) -> int:
-    payload = report.build_payload_from_file(args.from_json)
+    paths = [Path(part) for part in args.from_json.split(",") if part.strip()]
+    payload = report.build_payload_from_files(paths)
+    if args.out:
+        report.write_json(args.out, payload)
+        print(f"results: {args.out}")
     print(report.format_table(payload["summary"]))
-    plot_path = _plot_path(args, args.from_json)
+    plot_path = _plot_path(args, args.out or paths[0])
     if plot_path:
-        report.plot(payload["summary"], plot_path, payload.get("command", ""))
-        print(f"plot: {plot_path}")
+        for path in report.write_plots(payload, plot_path, payload.get("command", "")):
+            print(f"plot: {path}")
     return 0
 
 
@@ -131,6 +146,7 @@ def _nprocs(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -185,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     common = CommonSettings(
         device, args.steps, args.warmup, args.seed, args.timeout, args.log_dir, args.verbose
     )
+    if args.deadline is not None:
+        common.deadline = started + args.deadline
 
     def save(results: list[dict[str, Any]]) -> None:
         report.write_json(out, report.build_payload(results, meta))
@@ -196,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nresults: {out}")
     plot_path = _plot_path(args, out)
     if plot_path:
-        report.plot(payload["summary"], plot_path, command)
-        print(f"plot: {plot_path}")
+        for path in report.write_plots(payload, plot_path, command):
+            print(f"plot: {path}")
     return 0
 
 

@@ -63,7 +63,16 @@ def _versions() -> dict[str, str | None]:
     return versions
 
 
-def _memory(device: str) -> dict[str, Any]:
+def _cuda_peaks() -> tuple[float, float]:
+    """(max allocated, max reserved) GiB of this process's allocator since its last reset."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / GiB, torch.cuda.max_memory_reserved() / GiB
+
+
+def _memory(device: str, before_timing: tuple[float, float] | None = None) -> dict[str, Any]:
+    """Host RSS and device peaks of the whole run (``before_timing``: the peaks up to the reset
+    at the first timed step)."""
     out: dict[str, Any] = {
         "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
     }
@@ -71,22 +80,31 @@ def _memory(device: str) -> dict[str, Any]:
         import torch
 
         if torch.cuda.is_initialized():
-            out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
-            out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+            allocated, reserved = _cuda_peaks()
+            earlier = before_timing or (0.0, 0.0)
+            out["peak_allocated_gib"] = max(allocated, earlier[0])
+            out["peak_reserved_gib"] = max(reserved, earlier[1])
             out["device_name"] = torch.cuda.get_device_name()
     else:
         out["device_name"] = f"cpu ({platform.processor() or platform.machine()})"
     return out
 
 
-def _train(trainee: Any, spec: dict[str, Any], workload: Any) -> dict[str, Any]:
-    """Warm-up then timed steps on the same batch; each step synchronised and timed."""
+def _train(
+    trainee: Any, spec: dict[str, Any], workload: Any, result: dict[str, Any]
+) -> dict[str, Any]:
+    """Warm-up then timed steps on the same batch; each step synchronised and timed.
+
+    On CUDA the allocator's peak counters are reset at the first timed step (the peaks before
+    go to ``result["_peaks_before_timing"]``), so the timed steps' own peaks are known too.
+    """
     import torch
 
     from autooffload.bench.models import accepted_batch, make_batch
 
     device = spec["device"]
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     batch_cpu = accepted_batch(trainee.model, make_batch(workload, seed=spec["seed"]))
     warmup, steps = spec["warmup"], spec["steps"]
     step_s: list[float] = []
@@ -94,6 +112,10 @@ def _train(trainee: Any, spec: dict[str, Any], workload: Any) -> dict[str, Any]:
     for index in range(warmup + steps):
         if index == warmup:
             trainee.on_timing_start()
+            if cuda:
+                sync()
+                result["_peaks_before_timing"] = _cuda_peaks()
+                torch.cuda.reset_peak_memory_stats()
         sync()
         start = time.perf_counter()
         batch = {k: v.to(device) for k, v in batch_cpu.items()}
@@ -104,6 +126,9 @@ def _train(trainee: Any, spec: dict[str, Any], workload: Any) -> dict[str, Any]:
     timed = step_s[warmup:]
     median = statistics.median(timed)
     world = _world_size()
+    if cuda:
+        # Reserved includes what the warm-up left cached: the memory held while the plan runs.
+        result["peak_timed_allocated_gib"], result["peak_timed_reserved_gib"] = _cuda_peaks()
     return {
         "step_s": step_s,
         "losses": losses,
@@ -154,7 +179,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         result["setup_s"] = time.perf_counter() - build_start
         if device == "cuda":
             result["peak_setup_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
-        result.update(_train(trainee, spec, workload))
+        result.update(_train(trainee, spec, workload, result))
         result.update(trainee.report(spec["steps"]))
         result["status"] = "ok"
     except BaseException as exc:  # every failure becomes a status, never a crash of the harness
@@ -180,7 +205,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 trainee.close()
             except Exception:
                 pass
-        result.update(_memory(device))
+        result.update(_memory(device, result.pop("_peaks_before_timing", None)))
         result["versions"] = _versions()
         result["wall_s"] = time.perf_counter() - started
         result["date"] = dt.datetime.now().isoformat(timespec="seconds")

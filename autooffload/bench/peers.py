@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autooffload.bench.frontier import candidates_of
 from autooffload.bench.models import base_model, build_model, decoder_blocks
 from autooffload.bench.workloads import UnknownNameError, Workload
 
@@ -142,9 +143,11 @@ PLAN_FIELDS = ("chunk_size", "n_chunks", "n_persist", "n_buffer", "n_swap", "n_c
 
 
 class AutoOffloadTrainee(Trainee):
-    """The vanilla script under ``autooffload.enable()``; reports the runtime's stats and plan."""
+    """The vanilla script under ``autooffload.enable()``; reports the runtime's stats, its plan
+    with the predictions, and a summary of the feasible configurations the plan was chosen from."""
 
     stats_at_start: dict[str, Any] | None = None
+    tokens_per_step: int = 1
 
     def _stats(self) -> dict[str, Any] | None:
         runtime = _safe(lambda: _runtime_of(self.model))
@@ -161,6 +164,9 @@ class AutoOffloadTrainee(Trainee):
         plan = _safe(lambda: autooffload.last_plan())
         out["plan_summary"] = _safe(plan.summary) if plan is not None else None
         out["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
+        out["predicted_allocated_bytes"] = (getattr(plan, "breakdown", None) or {}).get(
+            "mem_allocated"
+        )
         out["predicted_step_s"] = getattr(plan, "predicted_step_s", None)
         out["plan"] = {k: _safe(lambda k=k: getattr(plan, k)) for k in PLAN_FIELDS}
         out["plan"]["bottleneck"] = getattr(plan, "bottleneck", None)
@@ -168,6 +174,11 @@ class AutoOffloadTrainee(Trainee):
         stats = self._stats()
         out["stats"] = stats
         out["breakdown"] = _per_step_breakdown(self.stats_at_start, stats, timed_steps)
+        try:
+            runtime = _runtime_of(self.model)
+            out["candidates"] = candidates_of(runtime, plan, self.tokens_per_step)
+        except Exception as exc:  # the run's numbers stay valid without the summary
+            out["candidates"] = {"error": f"{type(exc).__name__}: {exc}"}
         return out
 
     def close(self) -> None:
@@ -211,7 +222,9 @@ def _setup_autooffload(ctx: PeerContext) -> Trainee:
     enable(**overrides)
     model = build_model(ctx.workload, seed=ctx.seed)
     model.to(ctx.device)
-    return AutoOffloadTrainee(model, _adamw(model, ctx))
+    trainee = AutoOffloadTrainee(model, _adamw(model, ctx))
+    trainee.tokens_per_step = ctx.workload.tokens_per_step
+    return trainee
 
 
 def _fixed_activation_mode(mode: str) -> Callable[[PeerContext], Trainee]:

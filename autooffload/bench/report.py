@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from autooffload.atomic import atomic_write, write_text_atomic
+from autooffload.bench.frontier import is_planned, plot_frontier
 from autooffload.bench.runner import failure_message
 
 GiB = 1 << 30
@@ -28,6 +29,8 @@ SUMMARY_NUMBERS = (
     "step_s_median",
     "peak_allocated_gib",
     "peak_reserved_gib",
+    "peak_timed_allocated_gib",
+    "peak_timed_reserved_gib",
     "host_rss_peak_gib",
     "loss_first",
     "loss_final",
@@ -104,9 +107,11 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["message"] = failure_message(failed[0]) if failed else None
         for key in (*SUMMARY_NUMBERS, "tput_ratio", "mem_ratio", "loss_vs_vanilla"):
             row[key] = _median([r.get(key) for r in ok])
-        predicted = _median([r.get("predicted_peak_bytes") for r in ok])
-        row["predicted_peak_gib"] = predicted / GiB if predicted is not None else None
+        for key in ("predicted_peak", "predicted_allocated"):
+            predicted = _median([r.get(f"{key}_bytes") for r in ok])
+            row[f"{key}_gib"] = predicted / GiB if predicted is not None else None
         row["predicted_step_s"] = _median([r.get("predicted_step_s") for r in ok])
+        _prediction_errors(row)
         checks = {r.get("loss_check") for r in ok}
         row["loss_check"] = "ok" if checks == {"ok"} else ",".join(sorted(c or "?" for c in checks))
         breakdown_keys = ("h2d_s", "d2h_s", "cpu_optim_s", "stall_s")
@@ -117,6 +122,60 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append(row)
     _scaling(rows)
     return rows
+
+
+def _error_pct(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured in percent: positive when over-predicted."""
+    if predicted is None or not measured:
+        return None
+    return 100.0 * (predicted - measured) / measured
+
+
+def _prediction_errors(row: dict[str, Any]) -> None:
+    """Predicted vs measured: the peak (allocator-reserved, fragmentation included) and the
+    allocated bytes against the timed steps' maxima (whole-run maxima when not recorded), and
+    the step time against the median timed step."""
+    row["measured_peak_gib"] = row.get("peak_timed_reserved_gib") or row.get("peak_reserved_gib")
+    row["measured_allocated_gib"] = row.get("peak_timed_allocated_gib") or row.get(
+        "peak_allocated_gib"
+    )
+    row["peak_err_pct"] = _error_pct(row["predicted_peak_gib"], row["measured_peak_gib"])
+    row["alloc_err_pct"] = _error_pct(row["predicted_allocated_gib"], row["measured_allocated_gib"])
+    row["step_err_pct"] = _error_pct(row["predicted_step_s"], row["step_s_median"])
+
+
+# Issue 13's targets for the planned runs: |peak error| and |step-time error| at most these.
+PEAK_ERR_TARGET_PCT, STEP_ERR_TARGET_PCT = 5.0, 15.0
+
+
+def _prediction_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Lines on the planned autooffload runs: worst peak / step errors vs the targets, failures."""
+    planned = [r for r in rows if is_planned(r["peer_label"])]
+    if not planned:
+        return []
+    lines = ["", "Predicted vs measured (autooffload, (pred - meas) / meas):"]
+    for key, target, what in (
+        ("peak_err_pct", PEAK_ERR_TARGET_PCT, "peak vs max reserved"),
+        ("alloc_err_pct", None, "allocated vs max allocated"),
+        ("step_err_pct", STEP_ERR_TARGET_PCT, "step time vs median step"),
+    ):
+        known = [r for r in planned if r.get(key) is not None]
+        if not known:
+            continue
+        worst = max(known, key=lambda r: abs(r[key]))
+        low, high = min(r[key] for r in known), max(r[key] for r in known)
+        line = f"- {what}: {low:+.1f}% .. {high:+.1f}%, worst {worst[key]:+.1f}%"
+        line += f" ({worst['workload']} / {worst['cap']})"
+        if target is not None:
+            inside = sum(abs(r[key]) <= target for r in known)
+            line += f"; within +-{target:g}%: {inside} of {len(known)}"
+        lines.append(line)
+    failed = [r for r in planned if r["status"] not in ("ok", "skipped")]
+    lines.append(
+        f"- failed runs (OOM, nothing fits, errors): {len(failed)} of {len(planned)}"
+        + "".join(f"; {r['workload']} / {r['cap']}: {r['status']}" for r in failed)
+    )
+    return lines
 
 
 def _scaling(rows: list[dict[str, Any]]) -> None:
@@ -137,10 +196,15 @@ def _fmt(value: Any, spec: str = ".2f", scale: float = 1.0) -> str:
 
 
 TABLE_HEADER = (
-    "| workload | cap | peer | status | tok/s | x vanilla | step ms | peak alloc GiB"
-    " | reserved GiB | x vanilla mem | pred peak GiB | pred step ms | host RSS GiB | loss"
-    " | loss vs vanilla | H2D/D2H/CPU-opt/stall ms |"
+    "| workload | cap | peer | status | tok/s | x vanilla | step ms | pred step ms | step err %"
+    " | peak alloc GiB | reserved GiB | x vanilla mem | pred / meas alloc GiB | alloc err %"
+    " | pred peak / meas reserved GiB | peak err % | host RSS GiB | loss | loss vs vanilla"
+    " | H2D/D2H/CPU-opt/stall ms |"
 )
+
+
+def _pair(predicted: float | None, measured: float | None) -> str:
+    return "-" if predicted is None else f"{predicted:.2f} / {_fmt(measured)}"
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -174,11 +238,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             _fmt(row["tokens_per_s"], ".0f"),
             _fmt(row["tput_ratio"], ".2f"),
             _fmt(row["step_s_median"], ".0f", 1e3),
+            _fmt(row["predicted_step_s"], ".0f", 1e3),
+            _fmt(row["step_err_pct"], "+.1f"),
             _fmt(row["peak_allocated_gib"]),
             _fmt(row["peak_reserved_gib"]),
             _fmt(row["mem_ratio"], ".2f"),
-            _fmt(row["predicted_peak_gib"]),
-            _fmt(row["predicted_step_s"], ".0f", 1e3),
+            _pair(row["predicted_allocated_gib"], row["measured_allocated_gib"]),
+            _fmt(row["alloc_err_pct"], "+.1f"),
+            _pair(row["predicted_peak_gib"], row["measured_peak_gib"]),
+            _fmt(row["peak_err_pct"], "+.1f"),
             _fmt(row["host_rss_peak_gib"], ".1f"),
             _fmt(row["loss_final"], ".4f"),
             loss_vs,
@@ -192,6 +260,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"- {r['workload']} / {r['cap']} / {r['peer_label']}: {r['scaling']:.2f}"
             for r in scaled
         ]
+    lines += _prediction_notes(rows)
     if notes:
         lines += ["", "Notes:", *notes]
     return "\n".join(lines)
@@ -239,9 +308,33 @@ def workload_meta(workload: Any) -> dict[str, Any]:
 
 def build_payload_from_file(path: Path) -> dict[str, Any]:
     """Re-read a results file and recompute its annotations and summary."""
-    payload = json.loads(Path(path).read_text())
-    meta = {k: v for k, v in payload.items() if k not in ("runs", "summary", "environment")}
-    return build_payload(payload["runs"], meta)
+    return build_payload_from_files([path])
+
+
+def build_payload_from_files(paths: list[Path]) -> dict[str, Any]:
+    """Re-read one or more results files as one: runs in file order, annotations and summary
+    recomputed; the first file's metadata, with every file's command, date and workloads."""
+    payloads = [json.loads(Path(path).read_text()) for path in paths]
+    skip = ("runs", "summary", "environment")
+    meta = {k: v for k, v in payloads[0].items() if k not in skip}
+    if len(payloads) > 1:
+        meta["command"] = " ; ".join(p.get("command", "") for p in payloads)
+        meta["workloads"] = {k: v for p in payloads for k, v in p.get("workloads", {}).items()}
+        meta["merged_from"] = [
+            {"file": Path(path).name, "command": p.get("command"), "date": p.get("date")}
+            for path, p in zip(paths, payloads)
+        ]
+    return build_payload([run for p in payloads for run in p["runs"]], meta)
+
+
+def write_plots(payload: dict[str, Any], path: Path, title: str = "") -> list[Path]:
+    """The throughput plot at ``path`` and, when runs recorded the planner's candidates, the
+    throughput-vs-memory frontier plot beside it (``NAME.frontier.png``); the paths written."""
+    plot(payload["summary"], path, title)
+    frontier_path = Path(path).with_suffix(".frontier.png")
+    if plot_frontier(payload["runs"], payload["summary"], frontier_path, title):
+        return [Path(path), frontier_path]
+    return [Path(path)]
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -271,7 +364,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     if title:
         import textwrap
 
-        fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=8)
+        fig.suptitle("\n".join(textwrap.wrap(title, 110, max_lines=3)), fontsize=8)
     fig.tight_layout()
     try:
         with atomic_write(path, "wb") as file:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,7 +193,8 @@ def plan_runs(
 
 @dataclass
 class CommonSettings:
-    """What every run shares: device, steps, seed, timeout and where worker logs go."""
+    """What every run shares: device, steps, seed, timeout, where worker logs go, and the
+    ``time.monotonic()`` after which no run starts (``deadline``; None: no limit)."""
 
     device: str
     steps: int
@@ -201,6 +203,7 @@ class CommonSettings:
     timeout_s: float = 1800.0
     log_dir: Path | None = None
     verbose: bool = False
+    deadline: float | None = None
 
 
 def _free_port() -> int:
@@ -217,9 +220,9 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text[-lines:])
 
 
-def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> dict[str, Any]:
-    """Run ``run`` in a fresh ``python -m autooffload.bench._worker`` process; its result dict."""
-    record: dict[str, Any] = {
+def _record(run: RunSpec, common: CommonSettings, index: int) -> dict[str, Any]:
+    """The fields every result of ``run`` has, whatever its outcome."""
+    return {
         "workload": run.workload.name,
         **{k: v for k, v in workload_to_dict(run.workload).items() if k != "name"},
         "peer": run.peer.name,
@@ -234,6 +237,11 @@ def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> 
         "steps": common.steps,
         "warmup": common.warmup,
     }
+
+
+def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> dict[str, Any]:
+    """Run ``run`` in a fresh ``python -m autooffload.bench._worker`` process; its result dict."""
+    record = _record(run, common, index)
     reason = get_peer(run.peer.name).unavailable(run.workload, common.device)
     if reason:
         return {**record, "status": "skipped", "reason": reason}
@@ -310,7 +318,11 @@ def run_all(
         bar = tqdm(runs, unit="run", desc="bench", dynamic_ncols=True, file=sys.stderr)
         for index, run in enumerate(bar):
             bar.set_postfix_str(run.describe())
-            result = run_one(run, common, Path(tmp), index)
+            if common.deadline is not None and time.monotonic() >= common.deadline:
+                reason = "not started: the --deadline was reached"
+                result = {**_record(run, common, index), "status": "skipped", "reason": reason}
+            else:
+                result = run_one(run, common, Path(tmp), index)
             results.append(result)
             bar.write(_one_line(result))
             if on_result is not None:

@@ -25,6 +25,8 @@ LLAMA32_3B = dict(
     vocab_size=128256,
     tie_word_embeddings=True,
 )
+# Issue 13's "3.6B": the Llama-3.2-3B shape with its LM head untied (3.21B tied, 3.61B untied).
+LLAMA32_3B_UNTIED = dict(LLAMA32_3B, tie_word_embeddings=False)
 LLAMA3_8B = dict(
     hidden_size=4096,
     intermediate_size=14336,
@@ -45,6 +47,8 @@ QWEN25_14B_LIKE = dict(
     tie_word_embeddings=False,
 )
 QWEN25_32B_LIKE = dict(QWEN25_14B_LIKE, intermediate_size=27648, num_hidden_layers=64)
+# 27.1B: the 32B-like blocks, 55 of them, with a 32k vocabulary (54 GB in bf16).
+LLAMA_27B_LIKE = dict(QWEN25_32B_LIKE, num_hidden_layers=55, vocab_size=32000)
 LLAMA_TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -220,6 +224,16 @@ WORKLOADS: dict[str, Workload] = {
             description="Llama-3.2-3B dims (tied embeddings), full fine-tuning, bf16, AdamW, gc",
         ),
         _w(
+            name="llama-3.6b-full",
+            arch="llama",
+            text_dims=LLAMA32_3B_UNTIED,
+            mode="full",
+            bs=4,
+            seq=1024,
+            gc=True,
+            description="Llama-3.2-3B dims, untied LM head (3.6B), full fine-tuning, bf16, gc",
+        ),
+        _w(
             name="llama-8b-full",
             arch="llama",
             text_dims=LLAMA3_8B,
@@ -284,6 +298,17 @@ WORKLOADS: dict[str, Workload] = {
             seq=1024,
             gc=True,
             description="Qwen2.5-14B-like dims on Llama, bf16 base, LoRA r16, gc",
+        ),
+        _w(
+            name="llama-27b-lora",
+            lr=LORA_LR,
+            arch="llama",
+            text_dims=LLAMA_27B_LIKE,
+            mode="lora",
+            bs=4,
+            seq=1024,
+            gc=True,
+            description="27B Llama shape (32B-like blocks x55, 32k vocab), bf16 base, LoRA r16, gc",
         ),
         _w(
             name="llama-32b-qlora",

@@ -15,7 +15,7 @@ functions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -60,6 +60,28 @@ class Candidates:
                 best = self.step_s[row]
                 keep.append(row)
         return np.array(keep, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """The inputs of one search: profiled layouts, hardware, budget and fixed knobs.
+
+    The runtime keeps the request behind its plan, so the feasible set that plan was chosen from
+    can be listed later (``candidates()``) without profiling again.
+    """
+
+    profiles_by_chunk_size: dict[int, ModelProfile]
+    hw: HardwareProfile
+    budget_bytes: int | None
+    fixed: dict[str, int] = field(default_factory=dict)
+
+    def plan(self) -> Plan:
+        """The fastest feasible configuration (``search``)."""
+        return search(self.profiles_by_chunk_size, self.hw, self.budget_bytes, self.fixed)
+
+    def candidates(self) -> Candidates:
+        """Every feasible configuration evaluated (``search_all``)."""
+        return search_all(self.profiles_by_chunk_size, self.hw, self.budget_bytes, self.fixed)
 
 
 @dataclass(frozen=True)
@@ -437,4 +459,4 @@ def _infeasible(
     )
 
 
-__all__ = ["KNOBS", "Candidates", "make_plan", "search", "search_all"]
+__all__ = ["KNOBS", "Candidates", "SearchRequest", "make_plan", "search", "search_all"]

@@ -11,7 +11,7 @@ from autooffload.errors import PlanError
 from autooffload.log import logger
 from autooffload.plan.hardware import measure_hardware
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
-from autooffload.plan.search import search
+from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
 from autooffload.runtime.chunks import ALIGN, ChunkLayout
 from autooffload.runtime.host import HostMemory, host_memory
@@ -189,14 +189,15 @@ def optim_state_bytes(optimizer: torch.optim.Optimizer | None, dtype: torch.dtyp
     return element
 
 
-def plan_from_profile(
+def search_request(
     runtime: Runtime,
     profile: ModelProfile,
     cpu_optim_rate: float | None = None,
     budget: int | None = None,
     pinned: dict[str, int] | None = None,
-) -> Plan:
-    """Search the plan for the measured ``profile`` under the budget; user knobs stay fixed.
+) -> SearchRequest:
+    """What to search for the measured ``profile``: hardware, budget and the fixed knobs (the
+    user's, the activation mode's, and ``pinned`` unless the user fixed them).
 
     ``budget``: bytes to plan for instead of the settings' (the OOM retry's smaller one);
     ``pinned``: knobs held at these values unless the user fixed them."""
@@ -224,14 +225,24 @@ def plan_from_profile(
             hw.cpu_optim_params_per_s / 1e9,
         )
         hw = replace(hw, cpu_optim_params_per_s=cpu_optim_rate)
-    if budget is not None:
-        return search({profile.chunk_size: profile}, hw, budget, fixed)
-    budget = budget_bytes(settings, runtime.device)
-    if budget is not None and runtime.device.type == "cuda":
-        # Headroom for what the model does not see: allocator growth at the cap costs a
-        # cudaFree + synchronize per retry, far more than the memory it saves.
-        budget -= max(BUDGET_MARGIN_MIN, int(BUDGET_MARGIN_SHARE * budget))
-    return search({profile.chunk_size: profile}, hw, budget, fixed)
+    if budget is None:
+        budget = budget_bytes(settings, runtime.device)
+        if budget is not None and runtime.device.type == "cuda":
+            # Headroom for what the model does not see: allocator growth at the cap costs a
+            # cudaFree + synchronize per retry, far more than the memory it saves.
+            budget -= max(BUDGET_MARGIN_MIN, int(BUDGET_MARGIN_SHARE * budget))
+    return SearchRequest({profile.chunk_size: profile}, hw, budget, fixed)
+
+
+def plan_from_profile(
+    runtime: Runtime,
+    profile: ModelProfile,
+    cpu_optim_rate: float | None = None,
+    budget: int | None = None,
+    pinned: dict[str, int] | None = None,
+) -> Plan:
+    """Search the plan for the measured ``profile`` under the budget (see ``search_request``)."""
+    return search_request(runtime, profile, cpu_optim_rate, budget, pinned).plan()
 
 
 def hardware_profile(runtime: Runtime) -> HardwareProfile:

@@ -15,6 +15,7 @@ from autooffload.errors import PlanError
 from autooffload.log import logger
 from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import ModelProfile
+from autooffload.plan.search import Candidates, SearchRequest
 from autooffload.plan.types import Plan
 from autooffload.runtime.activations import (
     ActivationSwapper,
@@ -35,7 +36,7 @@ from autooffload.runtime.planning import (
     check_host_memory,
     initial_plan,
     optim_state_bytes,
-    plan_from_profile,
+    search_request,
 )
 from autooffload.runtime.quantized import QuantizedParams
 from autooffload.runtime.sharding import Sharding, refresh_hosts
@@ -114,6 +115,8 @@ class Runtime:
         self.profiler: StepProfiler | None = None
         self._backwards_this_step = 0
         self._pending_profile: tuple[ModelProfile, float | None] | None = None
+        # The search behind the profiled plan (``candidates()`` lists its feasible set).
+        self.search_request: SearchRequest | None = None
         self._setup_activations()
         self._install_hooks()
         # state_dict / load_state_dict see and set the weights wherever they live (removed on
@@ -470,11 +473,12 @@ class Runtime:
 
     def _switch_to_searched_plan(self, profile: ModelProfile, cpu_rate: float | None) -> None:
         """Profiling step done: search the plan for the measured profile, switch, log it once."""
-        plan = plan_from_profile(self, profile, cpu_rate)
-        plan = replace(plan, chunk_size=self.layout.chunk_size)
+        request = search_request(self, profile, cpu_rate)
+        plan = replace(request.plan(), chunk_size=self.layout.chunk_size)
         if self.data_parallel is not None:
             plan = self.data_parallel.agree(plan)
         self.profile = profile
+        self.search_request = request
         self.apply_plan(plan)
         from autooffload import runtime as rt
 
@@ -488,6 +492,11 @@ class Runtime:
     def steps_taken(self) -> int:
         """Optimizer steps seen since attach (a consolidated state is valid until the next)."""
         return self._steps
+
+    def candidates(self) -> Candidates | None:
+        """Every feasible configuration of the search the profiled plan came from (this rank's
+        profile and budget), or None before that plan; re-runs the search, no profiling."""
+        return self.search_request.candidates() if self.search_request is not None else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.recover_interrupted()

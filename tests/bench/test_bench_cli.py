@@ -104,6 +104,11 @@ def test_autooffload_peer_ok_once_runtime_landed(tiny_run: tuple[dict, str, Path
         assert run["status"] == "ok", run.get("reason")
         assert run["loss_check"] == "ok", (run["loss_final"], run["loss_vs_vanilla"])
         assert "plan" in run and "breakdown" in run
+        # The feasible set the plan came from, summarised, with the plan on its frontier.
+        summary = run["candidates"]
+        assert summary["count"] >= len(summary["frontier"]) >= 1, summary
+        assert summary["chosen_on_frontier"] is True
+        assert summary["chosen"][2:] == [run["plan"][k] for k in summary["columns"][2:]]
     else:
         assert run["status"] in ("error", "skipped")
         assert "autooffload" in run["reason"]
@@ -201,3 +206,15 @@ def test_bad_nproc_is_a_clear_error(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--workload", "llama-tiny", "--nproc", "0", "--dry-run"])
     assert "invalid --nproc" in capsys.readouterr().err
+
+
+def test_runs_after_the_deadline_are_recorded_as_skipped(tmp_path: Path) -> None:
+    out = tmp_path / "late.json"
+    argv = ["--workload", "llama-tiny", "--device", "cpu", "--peers", "vanilla,autooffload"]
+    argv += ["--cap", "1GiB,none", "--deadline", "0", "--out", str(out)]
+    assert main(argv) == 0
+    payload = json.loads(out.read_text())
+    check_schema(payload)
+    assert len(payload["runs"]) == 4
+    assert {r["status"] for r in payload["runs"]} == {"skipped"}
+    assert all("--deadline" in r["reason"] for r in payload["runs"])

@@ -16,8 +16,10 @@ from autooffload.bench.workloads import WORKLOADS, get_workload
     [
         ("llama-1b-full", 1.10),
         ("llama-3b-full", 3.21),
+        ("llama-3.6b-full", 3.61),
         ("llama-8b-lora", 8.03),
         ("llama-14b-lora", 14.77),
+        ("llama-27b-lora", 27.15),
         ("llama-32b-qlora", 32.5),
         ("qwen2vl-7b-lora", 8.29),
     ],

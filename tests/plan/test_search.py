@@ -12,7 +12,7 @@ from plan_profiles import MiB, make_hardware, make_profile
 
 from autooffload.errors import PlanError
 from autooffload.plan.cost import chunk_tables, predict_peak_bytes, predict_step_time
-from autooffload.plan.search import search, search_all
+from autooffload.plan.search import SearchRequest, search, search_all
 from autooffload.plan.types import Knobs
 
 SMALL = dict(n_blocks=4, chunk_size=48 * MiB, block_param_bytes=64 * MiB)
@@ -114,6 +114,19 @@ def test_search_all_lists_every_feasible_config_and_the_plan_is_on_its_frontier(
     assert found.tokens_per_s.max() == pytest.approx(
         profiles[plan.chunk_size].batch_tokens / plan.predicted_step_s
     )
+
+
+def test_a_kept_request_replans_and_lists_the_same_feasible_set():
+    hw = make_hardware(h2d_bps=12e9, d2h_bps=12e9, duplex_bps=20e9)
+    profiles = _profiles(4)
+    budget = _budgets(profiles, hw)[2]
+    request = SearchRequest(profiles, hw, budget, {"n_swap": 0})
+    assert request.plan() == search(profiles, hw, budget, {"n_swap": 0})
+    found = request.candidates()
+    expected = search_all(profiles, hw, budget, {"n_swap": 0})
+    assert len(found) == len(expected) > 0
+    np.testing.assert_array_equal(found.peak_bytes, expected.peak_bytes)
+    assert (found.n_swap == 0).all()
 
 
 def test_search_picks_the_best_chunk_size():

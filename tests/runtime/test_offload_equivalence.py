@@ -292,8 +292,13 @@ def test_auto_plan_switch_after_profiling_keeps_training_exact(
     model.to("cpu")
     runtime = rt.runtime_of(model)
     assert runtime is not None and runtime.plan.source != "search"
+    assert runtime.candidates() is None
     offloaded = train(model, data, attach=None, offload_cpu=offload_cpu, clip=clip)
     assert runtime.plan.source == "search", "the plan was never switched after profiling"
+    # The search behind the plan is kept: its feasible set has the plan as its fastest row.
+    found = runtime.candidates()
+    assert found is not None and len(found) > 1
+    assert runtime.plan.predicted_step_s == pytest.approx(float(found.step_s.min()))
     assert_same_training(plain, offloaded)
 
 

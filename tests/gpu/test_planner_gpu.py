@@ -1,0 +1,153 @@
+"""On a GPU, issue 13's acceptance checks of the planner, each run as a benchmark worker (a fresh
+process under a real cap, ``torch.cuda.set_per_process_memory_fraction``): the predicted peak
+and step time of every benchmark workload match the measurement, no budget from the smallest
+feasible one to none runs out of memory, and a 27B model trains under a 24 GiB cap."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autooffload.bench.runner import CommonSettings, PeerSpec, RunSpec, cap_label, run_one
+from autooffload.bench.workloads import get_workload
+from autooffload.runtime.planning import BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE
+
+pytestmark = pytest.mark.gpu
+
+GiB = 1 << 30
+# Issue 13: predicted vs measured peak within 5%, step time within 15%. The predicted peak
+# includes the allocator's fragmentation, so it is compared with the memory the allocator held
+# (max reserved) during the timed steps; the timed steps run the searched plan (steps 1-2 are
+# the profiling steps, step 3 switches).
+PEAK_TOLERANCE = 0.05
+STEP_TOLERANCE = 0.15
+WARMUP, STEPS = 3, 4
+# The smallest feasible budget is read from one run's profile; another run's profile may differ
+# by a few MiB (activation bytes, allocator state), so the sweep starts this much above it.
+MIN_BUDGET_SLACK = 1.02
+
+
+def bench_run(
+    tmp_path: Path,
+    workload: str,
+    cap_bytes: int | None,
+    steps: int = STEPS,
+    warmup: int = WARMUP,
+    timeout_s: float = 240.0,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """One autooffload run of a bench workload in a worker process; its result (ok or not)."""
+    run = RunSpec(get_workload(workload, **overrides), PeerSpec("autooffload"), cap_bytes, 0)
+    common = CommonSettings("cuda", steps, warmup, timeout_s=timeout_s, log_dir=tmp_path)
+    index = len(list(tmp_path.glob("*.log")))
+    return run_one(run, common, tmp_path, index)
+
+
+def describe(result: dict[str, Any]) -> str:
+    """The numbers a failed assertion should show."""
+    keys = (
+        "status",
+        "message",
+        "predicted_peak_bytes",
+        "peak_timed_reserved_gib",
+        "predicted_allocated_bytes",
+        "peak_timed_allocated_gib",
+        "predicted_step_s",
+        "step_s_median",
+        "plan_summary",
+        "log",
+    )
+    return "\n".join(f"  {key}: {result.get(key)}" for key in keys)
+
+
+def assert_ok(result: dict[str, Any]) -> None:
+    where = f"{result['workload']} at cap {result['cap']}"
+    assert result["status"] == "ok", f"{where}: {result['status']}\n{result.get('reason')}"
+    assert result["attached"], f"{where}: the model was not attached\n{describe(result)}"
+
+
+@pytest.mark.parametrize(
+    ("workload", "cap_gib"),
+    [
+        ("llama-1b-full", 8),
+        ("llama-3.6b-full", 16),
+        ("llama-8b-lora", 12),
+        ("qwen2vl-7b-lora", 16),
+    ],
+)
+def test_predicted_peak_and_step_time_match_the_measurement(
+    tmp_path: Path, workload: str, cap_gib: int
+) -> None:
+    result = bench_run(tmp_path, workload, cap_gib * GiB)
+    assert_ok(result)
+    assert result["plan"]["source"] == "search", describe(result)
+    assert result["candidates"]["chosen_on_frontier"], result["candidates"]["chosen"]
+    predicted_peak = result["predicted_peak_bytes"] / GiB
+    measured_peak = result["peak_timed_reserved_gib"]
+    predicted_step, measured_step = result["predicted_step_s"], result["step_s_median"]
+    peak_error = (predicted_peak - measured_peak) / measured_peak
+    step_error = (predicted_step - measured_step) / measured_step
+    numbers = (
+        f"{workload} @ {cap_gib} GiB: peak predicted {predicted_peak:.2f} GiB vs reserved"
+        f" {measured_peak:.2f} GiB ({peak_error:+.1%}); step predicted {predicted_step * 1e3:.0f}"
+        f" ms vs {measured_step * 1e3:.0f} ms ({step_error:+.1%})\n{describe(result)}"
+    )
+    assert abs(peak_error) <= PEAK_TOLERANCE, numbers
+    assert abs(step_error) <= STEP_TOLERANCE, numbers
+
+
+def smallest_cap(min_peak_bytes: int) -> int:
+    """The smallest cap whose search budget (the cap minus the runtime's margin) holds
+    ``min_peak_bytes``, plus ``MIN_BUDGET_SLACK``."""
+    cap = max(
+        min_peak_bytes + BUDGET_MARGIN_MIN, math.ceil(min_peak_bytes / (1 - BUDGET_MARGIN_SHARE))
+    )
+    return math.ceil(cap * MIN_BUDGET_SLACK)
+
+
+def test_no_budget_from_the_smallest_feasible_to_none_runs_out_of_memory(tmp_path: Path) -> None:
+    """llama-1b-full: uncapped first, whose feasible set gives the smallest predicted peak; then
+    three caps from the smallest feasible one up. Every run trains and stays under its cap."""
+    workload = "llama-1b-full"
+    uncapped = bench_run(tmp_path, workload, None, steps=2)
+    assert_ok(uncapped)
+    frontier = uncapped["candidates"]["frontier"]
+    low = smallest_cap(int(frontier[0][0] * GiB))
+    caps = [low, int(low * 1.6), int(low * 2.5)]
+    results = [uncapped] + [bench_run(tmp_path, workload, cap, steps=2) for cap in caps]
+    failed = [r for r in results if r["status"] != "ok"]
+    assert not failed, "\n".join(
+        f"cap {r['cap']}: {r['status']}: {r.get('message')}\n{describe(r)}" for r in failed
+    )
+    for cap, result in zip(caps, results[1:]):
+        assert result["peak_reserved_gib"] * GiB <= cap, (cap_label(cap), describe(result))
+        assert math.isfinite(result["loss_final"])
+
+
+def test_27b_model_trains_under_a_24gib_cap(tmp_path: Path) -> None:
+    """A 27.1B-parameter Llama-shaped model (random init, bf16, LoRA): built on the meta device
+    and materialised module by module in bf16 (no fp32 copy; 54 GB of host memory), attached
+    under a real 24 GiB cap, two profiling steps and one step of the searched plan."""
+    host_gib = _host_total_gib()
+    if host_gib is not None and host_gib < 120:
+        pytest.skip(f"needs ~120 GiB of host RAM (model + pinned host store); found {host_gib:.0f}")
+    cap = 24 * GiB
+    result = bench_run(
+        tmp_path, "llama-27b-lora", cap, steps=1, warmup=2, timeout_s=600.0, bs=1, seq=512
+    )
+    assert_ok(result)
+    assert result["approx_params"] > 27e9
+    assert result["plan"]["source"] == "search", describe(result)
+    assert result["plan"]["n_persist"] < result["plan"]["n_chunks"], "nothing was offloaded"
+    assert result["peak_reserved_gib"] * GiB <= cap, describe(result)
+    assert all(math.isfinite(loss) for loss in result["losses"]), result["losses"]
+
+
+def _host_total_gib() -> float | None:
+    from autooffload.runtime.host import host_memory
+
+    memory = host_memory()
+    return memory.total_bytes / GiB if memory is not None else None
