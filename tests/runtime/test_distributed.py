@@ -144,6 +144,11 @@ def test_two_gpus_nccl_fp32_and_bf16(tmp_path):
         assert report["ddp_vs_averaged"] < 1e-4
         assert report["resume2_vs_averaged"] < 1e-4
         assert report["dp_ranks_identical"] and report["ddp_ranks_identical"]
+        # Sharded (the default) and replicated CPU optimizer state, and a re-plan promoting
+        # sharded chunks, all train like one process over NCCL.
+        assert report["sharding"]["sharded"] and report["sharding"]["masters"] > 0
+        assert report["replicated_vs_averaged"] < 1e-4
+        assert report["promoted_params"] > 0 and report["promote_vs_averaged"] < 1e-4
     reports = launch(tmp_path / "bf16", "cuda", "bfloat16")
     for report in reports:
         assert report["dp_ranks_identical"] and report["ddp_ranks_identical"]
