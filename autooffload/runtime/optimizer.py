@@ -372,7 +372,7 @@ class CpuOptimizer:
         if self.sharding is not None and chunk.index in self.sharding.trainable:
             # Only the owner had the state; every rank's optimizer takes it over.
             by_name = {s.name: states.get(id(s.param)) for s in chunk.trainable_slots}
-            by_name = self.sharding.broadcast_object(by_name, chunk.index)
+            by_name = self.sharding.broadcast_states(by_name, chunk.index)
             states = {id(s.param): by_name[s.name] for s in chunk.trainable_slots}
         for slot in chunk.trainable_slots:
             state = states.get(id(slot.param))

@@ -225,6 +225,10 @@ def search_request(
             hw.cpu_optim_params_per_s / 1e9,
         )
         hw = replace(hw, cpu_optim_params_per_s=cpu_optim_rate)
+    sharding = runtime.manager.sharding
+    if sharding is not None:
+        # The measured rate is this rank's, over its own share of the params.
+        hw = sharding.effective_hardware(hw)
     if budget is None:
         budget = budget_bytes(settings, runtime.device)
         if budget is not None and runtime.device.type == "cuda":

@@ -23,15 +23,19 @@ update, the gradient D2H copies and that host memory fall ~N-fold per rank. The 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from autooffload.errors import AutoOffloadError
+from autooffload.log import logger
 
 if TYPE_CHECKING:
+    from autooffload.plan.profile_types import HardwareProfile
     from autooffload.runtime.chunks import ChunkLayout
     from autooffload.runtime.distributed import DataParallel
     from autooffload.runtime.runtime import Runtime
@@ -56,6 +60,8 @@ class Sharding:
         self.consolidated_at: int | None = None
         self.consolidated: dict[int, dict[int, dict]] = {}
         self.broadcast_bytes = 0
+        # Measured at attach (Sharding.create); used by the planner's cost model.
+        self.broadcast_bps = float("inf")
 
     @staticmethod
     def create(
@@ -66,7 +72,46 @@ class Sharding:
             return None
         if not any(c.trainable_slots for c in layout.chunks):
             return None  # frozen chunks (LoRA base weights) have no optimizer state to shard
-        return Sharding(data_parallel, layout)
+        sharding = Sharding(data_parallel, layout)
+        sharding.broadcast_bps = sharding.measure_broadcast(max(c.nbytes for c in layout.chunks))
+        return sharding
+
+    def measure_broadcast(self, nbytes: int, repeats: int = 3) -> float:
+        """Collective: the broadcast bandwidth (bytes/s) of one chunk-sized buffer, as the
+        gathers of sharded chunks will see it (real world size, real chunk size)."""
+        device = self.dp.device if self.dp.nccl else torch.device("cpu")
+        buffer = torch.zeros(max(1, nbytes), dtype=torch.uint8, device=device)
+        src = self.dp._global_rank(0)
+        dist.broadcast(buffer, src=src, group=self.dp.group)  # warm-up: connections, buffers
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dist.broadcast(buffer, src=src, group=self.dp.group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = max(time.perf_counter() - start, 1e-9)
+        bps = buffer.numel() * repeats / seconds
+        logger.debug(
+            "broadcast of %d MiB over %d ranks: %.1f GB/s", nbytes >> 20, self.world_size, bps / 1e9
+        )
+        return bps
+
+    def effective_hardware(self, hw: HardwareProfile) -> HardwareProfile:
+        """The machine as one rank's cost model sees it under sharding. Per rank, the CPU
+        update and the gradient D2H copies cover 1/N of the offloaded trainable params
+        (rates x N); a gather is 1/N of an H2D copy (the owner's) followed by a broadcast:
+        1 / B_gather = 1 / (N B_h2d) + 1 / B_broadcast  (s/byte). Frozen chunks (not sharded)
+        are costed the same way: an approximation for models mixing both."""
+        n = self.world_size
+        gather_bps = 1.0 / (1.0 / (n * hw.h2d_bps) + 1.0 / self.broadcast_bps)
+        return replace(
+            hw,
+            cpu_optim_params_per_s=hw.cpu_optim_params_per_s * n,
+            d2h_bps=hw.d2h_bps * n,
+            h2d_bps=gather_bps,
+            duplex_bps=1.0 / (1.0 / (n * hw.duplex_bps) + 1.0 / self.broadcast_bps),
+        )
 
     def owner(self, index: int) -> int:
         """Group rank owning chunk ``index``."""
@@ -151,6 +196,39 @@ class Sharding:
             if box is not None:
                 merged[index] = box[self.owner(index)]
         return merged
+
+    def broadcast_states(self, states: dict[str, dict | None], index: int) -> dict:
+        """Collective: the owner's optimizer states of chunk ``index`` (per param name) on every
+        rank. Only the layout travels pickled; tensors go by ``broadcast`` on the collective's
+        device (pickling GBs of state through an object broadcast took ~30 s at 3B)."""
+        layout = {
+            name: None
+            if state is None
+            else {
+                key: (value.dtype, tuple(value.shape)) if isinstance(value, torch.Tensor) else value
+                for key, value in state.items()
+            }
+            for name, state in states.items()
+        }
+        layout = self.broadcast_object(layout, index)
+        device = self.dp.device if self.dp.nccl else torch.device("cpu")
+        result: dict[str, dict | None] = {}
+        for name, keys in layout.items():
+            if keys is None:
+                result[name] = None
+                continue
+            result[name] = {}
+            for key, spec in keys.items():
+                if not (isinstance(spec, tuple) and spec and isinstance(spec[0], torch.dtype)):
+                    result[name][key] = spec
+                    continue
+                if self.owns(index):
+                    tensor = states[name][key].to(device).contiguous()  # type: ignore[index]
+                else:
+                    tensor = torch.empty(spec[1], dtype=spec[0], device=device)
+                dist.broadcast(tensor, src=self._src(index), group=self.dp.group)
+                result[name][key] = tensor
+        return result
 
     def broadcast_object(self, value: Any, index: int) -> Any:
         """Collective: the owner's ``value`` on every rank."""

@@ -1,0 +1,95 @@
+"""Chunk ownership and the per-rank cost view of sharded CPU optimizer state (the collectives
+themselves run in tests/runtime/test_distributed.py under torchrun)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "plan"))
+from plan_profiles import make_profile  # noqa: E402
+
+from autooffload.plan.cost import predict_step_time  # noqa: E402
+from autooffload.plan.profile_types import HardwareProfile  # noqa: E402
+from autooffload.plan.types import Knobs  # noqa: E402
+from autooffload.runtime.sharding import NotConsolidatedError, Sharding  # noqa: E402
+
+
+def chunks(trainable: list[bool]) -> SimpleNamespace:
+    return SimpleNamespace(
+        chunks=[
+            SimpleNamespace(index=i, nbytes=1 << 20, trainable_slots=[object()] if t else [])
+            for i, t in enumerate(trainable)
+        ]
+    )
+
+
+def sharding(rank: int, world: int, trainable: list[bool]) -> Sharding:
+    dp = SimpleNamespace(rank=rank, world_size=world, nccl=False, device=torch.device("cpu"))
+    return Sharding(dp, chunks(trainable))  # type: ignore[arg-type]
+
+
+def hardware() -> HardwareProfile:
+    return HardwareProfile(
+        h2d_bps=50e9,
+        d2h_bps=50e9,
+        duplex_bps=90e9,
+        cpu_optim_params_per_s=2e9,
+        gpu_optim_params_per_s=1e12,
+        gpu_free_bytes=80 << 30,
+        gpu_total_bytes=80 << 30,
+        cuda_context_bytes=0,
+        device_name="test",
+    )
+
+
+def test_chunks_are_owned_round_robin_and_only_offloaded_trainable_ones_are_sharded():
+    ranks = [sharding(r, 2, [True, True, False, True, True]) for r in range(2)]
+    for index in range(5):
+        assert sum(s.owns(index) for s in ranks) == 1
+    assert [ranks[0].owns(i) for i in range(5)] == [True, False, True, False, True]
+    persistent = {0}
+    assert [ranks[1].applies(i, persistent) for i in range(5)] == [
+        False,  # persistent: replicated on every GPU, updated by the user's optimizer
+        True,
+        False,  # frozen: no optimizer state, every rank streams its own host copy
+        True,
+        True,
+    ]
+
+
+def test_per_rank_hardware_view_divides_cpu_work_and_adds_the_broadcast():
+    s = sharding(0, 4, [True])
+    s.broadcast_bps = 200e9
+    hw = s.effective_hardware(hardware())
+    assert hw.cpu_optim_params_per_s == pytest.approx(8e9)
+    assert hw.d2h_bps == pytest.approx(200e9)
+    # A gathered byte: a quarter of an H2D byte (the owner's copy), then one broadcast byte.
+    assert 1 / hw.h2d_bps == pytest.approx(1 / (4 * 50e9) + 1 / 200e9)
+    # An unmeasured broadcast (infinitely fast) leaves only the N-fold shares.
+    s.broadcast_bps = math.inf
+    assert s.effective_hardware(hardware()).h2d_bps == pytest.approx(200e9)
+
+
+def test_sharding_shortens_a_cpu_bound_predicted_step():
+    profile = make_profile(n_blocks=8, fwd_s=0.001)
+    knobs = Knobs(n_persist=0, n_buffer=2)
+    hw = hardware()
+    alone_s, alone, _ = predict_step_time(profile, hw, knobs)
+    s = sharding(0, 2, [True])
+    s.broadcast_bps = 300e9
+    shared_s, shared, _ = predict_step_time(profile, s.effective_hardware(hw), knobs)
+    assert shared_s < alone_s
+    assert shared["cpu_optim_s"] == pytest.approx(alone["cpu_optim_s"] / 2)
+
+
+def test_reading_unconsolidated_state_names_the_fix():
+    error = sharding(1, 2, [True]).not_consolidated("model.state_dict()")
+    assert isinstance(error, NotConsolidatedError)
+    assert "autooffload.consolidate(model) on every rank" in str(error)
+    assert "AUTOOFFLOAD_SHARD_OPTIMIZER=off" in str(error)
