@@ -1,7 +1,10 @@
 """The cost model: peak device memory and step time of one configuration, as documented formulas.
 
 A configuration is a chunk layout (one ``ModelProfile``, i.e. one ``chunk_size``) plus
-``Knobs(n_persist, n_buffer, n_swap, n_checkpoint)``. Units: bytes, seconds, bytes/s.
+``Knobs(n_persist, n_buffer, n_swap, n_checkpoint)``. Units: bytes, seconds, bytes/s. Chunks have
+their real sizes: a parameter larger than ``chunk_size`` has a chunk of its own size, and the
+runtime sizes each chunk's device storage when it is gathered, so memory and traffic sum the
+chunks actually on the device or on the link, never ``n_buffer * chunk_size``.
 Notation: ``u`` is an execution unit (0 = pre, 1..L = blocks, L+1 = post, see ``profile_types``),
 ``p = n_persist`` (chunks ``0 .. p-1`` persistent, chunks ``>= p`` offloaded), ``b = n_buffer``.
 docs/planner.md explains every term; ``plan.search`` evaluates the same formulas vectorised and
@@ -17,6 +20,7 @@ import numpy as np
 
 from autooffload.errors import PlanError
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
+from autooffload.plan.residency import chunk_spans, prefetch_queue
 from autooffload.plan.types import Knobs
 
 # Below this share of the step, stalls and recompute are noise and the step is compute-bound.
@@ -52,11 +56,15 @@ class ChunkTables:
     """Chunk traffic and residency per unit as functions of ``n_persist``.
 
     Every 2-D array has shape ``(n_chunks + 1, n_units)``: row ``p`` is the layout with ``p``
-    persistent chunks, so the search can look up any ``n_persist`` without recomputing.
+    persistent chunks, so the search can look up any ``n_persist`` without recomputing. A chunk is
+    *live* from its first unit to its last: the runtime releases a chunk only when no later group
+    needs it (a tied embedding stays on the device from the embedding to the head).
     """
 
     resident: np.ndarray
-    """Offloaded chunks used by unit u (buffers it occupies while it runs)."""
+    """Offloaded chunks live at unit u (buffers they occupy while it runs)."""
+    resident_bytes: np.ndarray
+    """Bytes of the offloaded chunks live at unit u."""
     fwd_gather_count: np.ndarray
     """Offloaded chunks first needed at u in forward (gathered H2D before u)."""
     fwd_gather_bytes: np.ndarray
@@ -66,7 +74,7 @@ class ChunkTables:
     grad_d2h_bytes: np.ndarray
     """Grad bytes copied D2H after u's backward (offloaded trainable chunks with lowest unit u)."""
     offload_grad_bytes: np.ndarray
-    """Offloaded grads live during u's backward: chunks used by u, and by u+1 (D2H in flight)."""
+    """Offloaded grads live during u's backward: chunks live at u, or at u+1 (D2H in flight)."""
     persist_grad_bytes: np.ndarray
     """Persistent grads live during u's backward: persistent chunks whose highest unit is >= u."""
     cpu_ready_numel: np.ndarray
@@ -89,24 +97,22 @@ class ChunkTables:
 def chunk_tables(profile: ModelProfile) -> ChunkTables:
     """Tabulate the chunk layout for every ``n_persist`` (O(n_chunks * n_units))."""
     n_chunks, n_units = profile.n_chunks, profile.n_units
-    used = np.zeros((n_chunks, n_units), dtype=bool)
-    for index, chunk in enumerate(profile.chunks):
-        used[index, list(chunk.units)] = True
+    first, last = chunk_spans(profile)
+    unit_index = np.arange(n_units)
+    live = (first[:, None] <= unit_index) & (unit_index <= last[:, None])
     size = np.array([c.bytes for c in profile.chunks], dtype=np.int64)
     grad = np.array([c.trainable_bytes for c in profile.chunks], dtype=np.int64)
     numel = np.array([c.trainable_numel for c in profile.chunks], dtype=np.int64)
 
-    used_before = np.zeros_like(used)
-    used_before[:, 1:] = used[:, :-1]
-    used_after = np.zeros_like(used)
-    used_after[:, :-1] = used[:, 1:]
-    fwd_gather = used & ~used_before
-    bwd_gather = used & ~used_after
-    lowest = np.zeros_like(used)
-    lowest[np.arange(n_chunks), [c.units[0] for c in profile.chunks]] = True
-    highest_at_or_after = np.zeros((n_chunks, n_units), dtype=bool)
-    for index, chunk in enumerate(profile.chunks):
-        highest_at_or_after[index, : chunk.units[-1] + 1] = True
+    live_before = np.zeros_like(live)
+    live_before[:, 1:] = live[:, :-1]
+    live_after = np.zeros_like(live)
+    live_after[:, :-1] = live[:, 1:]
+    fwd_gather = live & ~live_before
+    bwd_gather = live & ~live_after
+    lowest = np.zeros_like(live)
+    lowest[np.arange(n_chunks), first] = True
+    highest_at_or_after = unit_index <= last[:, None]
 
     def from_p(values: np.ndarray) -> np.ndarray:
         """Row p = sum over offloaded chunks c >= p."""
@@ -118,7 +124,8 @@ def chunk_tables(profile: ModelProfile) -> ChunkTables:
         prefix = np.cumsum(values, axis=0)
         return np.concatenate([np.zeros((1, *values.shape[1:]), values.dtype), prefix])
 
-    resident = from_p(used.astype(np.int64))
+    resident = from_p(live.astype(np.int64))
+    resident_bytes = from_p(live * size[:, None])
     fwd_count = from_p(fwd_gather.astype(np.int64))
     bwd_count = from_p(bwd_gather.astype(np.int64))
 
@@ -141,12 +148,13 @@ def chunk_tables(profile: ModelProfile) -> ChunkTables:
     useful = np.maximum(min_buffers, np.maximum(resident + fwd_next, resident + bwd_prev).max(1))
     return ChunkTables(
         resident=resident,
+        resident_bytes=resident_bytes,
         fwd_gather_count=fwd_count,
         fwd_gather_bytes=from_p(fwd_gather * size[:, None]),
         bwd_gather_count=bwd_count,
         bwd_gather_bytes=from_p(bwd_gather * size[:, None]),
         grad_d2h_bytes=from_p(lowest * grad[:, None]),
-        offload_grad_bytes=from_p((used | used_after) * grad[:, None]),
+        offload_grad_bytes=from_p((live | live_after) * grad[:, None]),
         persist_grad_bytes=below_p(highest_at_or_after * grad[:, None]),
         cpu_ready_numel=ready,
         persist_bytes=below_p(size),
@@ -156,6 +164,29 @@ def chunk_tables(profile: ModelProfile) -> ChunkTables:
         min_buffers=min_buffers,
         useful_buffers=useful,
     )
+
+
+def chunk_bytes_in_flight(
+    profile: ModelProfile, knobs: Knobs, tables: ChunkTables | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Offloaded chunk bytes on the device while each unit runs, in forward and in backward.
+
+    The live chunks of u, then as many prefetched chunks as ``n_buffer`` leaves room for, each
+    at its own size (the runtime resizes a chunk's storage to its bytes on gather and to 0 on
+    release; the caching allocator is the buffer pool):
+        in_flight[u] = resident_bytes[p,u] + sum(bytes[c] for c in queue(u)[:b - resident[p,u]])
+    with ``queue`` = ``prefetch_queue`` (forward or backward order), b = n_buffer.    (bytes)
+    """
+    tables = tables or chunk_tables(profile)
+    p, n_buffer = knobs.n_persist, knobs.n_buffer
+    size = [c.bytes for c in profile.chunks]
+    in_flight = np.zeros((2, profile.n_units), dtype=np.int64)
+    for row, forward in enumerate((True, False)):
+        for u in range(profile.n_units):
+            room = max(0, n_buffer - int(tables.resident[p, u]))
+            queued = prefetch_queue(profile, p, u, forward)[:room]
+            in_flight[row, u] = tables.resident_bytes[p, u] + sum(size[c] for c in queued)
+    return in_flight[0], in_flight[1]
 
 
 def check_knobs(profile: ModelProfile, knobs: Knobs, tables: ChunkTables | None = None) -> None:
@@ -204,28 +235,32 @@ def peak_breakdown(
 ) -> dict[str, float]:
     """The terms of the predicted peak (bytes); ``predict_peak_bytes`` is its ``"peak"``.
 
-    static  = persist_bytes[p] + optim_bytes_per_param * persist_numel[p]
-              + n_buffer * chunk_size + static_bytes (+ persist_grad_total[p] if accumulating)
+    static   = persist_bytes[p] + optim_bytes_per_param * persist_numel[p] + static_bytes
+               (+ persist_grad_total[p] if accumulating)
     grads[u] = offload_grad_bytes[p, u] + persist_grad_bytes[p, u]   (backward only)
-    dynamic = max(max_u fwd[u], max_u (bwd[u] + grads[u]))            (see ``activation_events``)
-    peak    = cuda_context + ceil(fragmentation * (static + dynamic))
+    fwd[u]   = fwd_act[u] + in_flight_fwd[u]              (``activation_events``,
+    bwd[u]   = bwd_act[u] + grads[u] + in_flight_bwd[u]    ``chunk_bytes_in_flight``)
+    peak     = cuda_context + ceil(fragmentation * (static + max(max_u fwd[u], max_u bwd[u])))
     """
     tables = tables or chunk_tables(profile)
     check_knobs(profile, knobs, tables)
     p = knobs.n_persist
-    fwd, bwd = activation_events(profile, knobs)
+    fwd_act, bwd_act = activation_events(profile, knobs)
+    in_fwd, in_bwd = chunk_bytes_in_flight(profile, knobs, tables)
     grads = tables.offload_grad_bytes[p].copy()
     static = int(
         tables.persist_bytes[p]
         + profile.optim_bytes_per_param * tables.persist_numel[p]
-        + knobs.n_buffer * profile.chunk_size
         + profile.static_bytes
     )
     if profile.grad_accumulation:
         static += int(tables.persist_grad_total[p])
     else:
         grads = grads + tables.persist_grad_bytes[p]
-    fwd_peak, bwd_peak = int(fwd.max()), int((bwd + grads).max())
+    fwd, bwd = fwd_act + in_fwd, bwd_act + grads + in_bwd
+    fwd_peak, bwd_peak = int(fwd.max()), int(bwd.max())
+    in_backward = bwd_peak > fwd_peak
+    peak_unit = int(np.argmax(bwd if in_backward else fwd))
     allocated = static + max(fwd_peak, bwd_peak)
     frag = profile.fragmentation_factor
     peak = hw.cuda_context_bytes + math.ceil(frag * allocated)
@@ -234,11 +269,13 @@ def peak_breakdown(
         "context": float(hw.cuda_context_bytes),
         "persistent_weights": float(tables.persist_bytes[p]),
         "persistent_optim_states": float(profile.optim_bytes_per_param * tables.persist_numel[p]),
-        "buffers": float(knobs.n_buffer * profile.chunk_size),
+        "buffers": float((in_bwd if in_backward else in_fwd)[peak_unit]),
+        "buffers_max": float(max(in_fwd.max(), in_bwd.max())),
         "static_other": float(profile.static_bytes),
-        "activations_fwd_peak": float(fwd_peak),
-        "activations_bwd_peak": float(bwd_peak),
-        "peak_in_backward": float(bwd_peak > fwd_peak),
+        "activations_fwd_peak": float(fwd_act.max()),
+        "activations_bwd_peak": float((bwd_act + grads).max()),
+        "peak_in_backward": float(in_backward),
+        "peak_unit": float(peak_unit),
         "allocated": float(allocated),
         "fragmentation": frag,
     }
@@ -256,9 +293,17 @@ def transfer_s(h2d_bytes: float, d2h_bytes: float, hw: HardwareProfile) -> float
     )
 
 
-def _prefetch_share(count: int, free_buffers: int) -> float:
-    """Share of a unit's gathers that fit in the buffers left while the previous unit runs."""
-    return 1.0 if count == 0 else min(1.0, max(0.0, free_buffers / count))
+def prefetched_bytes(
+    profile: ModelProfile, n_persist: int, unit: int, room: int, forward: bool
+) -> int:
+    """Bytes of the next unit's gathers that are prefetched while ``unit`` runs with ``room``
+    free buffers: the front ``room`` chunks of ``prefetch_queue`` that the next unit (u+1 in
+    forward, u-1 in backward) gathers. Chunks of one unit may differ in size (an oversized
+    parameter's chunk beside small ones), so bytes are summed chunk by chunk."""
+    first, last = chunk_spans(profile)
+    ends, upcoming = (first, unit + 1) if forward else (last, unit - 1)
+    queue = prefetch_queue(profile, n_persist, unit, forward)[: max(0, room)]
+    return sum(profile.chunks[c].bytes for c in queue if ends[c] == upcoming)
 
 
 def predict_step_time(
@@ -268,17 +313,18 @@ def predict_step_time(
 
     Time 0 is ``optimizer.step()`` of the previous step. Per forward window u (unit u computes,
     the gathers of u+1 prefetch into the buffers u leaves free, u's swapped activations go out):
-        share      = min(1, (n_buffer - resident[u]) / gathers[u+1])
-        xfer_f[u]  = transfer_s(share * gather_bytes[u+1], swap_out[u])
-        w_f[u]     = max(fwd_s[u], xfer_f[u]) + (1 - share) * gather_bytes[u+1] / B_h2d      (s)
+        pre_f[u]   = prefetched_bytes(u, room = n_buffer - resident[u])      (bytes of u+1's)
+        xfer_f[u]  = transfer_s(pre_f[u], swap_out[u])
+        w_f[u]     = max(fwd_s[u], xfer_f[u]) + (gather_bytes[u+1] - pre_f[u]) / B_h2d      (s)
     The CPU optimizer updates offloaded chunks in order from t=0; gathers of u wait for them:
         ready[u]   = cpu_ready_numel[u] / cpu_rate + gather_bytes[u] / B_h2d
         T_fwd      = max(max(gpu_optim, gather_bytes[0] / B_h2d) + sum_u w_f[u],
                          max_u (ready[u] + sum_{v >= u} w_f[v]))                             (s)
     with gpu_optim = persist_numel / gpu_rate (the user's optimizer on persistent chunks).
     Per backward window u (reverse order; prefetch gathers and swap-in of u-1, grads of u+1 out):
-        xfer_b[u]  = transfer_s(share * bwd_gather_bytes[u-1] + swap_in[u-1], grad_d2h[u+1])
-        w_b[u]     = max(bwd_s[u] + recompute[u], xfer_b[u]) + (1 - share) * bwd_gather[u-1]/B_h2d
+        pre_b[u]   = prefetched_bytes(u, room = n_buffer - resident[u], backward)  (of u-1's)
+        xfer_b[u]  = transfer_s(pre_b[u] + swap_in[u-1], grad_d2h[u+1])
+        w_b[u]     = max(bwd_s[u] + recompute[u], xfer_b[u]) + (bwd_gather[u-1] - pre_b[u])/B_h2d
         T_bwd      = bwd_gather_bytes[L+1] / B_h2d + sum_u w_b[u] + grad_d2h[0] / B_d2h      (s)
     step = T_fwd + T_bwd + other_s.
     """
@@ -302,12 +348,11 @@ def predict_step_time(
 
     fwd_windows = []
     for u in range(n_units):
-        gathers = tables.fwd_gather_count[p, u + 1] if u + 1 < n_units else 0
         gather_bytes = float(tables.fwd_gather_bytes[p, u + 1]) if u + 1 < n_units else 0.0
-        share = _prefetch_share(gathers, n_buffer - resident[u])
+        prefetched = prefetched_bytes(profile, p, u, n_buffer - int(resident[u]), forward=True)
         swap_out = float(units[u].act_bytes_keep) if policies[u] == "swap" else 0.0
-        exposed = (1.0 - share) * gather_bytes / hw.h2d_bps
-        fwd_windows.append(window(units[u].fwd_s, share * gather_bytes, swap_out, exposed))
+        exposed = (gather_bytes - prefetched) / hw.h2d_bps
+        fwd_windows.append(window(units[u].fwd_s, float(prefetched), swap_out, exposed))
     gpu_optim_s = float(tables.persist_numel[p]) / hw.gpu_optim_params_per_s
     first_gather_s = float(tables.fwd_gather_bytes[p, 0]) / hw.h2d_bps
     stalls["pcie_h2d"] += max(0.0, first_gather_s - gpu_optim_s)
@@ -324,16 +369,15 @@ def predict_step_time(
     bwd_windows = []
     recompute_s = 0.0
     for u in range(n_units):
-        gathers = tables.bwd_gather_count[p, u - 1] if u > 0 else 0
         gather_bytes = float(tables.bwd_gather_bytes[p, u - 1]) if u > 0 else 0.0
-        share = _prefetch_share(gathers, n_buffer - resident[u])
+        prefetched = prefetched_bytes(profile, p, u, n_buffer - int(resident[u]), forward=False)
         swap_in = float(units[u - 1].act_bytes_keep) if u > 0 and policies[u - 1] == "swap" else 0.0
         grads_out = float(tables.grad_d2h_bytes[p, u + 1]) if u + 1 < n_units else 0.0
         recompute = units[u].fwd_s if policies[u] == "checkpoint" else 0.0
         recompute_s += recompute
-        exposed = (1.0 - share) * gather_bytes / hw.h2d_bps
+        exposed = (gather_bytes - prefetched) / hw.h2d_bps
         compute = units[u].bwd_s + recompute
-        bwd_windows.append(window(compute, share * gather_bytes + swap_in, grads_out, exposed))
+        bwd_windows.append(window(compute, prefetched + swap_in, grads_out, exposed))
     head_s = float(tables.bwd_gather_bytes[p, n_units - 1]) / hw.h2d_bps
     tail_s = float(tables.grad_d2h_bytes[p, 0]) / hw.d2h_bps
     stalls["pcie_h2d"] += head_s

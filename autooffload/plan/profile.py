@@ -258,9 +258,8 @@ class StepProfiler:
         if self.block_inputs:
             _, args, _ = next(iter(self.block_inputs.values()))
             tokens = max(1, args[0].shape[:-1].numel())
-        chunk_size = max([runtime.layout.chunk_size] + [c.nbytes for c in runtime.layout.chunks])
         return ModelProfile(
-            chunk_size=chunk_size,
+            chunk_size=runtime.layout.chunk_size,
             chunks=chunk_profiles,
             blocks=tuple(blocks),
             pre=pre,

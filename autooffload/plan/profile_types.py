@@ -113,7 +113,9 @@ class ModelProfile:
     """The model as measured on the real first batch, for one chunk layout (one ``chunk_size``)."""
 
     chunk_size: int
-    """Bytes of one chunk buffer (compute dtype); each of the ``n_buffer`` GPU buffers has it."""
+    """Bytes per chunk the layout was built with. Chunks hold at most this much, except a chunk
+    holding one parameter larger than it (an unquantized embedding or head), which has that
+    parameter's size; ``ChunkProfile.bytes`` is what each chunk really takes."""
     chunks: tuple[ChunkProfile, ...]
     blocks: tuple[UnitProfile, ...]
     pre: UnitProfile
@@ -204,10 +206,6 @@ class ModelProfile:
                 )
             if min(chunk.bytes, chunk.trainable_bytes, chunk.trainable_numel) < 0:
                 raise PlanError(f"chunk {index} has a negative size: {chunk}")
-            if chunk.bytes > self.chunk_size:
-                raise PlanError(
-                    f"chunk {index} bytes={chunk.bytes} exceeds chunk_size={self.chunk_size}"
-                )
         for unit in self.units:
             sizes = (
                 unit.act_bytes_keep,

@@ -7,10 +7,13 @@ which the cost model predicts no gain, every ``n_swap`` and every ``n_checkpoint
 iterations) and evaluates the rest as numpy arrays: the chunk terms come from
 ``cost.chunk_tables`` (one row per ``n_persist``), and the step time for every ``n_checkpoint`` is
 a prefix sum of the per-window recompute cost, because one more checkpoint only adds the
-recompute of one more block (``cost.assign_block_policies`` is nested). Work per layout is
-O(n_blocks^2 * n_chunks * n_units) simple array operations, with no pruning that could miss the
-optimum; ``tests/plan/test_search.py`` checks it against a brute force over ``cost``'s scalar
-functions.
+recompute of one more block (``cost.assign_block_policies`` is nested), and the peak for every
+``n_checkpoint`` is read off one running maximum from the front and one from the back (see
+``_split_max``). Chunks on the device per (n_persist, n_buffer, unit) are prefix sums over the
+runtime's prefetch order (``residency.queued_bytes``), each chunk at its own size. Work per layout
+is O(n_blocks * n_chunks * n_buffers * (n_blocks + n_units)) simple array operations, with no
+pruning that could miss the optimum; ``tests/plan/test_search.py`` checks it against a brute force
+over ``cost``'s scalar functions.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from autooffload.plan.cost import (
     predict_step_time,
 )
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
+from autooffload.plan.residency import queued_bytes
 from autooffload.plan.types import GiB, Knobs, Plan
 
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 _KNOB_ENV = {name: f"AUTOOFFLOAD_{name.upper()}" for name in KNOBS}
+_NONE = np.iinfo(np.int64).min // 4  # "no unit": below any peak, far from overflow
 
 
 @dataclass(frozen=True)
@@ -232,8 +237,8 @@ def _search_layout(
     )
     frag = profile.fragmentation_factor
     if budget is not None:
-        # Prune n_persist whose static bytes alone (no activations) already exceed the budget.
-        least = static + tables.min_buffers * profile.chunk_size
+        # Prune n_persist whose static bytes and live chunks alone already exceed the budget.
+        least = static + tables.resident_bytes.max(axis=1)
         fits = hw.cuda_context_bytes + np.ceil(frag * least[persist].astype(float)) <= budget
         persist = persist[fits]
     buffers, valid = _buffer_grid(tables, persist, fixed.get("n_buffer"))
@@ -249,17 +254,21 @@ def _search_layout(
     h2d, d2h, duplex = hw.h2d_bps, hw.d2h_bps, hw.duplex_bps
 
     # Chunk-traffic terms, shape (P, D, U): the same for every n_swap / n_checkpoint.
-    free = buffers[:, :, None] - tables.resident[persist][:, None, :]
-    fwd_next_count = _shift(tables.fwd_gather_count[persist], -1)
-    fwd_next_bytes = _shift(tables.fwd_gather_bytes[persist], -1).astype(float)
-    fwd_share = _share(fwd_next_count[:, None, :], free)
-    fwd_prefetch = fwd_share * fwd_next_bytes[:, None, :]
-    fwd_exposed = (1.0 - fwd_share) * fwd_next_bytes[:, None, :] / h2d
-    bwd_prev_count = _shift(tables.bwd_gather_count[persist], 1)
-    bwd_prev_bytes = _shift(tables.bwd_gather_bytes[persist], 1).astype(float)
-    bwd_share = _share(bwd_prev_count[:, None, :], free)
-    bwd_prefetch = bwd_share * bwd_prev_bytes[:, None, :]
-    bwd_exposed = (1.0 - bwd_share) * bwd_prev_bytes[:, None, :] / h2d
+    room = np.maximum(buffers[:, :, None] - tables.resident[persist][:, None, :], 0)
+    fwd_next_count = _shift(tables.fwd_gather_count[persist], -1)[:, None, :]
+    fwd_next_bytes = _shift(tables.fwd_gather_bytes[persist], -1)[:, None, :]
+    bwd_prev_count = _shift(tables.bwd_gather_count[persist], 1)[:, None, :]
+    bwd_prev_bytes = _shift(tables.bwd_gather_bytes[persist], 1)[:, None, :]
+    queued = queued_bytes(
+        profile,
+        persist,
+        [room, np.minimum(room, fwd_next_count)],
+        [room, np.minimum(room, bwd_prev_count)],
+    )
+    (fwd_window, fwd_prefetch), (bwd_window, bwd_prefetch) = queued
+    fwd_exposed = (fwd_next_bytes - fwd_prefetch).astype(float) / h2d
+    bwd_exposed = (bwd_prev_bytes - bwd_prefetch).astype(float) / h2d
+    fwd_prefetch, bwd_prefetch = fwd_prefetch.astype(float), bwd_prefetch.astype(float)
     grads_out = _shift(tables.grad_d2h_bytes[persist], -1).astype(float)[:, None, :]
     gpu_optim = tables.persist_numel[persist] / hw.gpu_optim_params_per_s
     first_gather = tables.fwd_gather_bytes[persist, 0] / h2d
@@ -273,11 +282,15 @@ def _search_layout(
     tail = tables.grad_d2h_bytes[persist, 0] / d2h
     start = np.maximum(gpu_optim, first_gather)
 
-    # Memory terms: static bytes per (P, D); grads live in the backward per (P, U).
+    # Memory terms per (P, D, U): chunks on the device (live + prefetched) and, in the backward,
+    # the live grads; the static bytes per P.
+    live = tables.resident_bytes[persist][:, None, :]
     grads = tables.offload_grad_bytes[persist]
     if not profile.grad_accumulation:
         grads = grads + tables.persist_grad_bytes[persist]
-    static_pd = static[persist][:, None] + buffers * profile.chunk_size
+    fwd_chunks = live + fwd_window
+    bwd_chunks = live + bwd_window + grads[:, None, :]
+    static_p = static[persist][None, :, None]
 
     best = None
     unit_index = np.arange(n_units)
@@ -302,16 +315,26 @@ def _search_layout(
         recompute = extra_before[..., n_swap + 1 + checkpoints] - extra_before[..., [n_swap + 1]]
         step = (t_fwd + t_bwd)[None] + np.moveaxis(recompute, -1, 0) + profile.other_s
 
-        # Peak memory, shape (K, P, D): activation events for every n_checkpoint at once.
-        saved = np.tile(np.where(swapped, 0, keep), (checkpoints.size, 1))
-        in_ckpt = (unit_index > n_swap) & (unit_index <= n_swap + checkpoints[:, None])
-        saved = np.where(in_ckpt, ckpt, saved)
-        saved_before = np.cumsum(saved, axis=1) - saved
-        base_events = saved_before + _shift(np.where(swapped, keep, 0), 1) + keep
-        fwd_peak = (base_events + fwd_transient).max(axis=1)
-        bwd_peak = ((base_events + bwd_transient)[:, None, :] + grads[None]).max(axis=2)
-        dynamic = np.maximum(fwd_peak[:, None], bwd_peak)
-        allocated = static_pd[None] + dynamic[:, :, None]
+        # Peak memory, shape (K, P, D), for every n_checkpoint at once without a K x P x D x U
+        # array: with k checkpoints, units u <= n_swap + k + 1 see every non-swapped block before
+        # them checkpointed, and later units see the keep-all events minus the constant saving
+        # C_k of the k checkpoints (``cost.activation_events``): a prefix max and a suffix max.
+        kept = np.where(swapped, 0, keep)
+        blocks = (unit_index > n_swap) & (unit_index <= n_blocks)
+        all_ckpt = np.where(blocks, ckpt, kept)
+        current = _shift(np.where(swapped, keep, 0), 1) + keep
+        events_ckpt = np.cumsum(all_ckpt) - all_ckpt + current
+        events_keep = np.cumsum(kept) - kept + current
+        bound = n_swap + 1 + checkpoints
+        saving = np.cumsum(keep - ckpt)
+        saving = saving[bound - 1] - saving[n_swap]
+        fwd_peak = _split_max(
+            events_ckpt + fwd_transient, events_keep + fwd_transient, fwd_chunks, bound, saving
+        )
+        bwd_peak = _split_max(
+            events_ckpt + bwd_transient, events_keep + bwd_transient, bwd_chunks, bound, saving
+        )
+        allocated = static_p + np.maximum(fwd_peak, bwd_peak)
         peak = hw.cuda_context_bytes + np.ceil(frag * allocated.astype(float)).astype(np.int64)
 
         ok = np.broadcast_to(valid[None], peak.shape)
@@ -336,6 +359,27 @@ def _search_layout(
                 )
             )
     return best
+
+
+def _split_max(
+    events_before: np.ndarray,
+    events_after: np.ndarray,
+    chunks: np.ndarray,
+    bound: np.ndarray,
+    saving: np.ndarray,
+) -> np.ndarray:
+    """max(max_{u <= b_k} (events_before[u] + chunks[p,d,u]),
+           max_{u > b_k} (events_after[u] + chunks[p,d,u]) - saving[k]), shape (K, P, D).
+
+    Running maxima are taken from the smallest ``b_k`` on only (the rest is one max)."""
+    low = int(bound.min())
+    head = (events_before[:low] + chunks[..., :low]).max(axis=-1, initial=_NONE)
+    before = np.maximum.accumulate(events_before[low:] + chunks[..., low:], axis=-1)
+    after = np.maximum.accumulate((events_after[low:] + chunks[..., low:])[..., ::-1], axis=-1)
+    after = np.concatenate([after[..., ::-1], np.full((*after.shape[:-1], 1), _NONE)], axis=-1)
+    at = bound - low
+    best = np.maximum(np.maximum(head[..., None], before[..., at]), after[..., at + 1] - saving)
+    return np.moveaxis(best, -1, 0)
 
 
 def _values(fixed: dict[str, int], name: str, high: int) -> np.ndarray:
@@ -368,13 +412,6 @@ def _shift(values: np.ndarray, by: int) -> np.ndarray:
     else:
         out[..., by:] = values[..., :-by]
     return out
-
-
-def _share(count: np.ndarray, free: np.ndarray) -> np.ndarray:
-    """Vectorised ``cost._prefetch_share``."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.clip(free / count, 0.0, 1.0)
-    return np.where(count == 0, 1.0, share)
 
 
 def _transfer(h2d_bytes, d2h_bytes, h2d: float, d2h: float, duplex: float) -> np.ndarray:

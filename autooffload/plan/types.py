@@ -74,8 +74,13 @@ class Plan:
             )
         if self.predicted_peak_bytes is not None:
             budget = "unbounded" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.2f}"
+            streamed = self.breakdown.get("mem_buffers_max")
+            in_flight = (
+                f" (streamed chunks: up to {streamed / GiB:.2f} GiB at once)" if streamed else ""
+            )
             lines.append(
                 f"  predicted peak {self.predicted_peak_bytes / GiB:.2f} GiB vs budget {budget} GiB"
+                + in_flight
             )
         if self.predicted_step_s is not None:
             lines.append(

@@ -83,8 +83,12 @@ def initial_plan(runtime: Runtime, settings: Settings) -> Plan:
         n_persist = 0
         source = "profiling step"
     persistent_bytes = sum(persistent_cost(c.nbytes, c.trainable_bytes) for c in chunks[:n_persist])
-    n_off = n_chunks - n_persist
-    streamed = min(n_buffer, n_off) * max((c.nbytes for c in chunks[n_persist:]), default=0)
+    # Streamed chunks take their own size on the device (an oversized embedding's chunk beside
+    # small ones), about n_buffer consecutive ones at a time.
+    streamed_sizes = [c.nbytes for c in chunks[n_persist:]]
+    streamed = max(
+        (sum(streamed_sizes[i : i + n_buffer]) for i in range(len(streamed_sizes))), default=0
+    )
     return Plan(
         chunk_size=chunk_size,
         n_chunks=n_chunks,

@@ -340,7 +340,10 @@ class Runtime:
         except ValueError:
             return
         for next_group in order[start:]:
-            for index in self.layout.chunks_of_group[next_group]:
+            chunks = self.layout.chunks_of_group[next_group]
+            # Backward takes a group's chunks last-first, the order the planner models
+            # (plan/residency.prefetch_queue) when a buffer limit cuts a group's chunks.
+            for index in chunks if forward else reversed(chunks):
                 if (
                     self.manager.state[index] == Residency.HOST
                     and index not in self.manager.persistent

@@ -17,7 +17,8 @@ MiB = 1 << 20
 def layout_chunks(
     tensors_per_unit: list[list[tuple[int, bool]]], chunk_size: int
 ) -> tuple[ChunkProfile, ...]:
-    """Pack (bytes, trainable) tensors into chunks in execution order, as the runtime does."""
+    """Pack (bytes, trainable) tensors into chunks in execution order, as the runtime does (a
+    tensor larger than ``chunk_size`` alone in a chunk of its size)."""
     chunks: list[dict] = []
     for unit, tensors in enumerate(tensors_per_unit):
         for size, trainable in tensors:
@@ -46,10 +47,13 @@ def make_profile(
     lora: bool = False,
     tied: bool = False,
     fwd_s: float = 0.02,
+    edge_bytes: int | None = None,
 ) -> ModelProfile:
     """A decoder-like model: embeddings, ``n_blocks`` equal blocks, head; bf16 weights.
 
     With ``seed`` the per-block times and sizes vary randomly (for brute-force comparisons).
+    ``edge_bytes``: the embedding's and the head's size (default two block tensors); above
+    ``chunk_size`` each gets a chunk of its own, as an unquantized vocabulary beside nf4 blocks.
     """
     rng = random.Random(seed)
 
@@ -57,10 +61,11 @@ def make_profile(
         return value * (rng.uniform(0.5, 1.5) if seed is not None else 1.0)
 
     tensor = block_param_bytes // tensors_per_block
-    tensors: list[list[tuple[int, bool]]] = [[(2 * tensor, not lora)]]
+    edge = edge_bytes if edge_bytes is not None else 2 * tensor
+    tensors: list[list[tuple[int, bool]]] = [[(edge, not lora)]]
     for _ in range(n_blocks):
         tensors.append([(int(jitter(tensor)), not lora) for _ in range(tensors_per_block)])
-    tensors.append([] if tied else [(2 * tensor, not lora)])
+    tensors.append([] if tied else [(edge, not lora)])
     chunks = layout_chunks(tensors, chunk_size)
     if tied:
         first = chunks[0]

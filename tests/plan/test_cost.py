@@ -15,7 +15,10 @@ from autooffload.plan.cost import (
     peak_breakdown,
     predict_peak_bytes,
     predict_step_time,
+    prefetch_queue,
+    prefetched_bytes,
 )
+from autooffload.plan.profile_types import ChunkProfile, ModelProfile, UnitProfile
 from autooffload.plan.types import Knobs
 
 
@@ -59,7 +62,9 @@ def test_more_buffers_cost_memory_and_never_slow_down(profile):
         for b in range(low, low + 5)
     ]
     peaks, times = zip(*results)
-    assert list(peaks) == sorted(peaks) and peaks[-1] - peaks[0] >= 4 * profile.chunk_size
+    # Each buffer holds one more chunk at its real size (48 MiB here, under the 64 MiB chunk_size).
+    smallest = min(c.bytes for c in profile.chunks)
+    assert list(peaks) == sorted(peaks) and peaks[-1] - peaks[0] >= 4 * smallest
     assert list(times) == sorted(times, reverse=True) and times[0] > times[-1]
 
 
@@ -190,10 +195,70 @@ def test_frozen_chunks_are_gathered_but_send_no_grads(hw):
     assert predict_peak_bytes(lora, hw, knobs) < predict_peak_bytes(full, hw, knobs)
 
 
-def test_tied_embeddings_are_gathered_again_for_the_head(hw):
+def test_a_tied_embedding_stays_on_the_device_from_the_embedding_to_the_head(hw):
+    # The runtime releases a chunk only when no later group needs it: the head's use keeps the
+    # tied embedding (chunk 0) on the device through every block, and it is gathered once per
+    # pass, not again for the head.
     tied = make_profile(tied=True)
     tables = chunk_tables(tied)
     head = tied.n_units - 1
-    assert tables.fwd_gather_count[0, head] >= 1  # chunk 0 comes back for the head
-    assert tables.fwd_gather_count[1, head] == 0  # unless it is persistent
+    embedding = tied.chunks[0].bytes
+    assert tables.fwd_gather_count[0, 0] == 1 and tables.fwd_gather_count[0, head] == 0
+    assert tables.bwd_gather_count[0, head] == 1 and tables.bwd_gather_count[0, 0] == 0
+    held = tables.resident_bytes[0] - tables.resident_bytes[1]
+    assert (held == embedding).all()
+    assert tables.fwd_gather_count[1].sum() == tables.fwd_gather_count[0].sum() - 1
     assert predict_peak_bytes(tied, hw, _knobs(tied, n_persist=0)) > 0
+
+
+def _oversized_edges_profile() -> ModelProfile:
+    """By hand: a frozen 400 MiB embedding, four 100 MiB blocks, a 400 MiB head, one chunk each
+    (chunk_size 128 MiB); every unit keeps 10 MiB of activations; no transients, no static
+    bytes, no context, fragmentation 1 — so the peak is chunks plus activations, exactly."""
+    sizes = [400, 100, 100, 100, 100, 400]
+    chunks = tuple(ChunkProfile(bytes=mb * MiB, units=(u,)) for u, mb in enumerate(sizes))
+    unit = UnitProfile(fwd_s=0.01, bwd_s=0.02, act_bytes_keep=10 * MiB, act_bytes_checkpoint=MiB)
+    profile = ModelProfile(
+        chunk_size=128 * MiB, chunks=chunks, blocks=(unit,) * 4, pre=unit, post=unit
+    )
+    profile.validate()
+    return profile.with_fragmentation(1.0)
+
+
+def test_an_oversized_chunk_is_counted_once_in_flight_beside_small_buffers():
+    profile = _oversized_edges_profile()
+    hw = make_hardware(cuda_context_bytes=0)
+    # Everything streamed, two buffers: a unit's own chunk plus the next one prefetched.
+    #   forward  u0..u5: 400+100, 100+100, 100+100, 100+100, 100+400, 400      (chunks, MiB)
+    #   backward u5..u0: 400+100, 100+100, 100+100, 100+100, 100+400, 400
+    #   activations at u: 10 * (u + 1) MiB, so the largest sum is u5 in backward: 500 + 60.
+    memory = peak_breakdown(profile, hw, Knobs(n_persist=0, n_buffer=2))
+    assert memory["peak"] == 560 * MiB
+    assert memory["buffers"] == 500 * MiB and memory["buffers_max"] == 500 * MiB
+    assert memory["peak_in_backward"] == 1.0 and memory["peak_unit"] == 5
+    # Two buffers each as large as the largest chunk would have been 2 x 400 + 60 = 860 MiB.
+    assert memory["peak"] < 2 * 400 * MiB + 60 * MiB
+    # The embedding kept on the device: 400 MiB static, and two small blocks prefetched at u0.
+    persistent = peak_breakdown(profile, hw, Knobs(n_persist=1, n_buffer=2))
+    assert persistent["persistent_weights"] == 400 * MiB
+    assert persistent["peak"] == 400 * MiB + 560 * MiB
+    # Each gather copies the chunk's own bytes: 1200 MiB each way.
+    _, breakdown, _ = predict_step_time(profile, hw, Knobs(0, 2))
+    assert breakdown["h2d_bytes"] == 2 * 1200 * MiB
+
+
+def test_prefetch_takes_the_next_chunks_in_order_at_their_own_size():
+    # The head unit needs a 1 MiB norm chunk and a 400 MiB head chunk; with room for one while
+    # the last block runs, the norm is prefetched and the head's whole copy waits after it.
+    sizes, units = [100, 100, 1, 400], [(0,), (1,), (2,), (2,)]
+    chunks = tuple(ChunkProfile(bytes=mb * MiB, units=u) for mb, u in zip(sizes, units))
+    unit = UnitProfile(fwd_s=1.0, bwd_s=2.0, act_bytes_keep=MiB)
+    profile = ModelProfile(chunk_size=128 * MiB, chunks=chunks, blocks=(unit,), pre=unit, post=unit)
+    assert prefetched_bytes(profile, 0, 1, room=1, forward=True) == MiB
+    assert prefetched_bytes(profile, 0, 1, room=2, forward=True) == 401 * MiB
+    # Backward from the head: block 0's chunk comes first, then the embedding's.
+    assert prefetch_queue(profile, 0, 2, forward=False) == [1, 0]
+    hw = make_hardware(h2d_bps=1e9, duplex_bps=1.5e9)
+    one_free = predict_step_time(profile, hw, Knobs(0, 2))[1]["fwd_s"]
+    two_free = predict_step_time(profile, hw, Knobs(0, 3))[1]["fwd_s"]
+    assert one_free - two_free == pytest.approx(400 * MiB / 1e9, rel=1e-9)

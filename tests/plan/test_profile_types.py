@@ -39,7 +39,6 @@ def test_units_count_pre_blocks_post():
         (ChunkProfile(1, units=()), "no units"),
         (ChunkProfile(1, units=(3, 2)), "ascending"),
         (ChunkProfile(1, units=(99,)), "out of range"),
-        (ChunkProfile(1 << 40, units=(1,)), "exceeds chunk_size"),
         (ChunkProfile(-1, units=(1,)), "negative"),
     ],
 )
@@ -48,3 +47,11 @@ def test_validate_rejects_inconsistent_chunks(chunk, match):
     broken = replace(profile, chunks=(*profile.chunks, chunk))
     with pytest.raises(PlanError, match=match):
         broken.validate()
+
+
+def test_a_chunk_larger_than_chunk_size_is_valid():
+    # A parameter bigger than chunk_size (a bf16 embedding beside nf4 blocks) has a chunk of its
+    # own size; the profile keeps the layout's chunk_size, not the largest chunk.
+    profile = make_profile()
+    oversized = ChunkProfile(4 * profile.chunk_size, units=(0,))
+    replace(profile, chunks=(oversized, *profile.chunks)).validate()

@@ -5,13 +5,15 @@ from __future__ import annotations
 import itertools
 import re
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from plan_profiles import MiB, make_hardware, make_profile
+from plan_profiles import MiB, layout_chunks, make_hardware, make_profile
 
 from autooffload.errors import PlanError
 from autooffload.plan.cost import chunk_tables, predict_peak_bytes, predict_step_time
+from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import SearchRequest, search, search_all
 from autooffload.plan.types import Knobs
 
@@ -67,7 +69,14 @@ def _budgets(profiles, hw):
 
 @pytest.mark.parametrize(
     "seed, kwargs",
-    [(0, {}), (1, {"lora": True}), (2, {"tied": True}), (3, {"fwd_s": 0.002})],
+    [
+        (0, {}),
+        (1, {"lora": True}),
+        (2, {"tied": True}),
+        (3, {"fwd_s": 0.002}),
+        (11, {"edge_bytes": 3 * SMALL["chunk_size"], "lora": True}),
+        (12, {"edge_bytes": 3 * SMALL["chunk_size"], "tied": True}),
+    ],
 )
 def test_search_returns_the_brute_force_optimum(seed, kwargs):
     hw = make_hardware(h2d_bps=12e9, d2h_bps=12e9, duplex_bps=20e9)  # tight enough to trade off
@@ -82,9 +91,12 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         assert plan.source == "search" and plan.budget_bytes == budget
 
 
-def test_vectorised_rows_equal_the_scalar_model():
+@pytest.mark.parametrize(
+    "kwargs", [{"tied": True}, {"edge_bytes": 3 * SMALL["chunk_size"]}], ids=["tied", "oversized"]
+)
+def test_vectorised_rows_equal_the_scalar_model(kwargs):
     hw = make_hardware(h2d_bps=8e9, d2h_bps=10e9, duplex_bps=14e9, cpu_optim_params_per_s=2e9)
-    profiles = _profiles(7, tied=True)
+    profiles = _profiles(7, **kwargs)
     profile = profiles[SMALL["chunk_size"]]
     found = search_all(profiles, hw, None)
     assert len(found) > 100
@@ -249,3 +261,33 @@ def test_eighty_layers_three_hundred_chunks_search_is_fast_and_sound():
     print(f"unbounded search took {time.perf_counter() - started:.2f} s")
     everything_on_gpu = Knobs(profile.n_chunks, 1)
     assert unbounded.predicted_step_s <= predict_step_time(profile, hw, everything_on_gpu)[0]
+
+
+def _qlora_shaped(chunk_size: int) -> ModelProfile:
+    """Llama-3-8B QLoRA shrunk: a frozen bf16 embedding and head ten times a block's size (1.05 GB
+    vs ~110 MB of nf4), eight frozen 32 MiB blocks, a tiny final norm before the head; the
+    adapters are resident (static bytes); activations as with a chunked loss."""
+    base = make_profile(n_blocks=8, lora=True).with_batch_scaled(0.125)
+    block = [(8 * MiB, False)] * 4
+    tensors = [[(320 * MiB, False)], *[block] * 8, [(MiB // 16, False), (320 * MiB, False)]]
+    return replace(base, chunk_size=chunk_size, chunks=layout_chunks(tensors, chunk_size))
+
+
+def test_an_oversized_frozen_embedding_no_longer_forces_big_chunks_under_a_tight_budget():
+    hw = make_hardware()
+    small, big = _qlora_shaped(32 * MiB), _qlora_shaped(320 * MiB)
+    assert [c.bytes for c in small.chunks[:2]] == [320 * MiB, 32 * MiB]
+    budget = 1000 * MiB
+    plan = search({32 * MiB: small, 320 * MiB: big}, hw, budget)
+    assert plan.chunk_size == 32 * MiB and plan.predicted_peak_bytes <= budget
+    # One oversized chunk in flight at a time beside small ones, not two embedding-sized buffers.
+    assert plan.breakdown["mem_buffers_max"] < 2 * 320 * MiB
+    with pytest.raises(PlanError, match="no configuration fits"):
+        search({320 * MiB: big}, hw, budget)
+    # The old model gave every buffer the largest chunk's size: at least min_buffers of them.
+    tables = chunk_tables(small)
+    old = tables.persist_bytes + small.static_bytes + tables.min_buffers * 320 * MiB
+    assert hw.cuda_context_bytes + small.fragmentation_factor * old.min() > budget
+    # With room for it, the search keeps the embedding on the device (no 320 MiB copy per pass).
+    roomy = search({32 * MiB: small}, hw, 1300 * MiB)
+    assert roomy.n_persist >= 1 and roomy.predicted_step_s < plan.predicted_step_s

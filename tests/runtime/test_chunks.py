@@ -112,3 +112,25 @@ def test_companions_share_their_params_chunk_and_count_their_bytes():
     assert [s.offset for s in second.slots] == [0, ALIGN]
     assert second.nbytes == ALIGN + 64
     assert second.trainable_slots == []
+
+
+def test_an_oversized_embedding_and_head_do_not_set_the_size_of_other_chunks(make_llama):
+    # Llama-3-8B QLoRA in small: a bf16 vocabulary far above the nf4 blocks' chunk size. The
+    # embedding and the untied head each get a chunk of exactly their size; everything else,
+    # including the params right after them, is packed into chunks of at most chunk_size.
+    model = make_llama(tied=False)
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    groups = [(0, list(model.model.embed_tokens.named_parameters()))]
+    groups += [
+        (1 + i, list(layer.named_parameters())) for i, layer in enumerate(model.model.layers)
+    ]
+    groups += [(10, list(model.model.norm.named_parameters()))]
+    groups += [(11, list(model.lm_head.named_parameters()))]
+    chunk_size = aligned_bytes([embed]) // 2
+    layout = build_layout(groups, chunk_size=chunk_size)
+    first, last = layout.chunks[0], layout.chunks[-1]
+    assert [s.param for s in first.slots] == [embed] and first.nbytes == aligned_bytes([embed])
+    assert [s.param for s in last.slots] == [head] and last.nbytes == aligned_bytes([head])
+    assert all(c.nbytes <= chunk_size for c in layout.chunks[1:-1])
+    assert layout.chunk_size == chunk_size and layout.chunks_of_group[0] == [0]
+    assert layout.total_bytes == aligned_bytes(list(model.parameters()))

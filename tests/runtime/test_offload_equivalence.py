@@ -463,3 +463,40 @@ def test_inference_after_training_uses_the_trained_weights(make_llama, make_batc
         before = base.eval()(input_ids=ids).logits
     assert (logits[0] - before).abs().max() > 1e-2, "training did not change the logits"
     torch.testing.assert_close(logits[1], logits[0], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("n_buffer", [None, 6], ids=["searched", "six"])
+def test_an_embedding_larger_than_the_chunk_size_trains_like_plain(
+    make_llama, make_batches, offload_cpu, n_buffer
+):
+    """The untied embedding and head (16 KiB each) exceed a 10 KB chunk size: each streams in a
+    chunk of its own size while the blocks keep small chunks, under the searched plan; the
+    chunk bytes the runtime holds at once stay within what the cost model predicted."""
+    chunk_size = 10_000
+    base = make_llama(tied=False)
+    data = make_batches(STEPS)
+    plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu)
+    model = copy.deepcopy(base)
+    offload_cpu(chunk_size=chunk_size, n_persist=0, n_buffer=n_buffer)
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    chunks, slot_of = runtime.layout.chunks, runtime.layout.slot_of()
+    oversized = [slot_of[id(w)][0] for w in (model.model.embed_tokens.weight, model.lm_head.weight)]
+    assert [len(c.slots) for c in oversized] == [1, 1]
+    assert all(c.nbytes > chunk_size for c in oversized)
+    assert all(c.nbytes <= chunk_size for c in chunks if c not in oversized)
+    manager, held = runtime.manager, []
+    copy_in = manager._start_copy_in
+
+    def counting_copy_in(index: int) -> None:
+        copy_in(index)
+        held.append((runtime.plan.source, manager.resident_bytes()))
+
+    manager._start_copy_in = counting_copy_in
+    offloaded = train(model, data, attach=None, offload_cpu=offload_cpu)
+    plan = runtime.plan
+    assert plan.source == "user+search" and plan.chunk_size == chunk_size
+    in_flight = max(nbytes for source, nbytes in held if source == plan.source)
+    assert in_flight <= plan.breakdown["mem_buffers_max"]
+    assert in_flight < plan.n_buffer * max(c.nbytes for c in chunks)
+    assert_same_training(plain, offloaded)
