@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from autooffload.atomic import atomic_write
-
 if TYPE_CHECKING:
     from autooffload.plan.search import Candidates
     from autooffload.plan.types import Plan
@@ -161,16 +159,9 @@ def plot_frontier(
         _plot_workload(ax, workload, by_cap, [r for r in rows if r["workload"] == workload])
     for ax in list(axes.flat)[len(sweeps) :]:
         ax.set_visible(False)
-    if title:
-        import textwrap
+    from autooffload.bench.report import save_figure
 
-        fig.suptitle("\n".join(textwrap.wrap(title, 140, max_lines=3)), fontsize=8)
-    fig.tight_layout()
-    try:
-        with atomic_write(path, "wb") as file:
-            fig.savefig(file, format="png", dpi=110)
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, title, 140)
     return True
 
 

@@ -361,16 +361,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
         ax.set_title(f"{workload}" + (f" (cap {caps[0]})" if len(caps) == 1 else ""))
         ax.set_ylabel("tokens/s (median)")
         ax.grid(alpha=0.3)
-    if title:
-        import textwrap
-
-        fig.suptitle("\n".join(textwrap.wrap(title, 110, max_lines=3)), fontsize=8)
-    fig.tight_layout()
-    try:
-        with atomic_write(path, "wb") as file:
-            fig.savefig(file, format="png", dpi=110)
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, title, 110)
 
 
 def _cap_x(caps: list[str]) -> dict[str, float]:
@@ -425,3 +416,20 @@ def _plot_bars(ax: Any, rows: list[dict[str, Any]]) -> None:
         )
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+
+
+def save_figure(fig: Any, path: Path, title: str, title_width: int) -> None:
+    """Title ``fig`` with the command (wrapped to three lines), write it as a PNG atomically,
+    close it."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        import textwrap
+
+        fig.suptitle("\n".join(textwrap.wrap(title, title_width, max_lines=3)), fontsize=8)
+    fig.tight_layout()
+    try:
+        with atomic_write(path, "wb") as file:
+            fig.savefig(file, format="png", dpi=110)
+    finally:
+        plt.close(fig)

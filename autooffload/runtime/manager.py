@@ -198,62 +198,40 @@ class ChunkManager:
         return self.sharding is not None and self.sharding.applies(index, self.persistent)
 
     def _start_copy_in(self, index: int) -> None:
-        if self.is_sharded(index):
-            self._start_broadcast_in(index)
-            return
+        """Start filling chunk ``index``'s device storage on the H2D stream. A sharded chunk
+        (``runtime/sharding.py``) is copied in by its owner alone, then broadcast to the rest."""
         chunk = self.chunks[index]
         flat = self.gpu_flat[index]
-        host = self.host.view(index)
-        self._wait(self.host_busy, index)
-        if self.is_cuda:
-            with torch.cuda.stream(self.h2d_stream):
-                flat.untyped_storage().resize_(chunk.nbytes)
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(self.h2d_stream)
-                flat.copy_(host, non_blocking=True)
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(self.h2d_stream)
-            self._timed.append(("h2d_s", start, event))
-            self.ready_events[index] = event
-        else:
-            flat.untyped_storage().resize_(chunk.nbytes)
-            flat.copy_(host)
-        self.state[index] = Residency.IN_FLIGHT
-        self.stats["h2d_bytes"] += chunk.nbytes
-        self.stats["gathers"] += 1
-
-    def _start_broadcast_in(self, index: int) -> None:
-        """``_start_copy_in`` of a sharded chunk: its owner copies it in from the host store
-        and broadcasts the device bytes; the other ranks receive them."""
-        assert self.sharding is not None
-        chunk = self.chunks[index]
-        flat = self.gpu_flat[index]
-        owner = self.sharding.owns(index)
-        if owner:
+        sharded = self.is_sharded(index)
+        local = not sharded or self.sharding.owns(index)  # type: ignore[union-attr]
+        if local:
             self._wait(self.host_busy, index)
         if self.is_cuda:
             with torch.cuda.stream(self.h2d_stream):
                 flat.untyped_storage().resize_(chunk.nbytes)
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self.h2d_stream)
-                if owner:
+                if local:
                     flat.copy_(self.host.view(index), non_blocking=True)
-                # The collective waits for the copy queued on this stream; this stream (and
-                # through the event, compute) waits for the collective.
-                self.sharding.broadcast(flat, index).wait()
+                if sharded:
+                    # The collective waits for the copy queued on this stream; this stream (and
+                    # through the event, compute) waits for the collective.
+                    self.sharding.broadcast(flat, index).wait()  # type: ignore[union-attr]
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(self.h2d_stream)
             self._timed.append(("h2d_s", start, event))
             self.ready_events[index] = event
         else:
             flat.untyped_storage().resize_(chunk.nbytes)
-            if owner:
+            if local:
                 flat.copy_(self.host.view(index))
-            self.sharding.broadcast(flat, index).wait()
+            if sharded:
+                self.sharding.broadcast(flat, index).wait()  # type: ignore[union-attr]
         self.state[index] = Residency.IN_FLIGHT
-        if owner:
+        if local:
             self.stats["h2d_bytes"] += chunk.nbytes
-        self.stats["broadcast_bytes"] += chunk.nbytes
+        if sharded:
+            self.stats["broadcast_bytes"] += chunk.nbytes
         self.stats["gathers"] += 1
 
     def gather(self, index: int) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "plan"))
-from plan_profiles import make_profile  # noqa: E402
+from plan_profiles import make_hardware, make_profile  # noqa: E402
 
 from autooffload.plan.cost import predict_step_time  # noqa: E402
 from autooffload.plan.profile_types import HardwareProfile  # noqa: E402
@@ -35,17 +35,7 @@ def sharding(rank: int, world: int, trainable: list[bool]) -> Sharding:
 
 
 def hardware() -> HardwareProfile:
-    return HardwareProfile(
-        h2d_bps=50e9,
-        d2h_bps=50e9,
-        duplex_bps=90e9,
-        cpu_optim_params_per_s=2e9,
-        gpu_optim_params_per_s=1e12,
-        gpu_free_bytes=80 << 30,
-        gpu_total_bytes=80 << 30,
-        cuda_context_bytes=0,
-        device_name="test",
-    )
+    return make_hardware(h2d_bps=50e9, d2h_bps=50e9, duplex_bps=90e9, cpu_optim_params_per_s=2e9)
 
 
 def test_chunks_are_owned_round_robin_and_only_offloaded_trainable_ones_are_sharded():
