@@ -10,6 +10,7 @@ import torch
 from autooffload.errors import PlanError
 from autooffload.log import logger
 from autooffload.plan.hardware import measure_hardware
+from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
@@ -264,3 +265,44 @@ def hardware_profile(runtime: Runtime) -> HardwareProfile:
         optimizer_cls=cls,
         pinned=runtime.manager.host.pinned or not runtime.manager.is_cuda,
     )
+
+
+def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> ModelProfile | None:
+    """At an optimizer step of the conservative profiling phase: after the first (which pays
+    one-time costs) the second is measured; after the second, its measurements become the
+    model's profile, returned (None at every other step)."""
+    profiler = runtime.profiler if isinstance(runtime.profiler, StepProfiler) else None
+    if profiler is None or not runtime._backwards_this_step:
+        return None
+    if not profiler.warm:
+        runtime.profiler = StepProfiler(runtime, warm=True)
+        return None
+    # Probe before the CPU update starts: it would compete for the host cores that launch the
+    # probe's kernels and inflate the measured block times.
+    runtime.profiler = None
+    runtime.cpu_optim.wait()
+    return profiler.build(
+        optim_bytes_per_param=optim_state_bytes(optimizer, runtime.weight_dtype()),
+        grad_accumulation=runtime._backwards_this_step > 1,
+    )
+
+
+def switch_to_searched_plan(
+    runtime: Runtime, profile: ModelProfile, cpu_rate: float | None
+) -> None:
+    """Profiling step done: search the plan for the measured profile (rank 0's under data
+    parallelism), switch to it, log it once (print it and exit under ``--print-plan``)."""
+    request = search_request(runtime, profile, cpu_rate)
+    plan = replace(request.plan(), chunk_size=runtime.layout.chunk_size)
+    if runtime.data_parallel is not None:
+        plan = runtime.data_parallel.agree(plan)
+    runtime.profile = profile
+    runtime.search_request = request
+    runtime.apply_plan(plan)
+    from autooffload import runtime as rt
+
+    rt._last_plan[:] = [plan]
+    logger.info("%s", plan.summary())
+    if runtime.settings.print_plan:
+        print(plan.summary(), flush=True)  # noqa: T201 - the launcher's --print-plan
+        raise SystemExit(0)

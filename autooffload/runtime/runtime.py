@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -35,8 +34,8 @@ from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
     check_host_memory,
     initial_plan,
-    optim_state_bytes,
-    search_request,
+    profile_after_step,
+    switch_to_searched_plan,
 )
 from autooffload.runtime.quantized import QuantizedParams
 from autooffload.runtime.sharding import Sharding, refresh_hosts
@@ -437,20 +436,7 @@ class Runtime:
     def after_step(self, optimizer: torch.optim.Optimizer, apply_update: bool = True) -> None:
         """The user's optimizer stepped the GPU params; queue the CPU update of the rest
         (none when ``apply_update`` is False: a step skipped for non-finite gradients)."""
-        profiler = self.profiler if isinstance(self.profiler, StepProfiler) else None
-        profile = None
-        if profiler is not None and self._backwards_this_step and not profiler.warm:
-            # The first step pays one-time costs; the second, still conservative, is measured.
-            self.profiler = StepProfiler(self, warm=True)
-        elif profiler is not None and self._backwards_this_step:
-            # Probe before the CPU update starts: it would compete for the host cores that
-            # launch the probe's kernels and inflate the measured block times.
-            self.profiler = None
-            self.cpu_optim.wait()
-            profile = profiler.build(
-                optim_bytes_per_param=optim_state_bytes(optimizer, self.weight_dtype()),
-                grad_accumulation=self._backwards_this_step > 1,
-            )
+        profile = profile_after_step(self, optimizer)
         measured_rate = None
         if apply_update and any(o is optimizer for o in self.cpu_optim.optimizers):
             if profile is not None:
@@ -475,21 +461,7 @@ class Runtime:
         self._backwards_this_step = 0
 
     def _switch_to_searched_plan(self, profile: ModelProfile, cpu_rate: float | None) -> None:
-        """Profiling step done: search the plan for the measured profile, switch, log it once."""
-        request = search_request(self, profile, cpu_rate)
-        plan = replace(request.plan(), chunk_size=self.layout.chunk_size)
-        if self.data_parallel is not None:
-            plan = self.data_parallel.agree(plan)
-        self.profile = profile
-        self.search_request = request
-        self.apply_plan(plan)
-        from autooffload import runtime as rt
-
-        rt._last_plan[:] = [plan]
-        logger.info("%s", plan.summary())
-        if self.settings.print_plan:
-            print(plan.summary(), flush=True)  # noqa: T201 - the launcher's --print-plan
-            raise SystemExit(0)
+        switch_to_searched_plan(self, profile, cpu_rate)
 
     @property
     def steps_taken(self) -> int:
