@@ -185,14 +185,17 @@ class DataParallel:
                 self.reduced_bytes += flat.numel() * flat.element_size()
         return Reduction(works, flats, views)  # type: ignore[arg-type]
 
+    def average_op(self, tensor: torch.Tensor) -> Any:
+        """The reduce op that leaves the mean over ranks, ``tensor`` prepared for it."""
+        if self.nccl and tensor.is_cuda:
+            return dist.ReduceOp.AVG
+        # gloo has no AVG: divide first (exact for power-of-two world sizes).
+        tensor.div_(self.world_size)
+        return dist.ReduceOp.SUM
+
     def _average(self, tensor: torch.Tensor) -> Any:
         """Start the in-place all-reduce that leaves the mean over ranks in ``tensor``."""
-        if self.nccl and tensor.is_cuda:
-            op = dist.ReduceOp.AVG
-        else:
-            # gloo has no AVG: divide first (exact for power-of-two world sizes).
-            tensor.div_(self.world_size)
-            op = dist.ReduceOp.SUM
+        op = self.average_op(tensor)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
 
     def reduce_in_place(self, grads: list[torch.Tensor], flatten: bool = False) -> None:
@@ -287,8 +290,7 @@ def no_sync(model: torch.nn.Module) -> Iterator[None]:
     """
     from autooffload import runtime as rt
 
-    runtimes = [r for m in model.modules() if (r := rt.runtime_of(m)) is not None]
-    reducers = [r.data_parallel for r in runtimes if r.data_parallel is not None]
+    reducers = [r.data_parallel for r in rt.runtimes_in(model) if r.data_parallel is not None]
     before = [r.sync for r in reducers]
     for reducer in reducers:
         reducer.sync = False

@@ -59,7 +59,6 @@ class Sharding:
         # Optimizer step counter of the last gather_states; its result, per optimizer id.
         self.consolidated_at: int | None = None
         self.consolidated: dict[int, dict[int, dict]] = {}
-        self.broadcast_bytes = 0
         # Measured at attach (Sharding.create); used by the planner's cost model.
         self.broadcast_bps = float("inf")
 
@@ -124,9 +123,6 @@ class Sharding:
         """Whether chunk ``index`` is sharded now (trainable and offloaded)."""
         return index in self.trainable and index not in persistent
 
-    def owned(self, indices: Sequence[int]) -> list[int]:
-        return [i for i in indices if i not in self.trainable or self.owns(i)]
-
     # ---- collectives --------------------------------------------------------------------------
 
     def _src(self, index: int) -> int:
@@ -134,17 +130,11 @@ class Sharding:
 
     def broadcast(self, tensor: torch.Tensor, index: int) -> Any:
         """Start sending the owner's ``tensor`` (chunk bytes) to the other ranks."""
-        self.broadcast_bytes += tensor.numel() * tensor.element_size()
         return dist.broadcast(tensor, src=self._src(index), group=self.dp.group, async_op=True)
 
     def reduce(self, flat: torch.Tensor, index: int) -> Any:
         """Start averaging ``flat`` (a chunk's gradients) into the owner's copy."""
-        if self.dp.nccl and flat.is_cuda:
-            op = dist.ReduceOp.AVG
-        else:
-            # gloo has no AVG: divide first, as DataParallel._average does.
-            flat.div_(self.world_size)
-            op = dist.ReduceOp.SUM
+        op = self.dp.average_op(flat)
         self.dp.reduced_bytes += flat.numel() * flat.element_size()
         return dist.reduce(flat, dst=self._src(index), op=op, group=self.dp.group, async_op=True)
 
