@@ -118,12 +118,8 @@ def consolidate(model: Any, to: int | None = 0) -> None:
     from autooffload import runtime as rt
     from autooffload.runtime.sharding import consolidate as _consolidate
 
-    seen = []
-    for module in model.modules():
-        runtime = rt.runtime_of(module)
-        if runtime is not None and all(r is not runtime for r in seen):
-            seen.append(runtime)
-            _consolidate(runtime, to)
+    for runtime in rt.runtimes_in(model):
+        _consolidate(runtime, to)
 
 
 def last_plan() -> Plan | None:

@@ -30,12 +30,8 @@ TARGETS = ("torch.nn.parallel.distributed",)
 def _runtimes(module: nn.Module) -> list[Any]:
     from autooffload import runtime as rt
 
-    found = []
-    for sub in module.modules():
-        runtime = rt.runtime_of(sub)
-        if runtime is not None and runtime.data_parallel is not None:
-            found.append(runtime)
-    return found
+    # Each once: sync_replica broadcasts the whole model per runtime.
+    return [r for r in rt.runtimes_in(module) if r.data_parallel is not None]
 
 
 def _init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -71,6 +71,17 @@ def runtimes() -> list[Runtime]:
     return list(_runtimes.values())
 
 
+def runtimes_in(model: nn.Module) -> list[Runtime]:
+    """Every runtime managing ``model``, a module inside it, or a model enclosing it; each once,
+    in attach order (the same on every rank, for code issuing collectives per runtime)."""
+    inside = {id(m) for m in model.modules()}
+    return [
+        r
+        for r in _runtimes.values()
+        if id(r.model) in inside or any(m is model for m in r.model.modules())
+    ]
+
+
 def detach(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
     """Detach one model; returns it as an ordinary module on ``device``."""
     runtime = _runtimes.pop(id(model), None)
