@@ -112,6 +112,20 @@ def train_local(model, optimizer, batches, device, rank, world) -> None:
         optimizer.zero_grad()
 
 
+def train_accumulating(model, no_sync, device, rank, world) -> None:
+    """Per global batch: two micro-batches of this rank's part, the first inside
+    ``no_sync()``, clipping at 0.5, one AdamW step (the ``averaged_clip`` reference)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for ids in global_batches(STEPS):
+        first, second = local_part(ids, rank, world).to(device).chunk(2)
+        with no_sync():
+            (model(input_ids=first, labels=first).loss / 2).backward()
+        (model(input_ids=second, labels=second).loss / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def case_dp(device, dtype, rank, world, **overrides):
     """Plain loop under torchrun: the attached replicas average gradients themselves (and, by
     default, each rank keeps and updates the CPU optimizer state of its own chunks)."""
@@ -155,15 +169,7 @@ def case_ddp(device, dtype, rank, world):
     kwargs = {"device_ids": [torch.cuda.current_device()]} if device == "cuda" else {}
     ddp = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
     assert ddp.module is model
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
-    for ids in global_batches(STEPS):
-        first, second = local_part(ids, rank, world).to(device).chunk(2)
-        with ddp.no_sync():
-            (ddp(input_ids=first, labels=first).loss / 2).backward()
-        (ddp(input_ids=second, labels=second).loss / 2).backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
-        optimizer.step()
-        optimizer.zero_grad()
+    train_accumulating(ddp, ddp.no_sync, device, rank, world)
     result = weights(model)
     autooffload.disable()
     return result
@@ -173,15 +179,7 @@ def case_no_sync(device, dtype, rank, world):
     """No DDP wrapper: ``autooffload.no_sync(model)`` around the first of two micro-batches."""
     enable(device)
     model = tiny_llama().to(device, dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for ids in global_batches(STEPS):
-        first, second = local_part(ids, rank, world).to(device).chunk(2)
-        with autooffload.no_sync(model):
-            (model(input_ids=first, labels=first).loss / 2).backward()
-        (model(input_ids=second, labels=second).loss / 2).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        optimizer.zero_grad()
+    train_accumulating(model, lambda: autooffload.no_sync(model), device, rank, world)
     result = weights(model)
     autooffload.disable()
     return result
