@@ -1,8 +1,11 @@
-"""Where does an attached step's time go: torch.profiler over one steady-state step (dev tool)."""
+"""Where does an attached step's time go: torch.profiler over steady-state steps (dev tool).
 
-import cProfile
-import io
-import pstats
+python devtools/trace_step.py 1b 12      # autooffload under a 12 GiB cap
+python devtools/trace_step.py 1b none    # vanilla, uncapped, same model and batch
+"""
+
+import collections
+import os
 import sys
 import time
 
@@ -13,7 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import autooffload
 
 GiB = 1 << 30
-size, cap = sys.argv[1], float(sys.argv[2])
+size, cap_arg = sys.argv[1], sys.argv[2]
+vanilla = cap_arg == "none"
 dims = (
     dict(
         hidden_size=2048,
@@ -34,11 +38,15 @@ dims = (
         tie_word_embeddings=True,
     )
 )
-total = torch.cuda.get_device_properties(0).total_memory
-torch.cuda.set_per_process_memory_fraction(cap * GiB / total)
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(**dims)).to(torch.bfloat16)
-autooffload.enable(budget=int(cap * GiB))
+if not vanilla:
+    cap = float(cap_arg)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap * GiB / total)
+    autooffload.enable(budget=int(cap * GiB))
+elif size != "1b":
+    model.gradient_checkpointing_enable()
 model.to("cuda")
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 x = torch.randint(0, dims["vocab_size"], (4, 1024)).cuda()
@@ -51,42 +59,86 @@ def step():
     opt.zero_grad()
 
 
-for _ in range(4):
+for _ in range(5):
     step()
 torch.cuda.synchronize()
-
+torch.cuda.reset_peak_memory_stats()
+before = torch.cuda.memory_stats()
+t = time.perf_counter()
+for _ in range(3):
+    step()
+torch.cuda.synchronize()
+wall_clean = (time.perf_counter() - t) / 3
+after = torch.cuda.memory_stats()
+label = "vanilla" if vanilla else f"autooffload@{cap_arg}GiB"
+print(
+    f"== {size} {label}: step {wall_clean * 1e3:.1f} ms, {4 * 1024 / wall_clean:,.0f} tok/s, "
+    f"peak {torch.cuda.max_memory_allocated() / GiB:.2f} GiB, reserved "
+    f"{torch.cuda.memory_reserved() / GiB:.2f} GiB"
+)
+for key in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams"):
+    print(f"   {key}: {after.get(key, 0) - before.get(key, 0)} over 3 steps")
 
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    t = time.perf_counter()
     step()
     step()
     torch.cuda.synchronize()
-    wall = (time.perf_counter() - t) / 2
+if os.environ.get("OUT"):
+    prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{size}_{cap_arg}.json"))
 ka = prof.key_averages()
-copies = (
-    sum(e.self_device_time_total for e in ka if "Memcpy" in e.key or "memcpy" in e.key) / 1e6 / 2
-)
-kernels = (
-    sum(e.self_device_time_total for e in ka if "Memcpy" not in e.key and "memcpy" not in e.key)
-    / 1e6
-    / 2
-)
-print(f"wall per step {wall:.3f}s; kernels {kernels:.3f}s; copies {copies:.3f}s (copy engines)")
-rows = sorted(ka, key=lambda e: -e.self_cpu_time_total)[:25]
-for e in rows:
-    print(f"CPU {e.self_cpu_time_total / 2e3:8.1f} ms  n={e.count // 2:6d}  {e.key[:70]}")
-rows = sorted(ka, key=lambda e: -e.self_device_time_total)[:12]
-for e in rows:
-    print(f"DEV {e.self_device_time_total / 2e3:8.1f} ms  n={e.count // 2:6d}  {e.key[:70]}")
-pr = cProfile.Profile()
-torch.cuda.synchronize()
-t = time.perf_counter()
-pr.enable()
-step()
-torch.cuda.synchronize()
-pr.disable()
-print("cprofile step wall", time.perf_counter() - t)
-out = io.StringIO()
-pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(22)
-print(out.getvalue()[-6000:])
-print("stats", autooffload.runtime.runtime_of(model).stats())
+
+
+def family(name: str) -> str:
+    n = name.lower()
+    for key, fam in (
+        ("memcpy htod", "copy H2D"),
+        ("memcpy dtoh", "copy D2H"),
+        ("memcpy dtod", "copy D2D"),
+        ("memset", "memset"),
+        ("nccl", "nccl"),
+        ("gemm", "gemm"),
+        ("nvjet", "gemm"),
+        ("cutlass", "gemm"),
+        ("flash", "attention"),
+        ("fmha", "attention"),
+        ("sdpa", "attention"),
+        ("adam", "optimizer"),
+        ("multi_tensor", "optimizer"),
+        ("reduce", "reduce"),
+        ("copy", "copy/cast kernel"),
+        ("cat", "cat"),
+        ("softmax", "softmax"),
+        ("elementwise", "elementwise"),
+        ("vectorized", "elementwise"),
+    ):
+        if key in n:
+            return fam
+    return "other"
+
+
+fam_time: dict[str, float] = collections.Counter()
+fam_n: dict[str, int] = collections.Counter()
+for e in ka:
+    if e.self_device_time_total <= 0:
+        continue
+    f = family(e.key)
+    fam_time[f] += e.self_device_time_total / 2e3
+    fam_n[f] += e.count // 2
+total_dev = sum(v for k, v in fam_time.items() if not k.startswith("copy H") and k != "copy D2H")
+print(f"   device time per step (kernels, not H2D/D2H copies): {total_dev:.1f} ms")
+for f, v in sorted(fam_time.items(), key=lambda kv: -kv[1]):
+    print(f"   DEV {v:8.1f} ms  n={fam_n[f]:6d}  {f}")
+for e in sorted(ka, key=lambda e: -e.self_device_time_total)[:15]:
+    print(f"   top {e.self_device_time_total / 2e3:8.1f} ms  n={e.count // 2:6d}  {e.key[:90]}")
+for e in sorted(ka, key=lambda e: -e.self_cpu_time_total)[:12]:
+    print(f"   cpu {e.self_cpu_time_total / 2e3:8.1f} ms  n={e.count // 2:6d}  {e.key[:90]}")
+if not vanilla:
+    rt = autooffload.runtime.runtime_of(model)
+    print("   stats", rt.stats())
+    request = rt.search_request
+    print("   hw", request.hw)
+    if os.environ.get("OUT"):
+        import pickle
+
+        with open(os.path.join(os.environ["OUT"], f"request_{size}_{cap_arg}.pkl"), "wb") as f:
+            pickle.dump(request, f)

@@ -164,13 +164,21 @@ class CpuOptimizer:
         self.worker.submit(lambda: None).result()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the accumulated host gradients (the user's ``zero_grad``)."""
-        self.wait()
-        for master in self.masters.values():
-            if set_to_none:
-                master.grad = None
-            elif master.grad is not None:
-                master.grad.zero_()
+        """Forget the accumulated host gradients (the user's ``zero_grad``); returns at once.
+
+        The clearing is queued on the worker behind the updates still running, so the next
+        forward overlaps them: waiting here (as ``step(); zero_grad()`` loops call it right
+        after the step) put the whole CPU update on the critical path (3.2B: a 308 ms idle GPU
+        per step). Everything that reads host gradients waits for the worker first."""
+
+        def clear() -> None:
+            for master in self.masters.values():
+                if set_to_none:
+                    master.grad = None
+                elif master.grad is not None:
+                    master.grad.zero_()
+
+        self.worker.submit(clear)
         self.accumulations.clear()
         self.device_norms.clear()
         self.clip_coef = 1.0

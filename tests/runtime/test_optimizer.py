@@ -153,8 +153,12 @@ def test_without_master_weights_bf16_training_matches_plain_bf16(offload_cpu):
             assert torch.equal(host, torch.ones(4, 4, dtype=torch.bfloat16))
 
 
-def test_step_returns_before_the_cpu_update_yet_the_next_forward_sees_it(make_llama, offload_cpu):
-    """The update is queued on the worker thread; each chunk's next gather waits for it."""
+def test_step_and_zero_grad_return_before_the_cpu_update_yet_the_next_forward_sees_it(
+    make_llama, offload_cpu
+):
+    """The update is queued on the worker thread; each chunk's next gather waits for it.
+    ``zero_grad()`` right after ``step()`` must not wait for it either: the next forward is what
+    the update overlaps with."""
     model = make_llama(n_layers=2)
     # A fixed plan: the profiled steps of the auto plan wait for the CPU optimizer on purpose.
     offload_cpu(n_persist=0, activation_mode="keep")
@@ -164,9 +168,10 @@ def test_step_returns_before_the_cpu_update_yet_the_next_forward_sees_it(make_ll
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     gate = threading.Event()
-    runtime.cpu_optim.worker.submit(gate.wait)
+    runtime.cpu_optim.worker.submit(gate.wait, 30)
     optimizer.step()
-    assert runtime.cpu_optim.updates == 0, "step() waited for the CPU update"
+    optimizer.zero_grad()
+    assert runtime.cpu_optim.updates == 0, "step() or zero_grad() waited for the CPU update"
     gate.set()
     model.eval()
     with torch.no_grad():
@@ -176,3 +181,29 @@ def test_step_returns_before_the_cpu_update_yet_the_next_forward_sees_it(make_ll
     with torch.no_grad():
         settled = model(input_ids=ids).logits
     assert torch.equal(after_step, settled), "the forward read weights the update had not written"
+
+
+def test_zero_grad_queued_behind_the_update_keeps_training_equal_to_plain(make_llama, offload_cpu):
+    """zero_grad clears host gradients on the worker, after the pending update used them and
+    before the next backward accumulates: three steps equal plain AdamW."""
+    torch.manual_seed(0)
+    plain = make_llama(n_layers=2)
+    model = make_llama(n_layers=2)
+    model.load_state_dict(plain.state_dict())
+    offload_cpu(n_persist=0, activation_mode="keep")
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model)]
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        gate = threading.Event()
+        runtime.cpu_optim.worker.submit(gate.wait, 30)  # the update is still queued at zero_grad
+        for net, optimizer in zip((plain, model), optimizers, strict=True):
+            net(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        gate.set()
+    runtime.synchronize()
+    trained = plain.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=1e-5, atol=1e-6, msg=name)
