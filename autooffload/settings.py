@@ -136,6 +136,13 @@ def _parse_count(value: Any, name: str) -> int | None:
     raise _fail(name, value, valid)
 
 
+def _parse_threads(value: Any, name: str) -> int | None:
+    count = _parse_count(value, name)
+    if count == 0:
+        raise _fail(name, value, "an integer >= 1, or auto")
+    return count
+
+
 def _enum(choices: tuple[str, ...], optional: bool = False) -> Callable[[Any, str], str | None]:
     valid = ", ".join(choices) + (", or auto" if optional else "")
 
@@ -307,6 +314,9 @@ class Settings:
             own optimizer updates bf16 parameters in bf16, and so does the CPU twin, so an
             attached run trains like the unchanged script (and the CPU update moves 3x fewer
             bytes). On: better numerics for the offloaded part, at that CPU cost.
+        cpu_threads: Threads of the CPU optimizer's updates; ``None`` (auto): one fewer than
+            torch's intra-op threads on a GPU run, so the thread launching the GPU's kernels
+            keeps a core (16 OpenMP threads on 16 cores stalled both: see docs/architecture.md).
         chunked_loss: Compute transformers' causal-LM loss (``ForCausalLMLoss``, what every HF
             ``*ForCausalLM`` uses when given ``labels``) over chunks of rows, upcasting one chunk
             at a time instead of copying all the logits to fp32: same loss and gradients (fp32
@@ -396,6 +406,12 @@ class Settings:
     )
     master_weights: bool = _knob(
         False, "AUTOOFFLOAD_MASTER_WEIGHTS", _parse_bool, "fp32 masters for offloaded bf16 params"
+    )
+    cpu_threads: int | None = _knob(
+        None,
+        "AUTOOFFLOAD_CPU_THREADS",
+        _parse_threads,
+        "CPU optimizer threads; auto = intra-op threads - 1 on a GPU",
     )
     chunked_loss: bool = _knob(
         True,

@@ -317,3 +317,8 @@ def test_readme_env_table_is_generated_from_settings():
     )
     for field in dataclasses.fields(Settings):
         assert f"`{field.metadata['env']}`" in readme
+
+
+def test_cpu_threads_must_be_positive():
+    expect_error(["cpu_threads=0", ">= 1"], cpu_threads=0)
+    assert Settings.from_env(cpu_threads="3").cpu_threads == 3

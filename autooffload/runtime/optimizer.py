@@ -58,13 +58,34 @@ def _twin_group(group: dict, cls: type) -> dict:
     return hyper
 
 
+def update_threads(setting: int | None, on_gpu: bool) -> int:
+    """Threads of the CPU updates: the setting, else torch's intra-op threads, less one on a
+    GPU run. The main thread launches every kernel of the forward the update overlaps; with as
+    many busy OpenMP threads as cores, it and one OpenMP straggler take turns on a core, and
+    both the GPU (idle between launches) and the update (waiting at each barrier) slow down."""
+    if setting is not None:
+        return setting
+    available = torch.get_num_threads()
+    return max(1, available - 1) if on_gpu and available > 2 else available
+
+
 class CpuOptimizer:
     """Masters, host gradients and the CPU twin optimizers of a model's offloaded parameters."""
 
-    def __init__(self, manager: ChunkManager, master_weights: bool) -> None:
+    def __init__(
+        self, manager: ChunkManager, master_weights: bool, threads: int | None = None
+    ) -> None:
         self.manager = manager
         self.master_weights = master_weights
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autooffload-cpu-optim")
+        self.threads = update_threads(threads, manager.is_cuda)
+        # OpenMP's thread count is per calling thread: set on the worker, it leaves the main
+        # thread's own CPU ops as they were.
+        self.worker = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="autooffload-cpu-optim",
+            initializer=torch.set_num_threads,
+            initargs=(self.threads,),
+        )
         self.masters: dict[int, torch.Tensor] = {}
         self.grad_buffers: dict[int, torch.Tensor] = {}
         # Twins and their user-group indices, keyed by (chunk index, id(user optimizer)).

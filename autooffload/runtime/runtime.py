@@ -97,7 +97,7 @@ class Runtime:
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
-        self.cpu_optim = CpuOptimizer(self.manager, settings.master_weights)
+        self.cpu_optim = CpuOptimizer(self.manager, settings.master_weights, settings.cpu_threads)
         self.optimizers: list[torch.optim.Optimizer] = []
         self._handles: list[RemovableHandle] = []
         self._trace: list[int] = []

@@ -207,3 +207,24 @@ def test_zero_grad_queued_behind_the_update_keeps_training_equal_to_plain(make_l
     trained = plain.state_dict()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, trained[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_cpu_updates_leave_the_launching_thread_a_core_on_a_gpu(monkeypatch):
+    from autooffload.runtime.optimizer import update_threads
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert update_threads(None, on_gpu=True) == 15
+    assert update_threads(None, on_gpu=False) == 16  # CPU simulation: nothing to launch
+    assert update_threads(4, on_gpu=True) == 4  # AUTOOFFLOAD_CPU_THREADS wins
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert update_threads(None, on_gpu=True) == 2  # too few cores to give one up
+
+
+def test_the_worker_runs_with_the_cpu_threads_setting(make_llama, offload_cpu):
+    model = make_llama(n_layers=2)
+    main_threads = torch.get_num_threads()  # 1 under the one_thread fixture
+    offload_cpu(n_persist=0, activation_mode="keep", cpu_threads=main_threads + 1)
+    model.to("cpu")
+    worker = rt.runtime_of(model).cpu_optim.worker
+    assert worker.submit(torch.get_num_threads).result() == main_threads + 1
+    assert torch.get_num_threads() == main_threads, "the main thread's count changed"
