@@ -450,6 +450,11 @@ class Runtime:
                 params = self.cpu_optim.updated_params - before[1]
                 if seconds > 0 and params > 0:
                     measured_rate = params / seconds
+            elif isinstance(self.profiler, StepProfiler):
+                # The next step is the measured one: its blocks must not be timed while this
+                # update competes for the host (launch-bound timings doubled the predicted
+                # step and made the plan vary from run to run).
+                self.cpu_optim.wait()
         self._steps += 1
         sharding = self.manager.sharding
         if apply_update and sharding is not None:

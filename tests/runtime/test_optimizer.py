@@ -228,3 +228,32 @@ def test_the_worker_runs_with_the_cpu_threads_setting(make_llama, offload_cpu):
     worker = rt.runtime_of(model).cpu_optim.worker
     assert worker.submit(torch.get_num_threads).result() == main_threads + 1
     assert torch.get_num_threads() == main_threads, "the main thread's count changed"
+
+
+def test_the_measured_profiling_step_starts_after_the_cpu_update(make_llama, offload_cpu):
+    """The second (measured) profiling step must not overlap the first step's CPU update: its
+    block timings would then measure a host busy with the update (made the predicted step 2x
+    too long on an H100). After that, step() returns before the update again."""
+    from autooffload.runtime.optimizer import CpuOptimizer
+
+    model = make_llama(n_layers=2)
+    offload_cpu()  # the auto plan: two conservative profiling steps, then the searched plan
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    slow_update = CpuOptimizer._update
+
+    def update_slowly(self, *args):
+        threading.Event().wait(0.05)
+        slow_update(self, *args)
+
+    CpuOptimizer._update = update_slowly
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+        queued = sum(1 for c in runtime.layout.chunks if c.index not in runtime.manager.persistent)
+        optimizer.step()
+        assert runtime.cpu_optim.updates == queued, "the measured step would overlap the update"
+        optimizer.zero_grad()
+    finally:
+        CpuOptimizer._update = slow_update
