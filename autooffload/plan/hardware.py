@@ -170,10 +170,21 @@ def optimizer_rate(
         numel = CPU_OPTIM_NUMEL
         if device.type == "cuda":
             numel = max(1 << 20, min(DEVICE_OPTIM_NUMEL, torch.cuda.mem_get_info(device)[0] // 64))
-    param = torch.zeros(numel, dtype=dtype, device=device, requires_grad=True)
-    param.grad = torch.full_like(param, 1e-3)
-    optimizer, name = _make_optimizer(optimizer_cls, param)
-    optimizer.step()  # allocates the state; not timed
+    while True:
+        try:
+            param = torch.zeros(numel, dtype=dtype, device=device, requires_grad=True)
+            param.grad = torch.full_like(param, 1e-3)
+            optimizer, name = _make_optimizer(optimizer_cls, param)
+            optimizer.step()  # allocates the state; not timed
+            break
+        except torch.OutOfMemoryError:
+            # A per-process memory cap (set_per_process_memory_fraction) that free memory does
+            # not show: measure on less.
+            param = optimizer = None
+            torch.cuda.empty_cache()
+            if numel <= 1 << 20:
+                raise
+            numel //= 4
     _sync(device)
     steps, started = 0, time.perf_counter()
     while True:

@@ -101,3 +101,21 @@ def test_cuda_measurement_is_fast_and_plausible(tmp_path):
     assert profile.duplex_bps >= 0.9 * max(profile.h2d_bps, profile.d2h_bps)
     assert 0 < profile.cuda_context_bytes < 4 << 30
     assert profile.gpu_optim_params_per_s > profile.cpu_optim_params_per_s
+
+
+def test_optimizer_rate_measures_on_less_when_the_first_size_runs_out_of_memory(monkeypatch):
+    real_zeros = torch.zeros
+    sizes = []
+
+    def capped_zeros(numel, **kwargs):
+        sizes.append(numel)
+        if numel > 1 << 21:
+            raise torch.OutOfMemoryError("per-process cap")
+        return real_zeros(numel, **kwargs)
+
+    monkeypatch.setattr(hardware.torch, "zeros", capped_zeros)
+    monkeypatch.setattr(hardware.torch.cuda, "empty_cache", lambda: None)
+    rate, _ = hardware.optimizer_rate(
+        torch.optim.SGD, torch.device("cpu"), torch.float32, numel=1 << 24, seconds=0.01
+    )
+    assert rate > 0 and sizes == [1 << 24, 1 << 22, 1 << 20]
