@@ -17,3 +17,9 @@ class AttachError(AutoOffloadError):
 
 class PlanError(AutoOffloadError):
     """No plan fits the budget, or a user override is infeasible."""
+
+
+class UpdateInBackwardError(AutoOffloadError):
+    """``AUTOOFFLOAD_UPDATE_IN_BACKWARD=1`` updated a chunk during backward, and the training
+    loop then did something only an update at ``step()`` could honour (clipping, accumulation,
+    a skipped step, changed hyperparameters)."""

@@ -314,6 +314,11 @@ class Settings:
             own optimizer updates bf16 parameters in bf16, and so does the CPU twin, so an
             attached run trains like the unchanged script (and the CPU update moves 3x fewer
             bytes). On: better numerics for the offloaded part, at that CPU cost.
+        update_in_backward: Update each offloaded chunk on the CPU as soon as its gradients
+            arrive in the backward (ProTrain's overlap), instead of from ``optimizer.step()``
+            on. Exact only for loops that step after every backward without clipping, a
+            GradScaler or changing hyperparameters between backward and step; autooffload
+            raises ``UpdateInBackwardError`` if the loop does any of these. Off by default.
         cpu_threads: Threads of the CPU optimizer's updates; ``None`` (auto): one fewer than
             torch's intra-op threads on a GPU run, so the thread launching the GPU's kernels
             keeps a core (16 OpenMP threads on 16 cores stalled both: see docs/architecture.md).
@@ -406,6 +411,12 @@ class Settings:
     )
     master_weights: bool = _knob(
         False, "AUTOOFFLOAD_MASTER_WEIGHTS", _parse_bool, "fp32 masters for offloaded bf16 params"
+    )
+    update_in_backward: bool = _knob(
+        False,
+        "AUTOOFFLOAD_UPDATE_IN_BACKWARD",
+        _parse_bool,
+        "update offloaded chunks during backward (no clipping/accumulation/scaler)",
     )
     cpu_threads: int | None = _knob(
         None,

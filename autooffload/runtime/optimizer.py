@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from autooffload.errors import AttachError
+from autooffload.errors import AttachError, UpdateInBackwardError
 from autooffload.runtime.chunks import Chunk, ParamSlot
 from autooffload.runtime.manager import ChunkManager
 
@@ -87,6 +87,10 @@ class CpuOptimizer:
             initargs=(self.threads,),
         )
         self.masters: dict[int, torch.Tensor] = {}
+        # AUTOOFFLOAD_UPDATE_IN_BACKWARD: armed by the runtime once the plan is searched; the
+        # chunks updated in this backward, with the optimizer and hyperparameters used.
+        self.update_in_backward = False
+        self.early: dict[int, tuple[torch.optim.Optimizer, list[dict]]] = {}
         self.grad_buffers: dict[int, torch.Tensor] = {}
         # Twins and their user-group indices, keyed by (chunk index, id(user optimizer)).
         self.twins: dict[tuple[int, int], torch.optim.Optimizer] = {}
@@ -152,6 +156,12 @@ class CpuOptimizer:
         event: torch.cuda.Event | None,
         norms: tuple[torch.Tensor, ...] = (),
     ) -> None:
+        if chunk.index in self.early:
+            raise UpdateInBackwardError(
+                f"a second backward reached chunk {chunk.index} before optimizer.step(), but"
+                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 already applied its update in the first:"
+                " gradient accumulation needs AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
+            )
         for slot, norm in zip(slots, norms, strict=False):
             pid = id(slot.param)
             self.accumulations[pid] = self.accumulations.get(pid, 0) + 1
@@ -159,6 +169,44 @@ class CpuOptimizer:
         future = self.worker.submit(self._accumulate, chunk, slots, event)
         self.manager.staging_busy[chunk.index] = future
         self.manager.host_busy[chunk.index] = future
+        if self.update_in_backward:
+            self._update_now(chunk)
+
+    def _update_now(self, chunk: Chunk) -> None:
+        """Queue ``chunk``'s update right behind its gradients (ProTrain's overlap of the CPU
+        update with the backward): exact when ``step()`` follows this backward with the same
+        hyperparameters and nothing between them reads or scales the gradients, which
+        ``step``, ``clip_``, ``host_grads`` and ``zero_grad`` check."""
+        owners = {self.optimizer_of_param.get(id(s.param)) for s in chunk.trainable_slots}
+        if len(owners) != 1 or None in owners:
+            return  # no optimizer bound yet, or several: left to step()
+        optimizer = owners.pop()
+        assert optimizer is not None
+        twin = self._twin(chunk, optimizer)
+        if twin is None or self.clip_coef != 1.0:
+            return
+        hyper = self._hyper(chunk, optimizer)
+        self.early[chunk.index] = (optimizer, hyper)
+        future = self.worker.submit(self._update, chunk, twin, hyper, 1.0)
+        self.manager.host_busy[chunk.index] = future
+
+    def _hyper(self, chunk: Chunk, optimizer: torch.optim.Optimizer) -> list[dict]:
+        """The user's hyperparameters for ``chunk``'s twin groups, as the twin takes them."""
+        return [
+            _twin_group(optimizer.param_groups[g], type(optimizer))
+            for g in self.twin_group_index[(chunk.index, id(optimizer))]
+        ]
+
+    def check_no_early_update(self, what: str) -> None:
+        """Raise if a chunk was updated in this backward: ``what`` needs the gradients before
+        any update."""
+        if self.early:
+            raise UpdateInBackwardError(
+                f"{what} after a backward in which AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 already"
+                f" updated {len(self.early)} offloaded chunks with their unscaled, unclipped"
+                " gradients; set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 for loops that clip, use a"
+                " GradScaler, skip steps or read the gradients before step()"
+            )
 
     def _accumulate(
         self, chunk: Chunk, slots: list[ParamSlot], event: torch.cuda.Event | None
@@ -192,6 +240,8 @@ class CpuOptimizer:
         after the step) put the whole CPU update on the critical path (3.2B: a 308 ms idle GPU
         per step). Everything that reads host gradients waits for the worker first."""
 
+        self.check_no_early_update("zero_grad() without optimizer.step()")
+
         def clear() -> None:
             for master in self.masters.values():
                 if set_to_none:
@@ -206,6 +256,7 @@ class CpuOptimizer:
 
     def host_grads(self) -> list[torch.Tensor]:
         """The accumulated gradients of offloaded params, pending clipping applied."""
+        self.check_no_early_update("reading the offloaded gradients (GradScaler, clipping)")
         self.wait()
         grads = [m.grad for m in self.masters.values() if m.grad is not None]
         if grads and self.clip_coef != 1.0:
@@ -218,6 +269,7 @@ class CpuOptimizer:
         """Norm of the host gradients of ``param_ids`` (None without any). The 2-norm over all
         of them comes from the per-param sums of squares taken during accumulation. Sharded,
         a collective: the norm over every rank's share."""
+        self.check_no_early_update("clip_grad_norm_")
         if self.sharding is not None:
             return self._sharded_norm(norm_type, param_ids)
         return self._local_norm(norm_type, param_ids)
@@ -332,10 +384,19 @@ class CpuOptimizer:
             twin = self._twin(chunk, optimizer)
             if twin is None:
                 continue
-            hyper = [
-                _twin_group(optimizer.param_groups[g], type(optimizer))
-                for g in self.twin_group_index[(chunk.index, id(optimizer))]
-            ]
+            hyper = self._hyper(chunk, optimizer)
+            early = self.early.pop(chunk.index, None)
+            if early is not None:
+                if early[0] is optimizer and early[1] != hyper:
+                    raise UpdateInBackwardError(
+                        f"optimizer.step() runs chunk {chunk.index} with hyperparameters"
+                        f" {hyper} but AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 updated it during"
+                        f" backward with {early[1]}; change them before backward (schedulers"
+                        " stepping after optimizer.step() do) or set it to 0"
+                    )
+                if early[0] is optimizer:
+                    continue  # updated in the backward
+                self.early[chunk.index] = early
             args = (chunk, twin, hyper, self.clip_coef)
             self.manager.host_busy[chunk.index] = self.worker.submit(self._update, *args)
         self.clip_coef = 1.0
@@ -425,6 +486,7 @@ class CpuOptimizer:
         of them it is lazy: the update task applies it (``host_grads`` does for readers)."""
         if math.isclose(coef, 1.0):
             return
+        self.check_no_early_update("gradient clipping")
         if self.covers_all(param_ids):
             self.clip_coef *= coef
             return

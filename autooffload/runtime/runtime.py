@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from autooffload.errors import PlanError
+from autooffload.errors import AttachError, PlanError
 from autooffload.log import logger
 from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import ModelProfile
@@ -79,6 +79,13 @@ class Runtime:
         self.plan: Plan = initial_plan(self, settings)
         # Under torchrun: rank 0's plan on every rank, same layout and settings checked.
         self.data_parallel = attach_data_parallel(self, settings)
+        if settings.update_in_backward and (self.data_parallel is not None or settings.oom_retry):
+            raise AttachError(
+                "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 is single-process and excludes"
+                " AUTOOFFLOAD_OOM_RETRY=1 (a retried backward would update twice); found"
+                f" data parallelism={self.data_parallel is not None},"
+                f" oom_retry={settings.oom_retry}: set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
+            )
         check_host_memory(self.layout, self.plan.n_persist, settings, _host_param_bytes(model))
         self.manager = ChunkManager(
             self.layout,
@@ -464,6 +471,10 @@ class Runtime:
             # Switched at the next forward: other optimizers of this model step after this one.
             self._pending_profile = (profile, measured_rate)
         self._backwards_this_step = 0
+        # Updates in the backward start once the conservative profiling steps are over.
+        self.cpu_optim.update_in_backward = (
+            self.settings.update_in_backward and self.profiler is None
+        )
 
     def _switch_to_searched_plan(self, profile: ModelProfile, cpu_rate: float | None) -> None:
         switch_to_searched_plan(self, profile, cpu_rate)
