@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 DEFAULT_SAFETY_MARGIN = 1 << 30
 BUDGET_MARGIN_SHARE = 0.04
 BUDGET_MARGIN_MIN = 256 << 20
+# Steps run under the searched plan before its measured peak is compared with the prediction,
+# and how far above the prediction the measurement may be before the model is calibrated.
+CALIBRATE_AFTER_STEPS = 2
+CALIBRATION_MARGIN = 0.02
 
 
 def budget_bytes(settings: Settings, device: torch.device) -> int | None:
@@ -299,6 +303,10 @@ def switch_to_searched_plan(
     runtime.profile = profile
     runtime.search_request = request
     runtime.apply_plan(plan)
+    if runtime.manager.is_cuda and runtime.data_parallel is None:
+        # The planned steps' peak, not the profiling steps', is compared with the prediction.
+        torch.cuda.reset_peak_memory_stats(runtime.device)
+        runtime.calibrate_at_step = runtime.steps_taken + CALIBRATE_AFTER_STEPS
     from autooffload import runtime as rt
 
     rt._last_plan[:] = [plan]
@@ -306,3 +314,56 @@ def switch_to_searched_plan(
     if runtime.settings.print_plan:
         print(plan.summary(), flush=True)  # noqa: T201 - the launcher's --print-plan
         raise SystemExit(0)
+
+
+def calibrate_after_steps(runtime: Runtime, measured_peak: int) -> Plan | None:
+    """Compare the planned steps' measured peak (bytes reserved by the allocator) with the
+    plan's prediction; above it by more than ``CALIBRATION_MARGIN``, calibrate the
+    fragmentation factor (``cost.calibrate``) and re-plan with the persistent chunks kept
+    (demoting them would move live optimizer state back). Returns the new plan, or None when
+    the prediction held or nothing changed. Logged once either way it acts."""
+    from autooffload.plan.cost import calibrate
+
+    plan, request, profile = runtime.plan, runtime.search_request, runtime.profile
+    predicted = plan.predicted_peak_bytes
+    if request is None or profile is None or not predicted:
+        return None
+    if measured_peak <= predicted * (1 + CALIBRATION_MARGIN):
+        return None
+    old = profile.fragmentation_factor
+    factor = calibrate(profile, measured_peak, predicted)
+    calibrated = profile.with_fragmentation(factor)
+    fixed = {**request.fixed, "n_persist": plan.n_persist}
+    new_request = SearchRequest(
+        {calibrated.chunk_size: calibrated}, request.hw, request.budget_bytes, fixed
+    )
+    gib = 1 << 30
+    found = f"measured peak {measured_peak / gib:.2f} GiB > predicted {predicted / gib:.2f} GiB"
+    try:
+        new_plan = replace(new_request.plan(), chunk_size=runtime.layout.chunk_size)
+    except PlanError as error:
+        logger.warning(
+            "%s (fragmentation %.3f -> %.3f) and no plan keeping the %d persistent chunks fits"
+            " the budget (%s); set AUTOOFFLOAD_BUDGET lower to leave the allocator more room",
+            found,
+            old,
+            factor,
+            plan.n_persist,
+            error,
+        )
+        runtime.profile = calibrated
+        return None
+    runtime.profile = calibrated
+    runtime.search_request = new_request
+    if new_plan.knobs == plan.knobs:
+        runtime.plan = new_plan
+        logger.info("%s: fragmentation %.3f -> %.3f; the plan stays", found, old, factor)
+        return None
+    runtime.apply_plan(new_plan)
+    from autooffload import runtime as rt
+
+    rt._last_plan[:] = [new_plan]
+    logger.info(
+        "%s: fragmentation %.3f -> %.3f, re-planned:\n%s", found, old, factor, new_plan.summary()
+    )
+    return new_plan

@@ -32,6 +32,7 @@ from autooffload.runtime.manager import ChunkManager, Residency
 from autooffload.runtime.oom import OomRetry
 from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
+    calibrate_after_steps,
     check_host_memory,
     initial_plan,
     profile_after_step,
@@ -115,6 +116,8 @@ class Runtime:
         self._backward_task: int | None = None
         self._backward_count = 0
         self._steps = 0
+        # The step after which the searched plan's measured peak is checked (CUDA only).
+        self.calibrate_at_step: int | None = None
         self._step_started = time.perf_counter()
         self.swapper: ActivationSwapper | None = None
         self.hf_checkpointing_taken = False
@@ -471,6 +474,10 @@ class Runtime:
             # Switched at the next forward: other optimizers of this model step after this one.
             self._pending_profile = (profile, measured_rate)
         self._backwards_this_step = 0
+        if self._steps == self.calibrate_at_step:
+            self.calibrate_at_step = None
+            self.cpu_optim.wait()
+            calibrate_after_steps(self, torch.cuda.max_memory_reserved(self.device))
         # Updates in the backward start once the conservative profiling steps are over.
         self.cpu_optim.update_in_backward = (
             self.settings.update_in_backward and self.profiler is None
