@@ -306,6 +306,32 @@ def prefetched_bytes(
     return sum(profile.chunks[c].bytes for c in queue if ends[c] == upcoming)
 
 
+def backward_update_ready(profile: ModelProfile, tables: ChunkTables, rate: float) -> np.ndarray:
+    """Under ``update_in_backward``: per ``n_persist`` p, when (seconds after ``step()``, 0 if
+    before it, as without offloaded trainable chunks) every offloaded chunk is updated.
+
+    Updates run in arrival order, chunk n-1 (the first whose gradients arrive) to chunk p (the
+    last, and the first the next forward needs), so the forward waits for all of them. With
+    H(c) = sum(bwd_s[v] for v < first_unit(c)) the backward left after chunk c's gradients
+    arrive (compute only: recompute and copies make it longer, so this errs slow):
+        done[p] = max(offload_numel[p] / rate - H(n-1), numel[p] / rate - H(p))
+    """
+    first, _ = chunk_spans(profile)
+    bwd_before = np.concatenate([[0.0], np.cumsum([u.bwd_s for u in profile.units])])
+    n = profile.n_chunks
+    numel = np.array([c.trainable_numel for c in profile.chunks], dtype=float)
+    done = np.zeros(n + 1)
+    for p in range(n):
+        if tables.offload_numel[p] <= 0:
+            continue
+        done[p] = max(
+            tables.offload_numel[p] / rate - bwd_before[first[n - 1]],
+            numel[p] / rate - bwd_before[first[p]],
+            0.0,
+        )
+    return done
+
+
 def predict_step_time(
     profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, tables: ChunkTables | None = None
 ) -> tuple[float, dict[str, float], str]:
@@ -318,6 +344,7 @@ def predict_step_time(
         w_f[u]     = max(fwd_s[u], xfer_f[u]) + (gather_bytes[u+1] - pre_f[u]) / B_h2d      (s)
     The CPU optimizer updates offloaded chunks in order from t=0; gathers of u wait for them:
         ready[u]   = cpu_ready_numel[u] / cpu_rate + gather_bytes[u] / B_h2d
+    (under ``update_in_backward``: ``backward_update_ready`` + gather_bytes[u] / B_h2d)
         T_fwd      = max(max(gpu_optim, gather_bytes[0] / B_h2d) + sum_u w_f[u],
                          max_u (ready[u] + sum_{v >= u} w_f[v]))                             (s)
     with gpu_optim = persist_numel / gpu_rate (the user's optimizer on persistent chunks).
@@ -359,9 +386,15 @@ def predict_step_time(
     unconstrained = max(gpu_optim_s, first_gather_s) + sum(fwd_windows)
     suffix = np.cumsum(fwd_windows[::-1])[::-1]
     t_fwd = unconstrained
+    early = None
+    if profile.update_in_backward:
+        early = backward_update_ready(profile, tables, hw.cpu_optim_params_per_s)[p]
     for u in range(n_units):
         if tables.cpu_ready_numel[p, u] >= 0:
-            ready = tables.cpu_ready_numel[p, u] / hw.cpu_optim_params_per_s
+            if early is None:
+                ready = tables.cpu_ready_numel[p, u] / hw.cpu_optim_params_per_s
+            else:
+                ready = early
             ready += float(tables.fwd_gather_bytes[p, u]) / hw.h2d_bps
             t_fwd = max(t_fwd, ready + float(suffix[u]))
     stalls["cpu_optimizer"] = t_fwd - unconstrained

@@ -269,6 +269,7 @@ class StepProfiler:
             optim_bytes_per_param=optim_bytes_per_param,
             weight_dtype=str(runtime.weight_dtype()).replace("torch.", ""),
             grad_accumulation=grad_accumulation,
+            update_in_backward=runtime.settings.update_in_backward,
         )
 
     def _edge_units(self, block_groups: list[Group]) -> tuple[UnitProfile, UnitProfile]:

@@ -137,6 +137,9 @@ class ModelProfile:
     """Calibrated allocator fragmentation factor per weight dtype (see ``cost.calibrate``)."""
     grad_accumulation: bool = False
     """True when gradients of persistent chunks stay allocated across forwards (accumulation)."""
+    update_in_backward: bool = False
+    """True under ``AUTOOFFLOAD_UPDATE_IN_BACKWARD``: the CPU update of an offloaded chunk starts
+    when its gradients arrive in the backward, not at ``optimizer.step()``."""
 
     @property
     def n_blocks(self) -> int:

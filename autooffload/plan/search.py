@@ -26,6 +26,7 @@ from autooffload.errors import PlanError
 from autooffload.plan.cost import (
     ChunkTables,
     assign_block_policies,
+    backward_update_ready,
     chunk_tables,
     peak_breakdown,
     predict_step_time,
@@ -273,11 +274,14 @@ def _search_layout(
     gpu_optim = tables.persist_numel[persist] / hw.gpu_optim_params_per_s
     first_gather = tables.fwd_gather_bytes[persist, 0] / h2d
     ready_numel = tables.cpu_ready_numel[persist]
-    ready = np.where(
-        ready_numel >= 0,
-        ready_numel / hw.cpu_optim_params_per_s + tables.fwd_gather_bytes[persist] / h2d,
-        -np.inf,
-    )[:, None, :]
+    if profile.update_in_backward:
+        done = backward_update_ready(profile, tables, hw.cpu_optim_params_per_s)[persist]
+        cpu_done = np.broadcast_to(done[:, None], ready_numel.shape)
+    else:
+        cpu_done = ready_numel / hw.cpu_optim_params_per_s
+    ready = np.where(ready_numel >= 0, cpu_done + tables.fwd_gather_bytes[persist] / h2d, -np.inf)[
+        :, None, :
+    ]
     head = tables.bwd_gather_bytes[persist, n_units - 1] / h2d
     tail = tables.grad_d2h_bytes[persist, 0] / d2h
     start = np.maximum(gpu_optim, first_gather)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import time
@@ -57,7 +58,9 @@ def _score_all(profiles, hw):
 
 
 def _profiles(seed, **kwargs):
+    in_backward = kwargs.pop("update_in_backward", False)
     profile = make_profile(seed=seed, **{**SMALL, **kwargs})
+    profile = dataclasses.replace(profile, update_in_backward=in_backward)
     return {profile.chunk_size: profile}
 
 
@@ -76,6 +79,8 @@ def _budgets(profiles, hw):
         (3, {"fwd_s": 0.002}),
         (11, {"edge_bytes": 3 * SMALL["chunk_size"], "lora": True}),
         (12, {"edge_bytes": 3 * SMALL["chunk_size"], "tied": True}),
+        (13, {"update_in_backward": True}),
+        (14, {"update_in_backward": True, "tied": True}),
     ],
 )
 def test_search_returns_the_brute_force_optimum(seed, kwargs):
@@ -92,7 +97,9 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"tied": True}, {"edge_bytes": 3 * SMALL["chunk_size"]}], ids=["tied", "oversized"]
+    "kwargs",
+    [{"tied": True}, {"edge_bytes": 3 * SMALL["chunk_size"]}, {"update_in_backward": True}],
+    ids=["tied", "oversized", "update-in-backward"],
 )
 def test_vectorised_rows_equal_the_scalar_model(kwargs):
     hw = make_hardware(h2d_bps=8e9, d2h_bps=10e9, duplex_bps=14e9, cpu_optim_params_per_s=2e9)
@@ -291,3 +298,19 @@ def test_an_oversized_frozen_embedding_no_longer_forces_big_chunks_under_a_tight
     # With room for it, the search keeps the embedding on the device (no 320 MiB copy per pass).
     roomy = search({32 * MiB: small}, hw, 1300 * MiB)
     assert roomy.n_persist >= 1 and roomy.predicted_step_s < plan.predicted_step_s
+
+
+def test_updating_in_the_backward_is_never_predicted_slower_and_helps_cpu_bound_plans():
+    hw = make_hardware(cpu_optim_params_per_s=2e8)  # a slow host: the CPU update binds
+    default = _profiles(5)[SMALL["chunk_size"]]
+    early = dataclasses.replace(default, update_in_backward=True)
+    found = search_all({default.chunk_size: default}, hw, None)
+    gains = []
+    for row in range(len(found)):
+        names = ("n_persist", "n_buffer", "n_swap", "n_checkpoint")
+        knobs = Knobs(*(int(getattr(found, name)[row]) for name in names))
+        before = predict_step_time(default, hw, knobs)[0]
+        after = predict_step_time(early, hw, knobs)[0]
+        assert after <= before + 1e-12, knobs
+        gains.append(before - after)
+    assert max(gains) > 0, "the head start in the backward never shortened a step"
