@@ -29,6 +29,17 @@ def _attached(make_llama, offload_cpu, **settings):
     return plain, model, rt.runtime_of(model)
 
 
+def _armed(make_llama, offload_cpu, make_batches):
+    """An attached model after one plain step (the step that arms the setting)."""
+    _, model, runtime = _attached(make_llama, offload_cpu)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = make_batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, runtime, optimizer, ids
+
+
 def test_updates_run_in_the_backward_and_training_equals_plain(
     make_llama, offload_cpu, make_batches
 ):
@@ -62,12 +73,7 @@ def test_updates_run_in_the_backward_and_training_equals_plain(
 def test_the_update_starts_before_step(make_llama, offload_cpu, make_batches):
     """The point of the setting: by the time backward returns, the updates are queued and run
     without step() (the worker is let go before step is called)."""
-    _, model, runtime = _attached(make_llama, offload_cpu)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = make_batches(1)[0]
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    model, runtime, optimizer, ids = _armed(make_llama, offload_cpu, make_batches)
     runtime.synchronize()
     before = runtime.cpu_optim.updates
     n_offloaded = sum(c.index not in runtime.manager.persistent for c in runtime.layout.chunks)
@@ -85,12 +91,7 @@ def test_the_update_starts_before_step(make_llama, offload_cpu, make_batches):
 
 @pytest.mark.parametrize("misuse", ["clip", "accumulate", "lr_change", "skip_step"])
 def test_a_loop_it_cannot_honour_gets_a_clear_error(make_llama, offload_cpu, make_batches, misuse):
-    _, model, runtime = _attached(make_llama, offload_cpu)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = make_batches(1)[0]
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    model, _, optimizer, ids = _armed(make_llama, offload_cpu, make_batches)
     model(input_ids=ids, labels=ids).loss.backward()  # armed: updates queued in here
     with pytest.raises(UpdateInBackwardError, match="AUTOOFFLOAD_UPDATE_IN_BACKWARD"):
         if misuse == "clip":
