@@ -203,9 +203,10 @@ class CpuOptimizer:
         if self.early:
             raise UpdateInBackwardError(
                 f"{what} after a backward in which AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 already"
-                f" updated {len(self.early)} offloaded chunks with their unscaled, unclipped"
-                " gradients; set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 for loops that clip, use a"
-                " GradScaler, skip steps or read the gradients before step()"
+                f" updated {len(self.early)} offloaded chunks with that backward's raw gradients"
+                " (not unscaled by a GradScaler, not clipped); set"
+                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 for loops that clip, use a GradScaler, skip"
+                " steps or read the gradients before step()"
             )
 
     def _accumulate(
@@ -385,18 +386,17 @@ class CpuOptimizer:
             if twin is None:
                 continue
             hyper = self._hyper(chunk, optimizer)
+            # Only a chunk's one owner updates it early, and it has the chunk's only twin.
             early = self.early.pop(chunk.index, None)
             if early is not None:
-                if early[0] is optimizer and early[1] != hyper:
+                if early[1] != hyper:
                     raise UpdateInBackwardError(
                         f"optimizer.step() runs chunk {chunk.index} with hyperparameters"
                         f" {hyper} but AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 updated it during"
                         f" backward with {early[1]}; change them before backward (schedulers"
                         " stepping after optimizer.step() do) or set it to 0"
                     )
-                if early[0] is optimizer:
-                    continue  # updated in the backward
-                self.early[chunk.index] = early
+                continue  # updated in the backward
             args = (chunk, twin, hyper, self.clip_coef)
             self.manager.host_busy[chunk.index] = self.worker.submit(self._update, *args)
         self.clip_coef = 1.0

@@ -89,13 +89,17 @@ def test_the_update_starts_before_step(make_llama, offload_cpu, make_batches):
     assert not runtime.cpu_optim.early
 
 
-@pytest.mark.parametrize("misuse", ["clip", "accumulate", "lr_change", "skip_step"])
+@pytest.mark.parametrize("misuse", ["clip", "scaler", "accumulate", "lr_change", "skip_step"])
 def test_a_loop_it_cannot_honour_gets_a_clear_error(make_llama, offload_cpu, make_batches, misuse):
     model, _, optimizer, ids = _armed(make_llama, offload_cpu, make_batches)
     model(input_ids=ids, labels=ids).loss.backward()  # armed: updates queued in here
     with pytest.raises(UpdateInBackwardError, match="AUTOOFFLOAD_UPDATE_IN_BACKWARD"):
         if misuse == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        elif misuse == "scaler":
+            scaler = torch.amp.GradScaler("cpu")
+            scaler.scale(torch.ones(()))  # as scaler.scale(loss).backward() would have
+            scaler.unscale_(optimizer)
         elif misuse == "accumulate":
             model(input_ids=ids, labels=ids).loss.backward()
         elif misuse == "lr_change":
