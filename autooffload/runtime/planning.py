@@ -337,6 +337,7 @@ def calibrate_after_steps(runtime: Runtime, measured_peak: int) -> Plan | None:
     new_request = SearchRequest(
         {calibrated.chunk_size: calibrated}, request.hw, request.budget_bytes, fixed
     )
+    runtime.profile = calibrated
     gib = 1 << 30
     found = f"measured peak {measured_peak / gib:.2f} GiB > predicted {predicted / gib:.2f} GiB"
     try:
@@ -351,9 +352,7 @@ def calibrate_after_steps(runtime: Runtime, measured_peak: int) -> Plan | None:
             plan.n_persist,
             error,
         )
-        runtime.profile = calibrated
         return None
-    runtime.profile = calibrated
     runtime.search_request = new_request
     if new_plan.knobs == plan.knobs:
         runtime.plan = new_plan

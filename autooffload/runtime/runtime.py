@@ -476,7 +476,6 @@ class Runtime:
         self._backwards_this_step = 0
         if self._steps == self.calibrate_at_step:
             self.calibrate_at_step = None
-            self.cpu_optim.wait()
             calibrate_after_steps(self, torch.cuda.max_memory_reserved(self.device))
         # Updates in the backward start once the conservative profiling steps are over.
         self.cpu_optim.update_in_backward = (
