@@ -113,6 +113,16 @@ def test_bool_env_values(monkeypatch, text, expected):
     assert Settings.from_env().mask is expected
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"), [("auto", None), ("AUTO", None), ("1", True), ("off", False)]
+)
+def test_expandable_segments_is_auto_or_a_bool(monkeypatch, text, expected):
+    monkeypatch.setenv("AUTOOFFLOAD_EXPANDABLE_SEGMENTS", text)
+    assert Settings.from_env().expandable_segments is expected
+    monkeypatch.setenv("AUTOOFFLOAD_EXPANDABLE_SEGMENTS", "sometimes")
+    expect_error(["AUTOOFFLOAD_EXPANDABLE_SEGMENTS", "'sometimes'", "auto", "true/false"])
+
+
 def test_bad_bool_names_var_value_and_valid_values(monkeypatch):
     monkeypatch.setenv("AUTOOFFLOAD_FORCE_ATTACH", "maybe")
     expect_error(["AUTOOFFLOAD_FORCE_ATTACH", "'maybe'", "1/0", "true/false", "yes/no", "on/off"])

@@ -171,6 +171,7 @@ class AutoOffloadTrainee(Trainee):
         out["plan"] = {k: _safe(lambda k=k: getattr(plan, k)) for k in PLAN_FIELDS}
         out["plan"]["bottleneck"] = getattr(plan, "bottleneck", None)
         out["plan"]["source"] = getattr(plan, "source", None)
+        out["expandable_segments"] = _safe(lambda: _runtime_of(self.model).expandable_segments)
         stats = self._stats()
         out["stats"] = stats
         out["breakdown"] = _per_step_breakdown(self.stats_at_start, stats, timed_steps)

@@ -270,6 +270,7 @@ class StepProfiler:
             weight_dtype=str(runtime.weight_dtype()).replace("torch.", ""),
             grad_accumulation=grad_accumulation,
             update_in_backward=runtime.settings.update_in_backward,
+            expandable_segments=runtime.expandable_segments,
         )
 
     def _edge_units(self, block_groups: list[Group]) -> tuple[UnitProfile, UnitProfile]:

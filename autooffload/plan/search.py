@@ -80,14 +80,20 @@ class SearchRequest:
     hw: HardwareProfile
     budget_bytes: int | None
     fixed: dict[str, int] = field(default_factory=dict)
+    min_persist: int = 0
+    """Lower bound of ``n_persist`` (a re-plan may promote chunks, never demote them)."""
 
     def plan(self) -> Plan:
         """The fastest feasible configuration (``search``)."""
-        return search(self.profiles_by_chunk_size, self.hw, self.budget_bytes, self.fixed)
+        return search(
+            self.profiles_by_chunk_size, self.hw, self.budget_bytes, self.fixed, self.min_persist
+        )
 
     def candidates(self) -> Candidates:
         """Every feasible configuration evaluated (``search_all``)."""
-        return search_all(self.profiles_by_chunk_size, self.hw, self.budget_bytes, self.fixed)
+        return search_all(
+            self.profiles_by_chunk_size, self.hw, self.budget_bytes, self.fixed, self.min_persist
+        )
 
 
 @dataclass(frozen=True)
@@ -105,15 +111,17 @@ def search(
     hw: HardwareProfile,
     budget_bytes: int | None,
     fixed: dict[str, int] | None = None,
+    min_persist: int = 0,
 ) -> Plan:
     """The fastest configuration whose predicted peak fits ``budget_bytes`` (None: unbounded).
 
     ``fixed`` pins any subset of ``chunk_size, n_persist, n_buffer, n_swap, n_checkpoint``; the
-    search completes the rest. Raises ``PlanError`` when nothing fits, naming the fixed knob that
-    makes it infeasible and its nearest feasible value, or the smallest budget that would fit.
+    search completes the rest, with ``n_persist >= min_persist``. Raises ``PlanError`` when
+    nothing fits, naming the fixed knob that makes it infeasible and its nearest feasible value,
+    or the smallest budget that would fit.
     """
     fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
-    best, _ = _run(profiles_by_chunk_size, hw, budget_bytes, fixed)
+    best, _ = _run(profiles_by_chunk_size, hw, budget_bytes, fixed, min_persist=min_persist)
     if best is None:
         raise _infeasible(profiles_by_chunk_size, hw, budget_bytes, fixed)
     source = "search" if not fixed else ("user" if len(fixed) == len(KNOBS) else "user+search")
@@ -125,11 +133,12 @@ def search_all(
     hw: HardwareProfile,
     budget_bytes: int | None,
     fixed: dict[str, int] | None = None,
+    min_persist: int = 0,
 ) -> Candidates:
     """Every feasible configuration the search evaluates, with its predicted peak and throughput
     (``n_buffer`` values above the last useful one are not evaluated: they only add memory)."""
     fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
-    return _run(profiles_by_chunk_size, hw, budget_bytes, fixed, collect=True)[1]
+    return _run(profiles_by_chunk_size, hw, budget_bytes, fixed, True, min_persist=min_persist)[1]
 
 
 def make_plan(
@@ -195,6 +204,7 @@ def _run(
     fixed: dict[str, int],
     collect: bool = False,
     by_peak: bool = False,
+    min_persist: int = 0,
 ) -> tuple[_Pick | None, Candidates]:
     """Search every layout: the best pick (fastest feasible, or smallest peak with ``by_peak``)
     and, with ``collect``, every feasible row."""
@@ -204,7 +214,7 @@ def _run(
         if fixed.get("chunk_size", chunk_size) != chunk_size:
             continue
         pick = _search_layout(
-            profiles[chunk_size], hw, budget, fixed, rows if collect else None, by_peak
+            profiles[chunk_size], hw, budget, fixed, rows if collect else None, by_peak, min_persist
         )
         if pick is not None and (best is None or _order(pick, by_peak) < _order(best, by_peak)):
             best = pick
@@ -223,6 +233,7 @@ def _search_layout(
     fixed: dict[str, int],
     rows: list[tuple[np.ndarray, ...]] | None,
     by_peak: bool,
+    min_persist: int = 0,
 ) -> _Pick | None:
     """Evaluate every configuration of one layout (see the module docstring for the shape)."""
     tables = chunk_tables(profile)
@@ -230,6 +241,7 @@ def _search_layout(
     if fixed.get("n_persist", 0) > profile.n_chunks:
         return None
     persist = _values(fixed, "n_persist", profile.n_chunks)
+    persist = persist[persist >= min_persist]
     static = (
         tables.persist_bytes
         + profile.optim_bytes_per_param * tables.persist_numel

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from autooffload.plan.types import Plan
+from autooffload.runtime import allocator
 from autooffload.runtime.attachable import check_attachable
 from autooffload.runtime.runtime import Runtime
 from autooffload.settings import Settings
@@ -43,7 +44,15 @@ def attach(
             existing.bind_optimizer(optimizer)
         return existing
     check_attachable(model)
-    runtime = Runtime(model, settings, resolve_device(settings, device))
+    resolved = resolve_device(settings, device)
+    # Before the runtime allocates its chunks and buffers on the device.
+    held = allocator.acquire(settings.expandable_segments, resolved)
+    try:
+        runtime = Runtime(model, settings, resolved)
+    except BaseException:
+        allocator.release(held)
+        raise
+    runtime.allocator_hold = held
     _runtimes[id(model)] = runtime
     _last_plan[:] = [runtime.plan]
     if optimizer is not None:

@@ -19,6 +19,7 @@ from autooffload.runtime.host import HostMemory, host_memory
 from autooffload.settings import Settings
 
 if TYPE_CHECKING:
+    from autooffload.runtime.optimizer import CpuOptimizer
     from autooffload.runtime.runtime import Runtime
 
 
@@ -26,10 +27,12 @@ if TYPE_CHECKING:
 DEFAULT_SAFETY_MARGIN = 1 << 30
 BUDGET_MARGIN_SHARE = 0.04
 BUDGET_MARGIN_MIN = 256 << 20
-# Steps run under the searched plan before its measured peak is compared with the prediction,
-# and how far above the prediction the measurement may be before the model is calibrated.
+# Steps run under the searched plan before its measured peak and CPU update rate are compared
+# with what the plan assumed; how far above the predicted peak the measured one may be, and how
+# far from the planned rate the measured one, before the model is calibrated.
 CALIBRATE_AFTER_STEPS = 2
 CALIBRATION_MARGIN = 0.02
+CPU_RATE_MARGIN = 0.10
 
 
 def budget_bytes(settings: Settings, device: torch.device) -> int | None:
@@ -307,6 +310,9 @@ def switch_to_searched_plan(
         # The planned steps' peak, not the profiling steps', is compared with the prediction.
         torch.cuda.reset_peak_memory_stats(runtime.device)
         runtime.calibrate_at_step = runtime.steps_taken + CALIBRATE_AFTER_STEPS
+        # The worker is idle here (the last profiling step waited for its update).
+        optimizer = runtime.cpu_optim
+        runtime.cpu_mark = (optimizer.busy_s, optimizer.updated_params)
     from autooffload import runtime as rt
 
     rt._last_plan[:] = [plan]
@@ -316,53 +322,85 @@ def switch_to_searched_plan(
         raise SystemExit(0)
 
 
-def calibrate_after_steps(runtime: Runtime, measured_peak: int) -> Plan | None:
-    """Compare the planned steps' measured peak (bytes reserved by the allocator) with the
-    plan's prediction; above it by more than ``CALIBRATION_MARGIN``, calibrate the
-    fragmentation factor (``cost.calibrate``) and re-plan with the persistent chunks kept
-    (demoting them would move live optimizer state back). Returns the new plan, or None when
-    the prediction held or nothing changed. Logged once either way it acts."""
+def worker_rate(mark: tuple[float, int], optimizer: CpuOptimizer) -> float | None:
+    """Offloaded params updated per second the CPU worker was busy since ``mark`` (its
+    ``(busy_s, updated_params)`` then): gradient accumulation included, as the step runs it.
+    The worker must be idle at ``mark`` and now (``wait()`` first)."""
+    seconds = optimizer.busy_s - mark[0]
+    params = optimizer.updated_params - mark[1]
+    return params / seconds if seconds > 0 and params > 0 else None
+
+
+def calibrate_after_steps(
+    runtime: Runtime, measured_peak: int, measured_cpu_rate: float | None = None
+) -> Plan | None:
+    """Check the planned steps against what their plan assumed, once: the measured peak
+    (bytes reserved by the allocator) above the prediction by more than ``CALIBRATION_MARGIN``
+    calibrates the fragmentation factor (``cost.calibrate``); the CPU worker's measured rate
+    (``worker_rate``: the update contended by the running step, gradient accumulation included)
+    off the planned one by more than ``CPU_RATE_MARGIN`` replaces it. Either re-runs the search,
+    which may promote chunks but never demotes one (that would move live optimizer state back).
+    Returns the new plan, or None when the assumptions held or the plan stays. Logged once
+    whenever it acts."""
     from autooffload.plan.cost import calibrate
 
     plan, request, profile = runtime.plan, runtime.search_request, runtime.profile
     predicted = plan.predicted_peak_bytes
     if request is None or profile is None or not predicted:
         return None
-    if measured_peak <= predicted * (1 + CALIBRATION_MARGIN):
-        return None
-    old = profile.fragmentation_factor
-    factor = calibrate(profile, measured_peak, predicted)
-    calibrated = profile.with_fragmentation(factor)
-    fixed = {**request.fixed, "n_persist": plan.n_persist}
-    new_request = SearchRequest(
-        {calibrated.chunk_size: calibrated}, request.hw, request.budget_bytes, fixed
-    )
-    runtime.profile = calibrated
     gib = 1 << 30
-    found = f"measured peak {measured_peak / gib:.2f} GiB > predicted {predicted / gib:.2f} GiB"
+    found = []
+    calibrated, hw = profile, request.hw
+    if measured_peak > predicted * (1 + CALIBRATION_MARGIN):
+        old = profile.fragmentation_factor
+        factor = calibrate(profile, measured_peak, predicted)
+        calibrated = profile.with_fragmentation(factor)
+        found.append(
+            f"measured peak {measured_peak / gib:.2f} GiB > predicted {predicted / gib:.2f} GiB"
+            f" (fragmentation {old:.3f} -> {factor:.3f})"
+        )
+    planned_rate = hw.cpu_optim_params_per_s
+    if measured_cpu_rate and abs(measured_cpu_rate / planned_rate - 1) > CPU_RATE_MARGIN:
+        hw = replace(hw, cpu_optim_params_per_s=measured_cpu_rate)
+        found.append(
+            f"CPU update {measured_cpu_rate / 1e9:.2f} Gparam/s measured vs"
+            f" {planned_rate / 1e9:.2f} planned"
+        )
+    if not found:
+        return None
+    what = "; ".join(found)
+    runtime.profile = calibrated
+    new_request = SearchRequest(
+        {calibrated.chunk_size: calibrated},
+        hw,
+        request.budget_bytes,
+        request.fixed,
+        min_persist=plan.n_persist,
+    )
     try:
-        new_plan = replace(new_request.plan(), chunk_size=runtime.layout.chunk_size)
+        new_plan = new_request.plan()
     except PlanError as error:
         logger.warning(
-            "%s (fragmentation %.3f -> %.3f) and no plan keeping the %d persistent chunks fits"
-            " the budget (%s); set AUTOOFFLOAD_BUDGET lower to leave the allocator more room",
-            found,
-            old,
-            factor,
+            "%s, and no plan keeping the %d persistent chunks fits the budget (%s); set"
+            " AUTOOFFLOAD_BUDGET lower to leave the allocator more room",
+            what,
             plan.n_persist,
             error,
         )
         return None
+    new_plan = replace(
+        new_plan, chunk_size=runtime.layout.chunk_size, source=f"{plan.source}, calibrated"
+    )
     runtime.search_request = new_request
     if new_plan.knobs == plan.knobs:
         runtime.plan = new_plan
-        logger.info("%s: fragmentation %.3f -> %.3f; the plan stays", found, old, factor)
+        logger.info(
+            "%s; the plan stays (predicted step now %.0f ms)", what, new_plan.predicted_step_s * 1e3
+        )
         return None
     runtime.apply_plan(new_plan)
     from autooffload import runtime as rt
 
     rt._last_plan[:] = [new_plan]
-    logger.info(
-        "%s: fragmentation %.3f -> %.3f, re-planned:\n%s", found, old, factor, new_plan.summary()
-    )
+    logger.info("%s, re-planned:\n%s", what, new_plan.summary())
     return new_plan

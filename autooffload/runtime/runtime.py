@@ -16,6 +16,7 @@ from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import Candidates, SearchRequest
 from autooffload.plan.types import Plan
+from autooffload.runtime import allocator
 from autooffload.runtime.activations import (
     ActivationSwapper,
     apply_policy,
@@ -37,6 +38,7 @@ from autooffload.runtime.planning import (
     initial_plan,
     profile_after_step,
     switch_to_searched_plan,
+    worker_rate,
 )
 from autooffload.runtime.quantized import QuantizedParams
 from autooffload.runtime.sharding import Sharding, refresh_hosts
@@ -59,6 +61,12 @@ class Runtime:
         self.model = model
         self.settings = settings
         self.device = device
+        # Whether the device allocations use expandable segments (runtime/allocator.py; the
+        # hold is taken by ``runtime.attach`` and given back at detach).
+        self.expandable_segments = device.type == "cuda" and allocator.active(
+            settings.expandable_segments
+        )
+        self.allocator_hold = False
         self.groups = discover_groups(model)
         if not any(g.is_block for g in self.groups):
             logger.debug("no repeated blocks found; every module with parameters is a group")
@@ -118,6 +126,9 @@ class Runtime:
         self._steps = 0
         # The step after which the searched plan's measured peak is checked (CUDA only).
         self.calibrate_at_step: int | None = None
+        # The CPU worker's (busy_s, updated_params) when it was last known idle: the start of
+        # the window its rate is measured over (``planning.worker_rate``).
+        self.cpu_mark: tuple[float, int] = (0.0, 0)
         self._step_started = time.perf_counter()
         self.swapper: ActivationSwapper | None = None
         self.hf_checkpointing_taken = False
@@ -449,22 +460,19 @@ class Runtime:
         profile = profile_after_step(self, optimizer)
         measured_rate = None
         if apply_update and any(o is optimizer for o in self.cpu_optim.optimizers):
-            if profile is not None:
-                before = (self.cpu_optim.update_s, self.cpu_optim.updated_params)
             self.cpu_optim.step(optimizer)
             if profile is not None:
-                # Measure the CPU update as it runs here (memory traffic, copies and thread
-                # count included): micro-benchmarks of the optimizer alone overstate it.
+                # Measure the CPU worker as it runs here (the step's gradient accumulation,
+                # copies and thread count included; the previous profiling step left it idle,
+                # ``cpu_mark``): micro-benchmarks of the optimizer alone overstate it.
                 self.cpu_optim.wait()
-                seconds = self.cpu_optim.update_s - before[0]
-                params = self.cpu_optim.updated_params - before[1]
-                if seconds > 0 and params > 0:
-                    measured_rate = params / seconds
+                measured_rate = worker_rate(self.cpu_mark, self.cpu_optim)
             elif isinstance(self.profiler, StepProfiler):
                 # The next step is the measured one: its blocks must not be timed while this
                 # update competes for the host (launch-bound timings doubled the predicted
                 # step and made the plan vary from run to run).
                 self.cpu_optim.wait()
+                self.cpu_mark = (self.cpu_optim.busy_s, self.cpu_optim.updated_params)
         self._steps += 1
         sharding = self.manager.sharding
         if apply_update and sharding is not None:
@@ -476,7 +484,12 @@ class Runtime:
         self._backwards_this_step = 0
         if self._steps == self.calibrate_at_step:
             self.calibrate_at_step = None
-            calibrate_after_steps(self, torch.cuda.max_memory_reserved(self.device))
+            self.cpu_optim.wait()  # this step's update belongs to the measured window
+            calibrate_after_steps(
+                self,
+                torch.cuda.max_memory_reserved(self.device),
+                worker_rate(self.cpu_mark, self.cpu_optim),
+            )
         # Updates in the backward start once the conservative profiling steps are over.
         self.cpu_optim.update_in_backward = (
             self.settings.update_in_backward and self.profiler is None
@@ -559,6 +572,8 @@ class Runtime:
                 if buffer is not None:
                     module._buffers[name] = buffer.to(target)
         self.cpu_optim.shutdown()
+        allocator.release(self.allocator_hold)
+        self.allocator_hold = False
         return self.model
 
 

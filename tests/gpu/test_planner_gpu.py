@@ -83,7 +83,8 @@ def test_predicted_peak_and_step_time_match_the_measurement(
 ) -> None:
     result = bench_run(tmp_path, workload, cap_gib * GiB)
     assert_ok(result)
-    assert result["plan"]["source"] == "search", describe(result)
+    # The calibration after the first planned steps may re-plan ("search, calibrated").
+    assert result["plan"]["source"] in ("search", "search, calibrated"), describe(result)
     assert result["candidates"]["chosen_on_frontier"], result["candidates"]["chosen"]
     predicted_peak = result["predicted_peak_bytes"] / GiB
     measured_peak = result["peak_timed_reserved_gib"]
@@ -140,7 +141,8 @@ def test_27b_model_trains_under_a_24gib_cap(tmp_path: Path) -> None:
     )
     assert_ok(result)
     assert result["approx_params"] > 27e9
-    assert result["plan"]["source"] == "search", describe(result)
+    # The calibration after the first planned steps may re-plan ("search, calibrated").
+    assert result["plan"]["source"] in ("search", "search, calibrated"), describe(result)
     assert result["plan"]["n_persist"] < result["plan"]["n_chunks"], "nothing was offloaded"
     assert result["peak_reserved_gib"] * GiB <= cap, describe(result)
     assert all(math.isfinite(loss) for loss in result["losses"]), result["losses"]
