@@ -88,6 +88,9 @@ class ChunkManager:
         self.host_busy: list[Future | None] = [None] * len(self.chunks)
         self.staging_busy: list[Future | None] = [None] * len(self.chunks)
         self.on_grads_ready: GradsReady | None = None
+        # Called with a chunk's index before its staging is written again (the CPU optimizer
+        # may have aliased its host gradients to it and must release them first).
+        self.before_staging_write: Callable[[int], None] | None = None
         # Data parallelism (runtime/distributed.py): the reducer, and per chunk the backward
         # pass whose gradients it last reduced (each chunk is reduced once per backward).
         self.data_parallel: DataParallel | None = None
@@ -314,8 +317,8 @@ class ChunkManager:
         slots = [s for s in chunk.trainable_slots if s.param.grad is not None]
         if not slots:
             return
-        # The staging bytes are reused each backward: the last accumulation must have read them.
-        self._wait(self.staging_busy, index)
+        # The staging bytes are reused each backward: whatever reads them must be done.
+        self._claim_staging(index)
         # Norms for gradient clipping, taken where they are nearly free: on the device, before
         # the copy (one fused kernel), instead of a pass over host memory on the CPU.
         norms = torch._foreach_norm([s.param.grad for s in slots], 2, dtype=torch.float32)
@@ -336,6 +339,12 @@ class ChunkManager:
             for slot in slots:
                 self.staging_view(slot, chunk).copy_(slot.param.grad)
         self._grads_sent(chunk, slots, event, norms)
+
+    def _claim_staging(self, index: int) -> None:
+        """Wait until chunk ``index``'s gradient staging may be overwritten."""
+        if self.before_staging_write is not None:
+            self.before_staging_write(index)
+        self._wait(self.staging_busy, index)
 
     def _grads_sent(
         self,
@@ -361,7 +370,7 @@ class ChunkManager:
         if all(s.param.grad is None for s in slots):
             return
         self._reduced[chunk.index] = self._backward_id
-        self._wait(self.staging_busy, chunk.index)
+        self._claim_staging(chunk.index)
         grads = [
             s.param.grad
             if s.param.grad is not None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -92,6 +92,11 @@ class CpuOptimizer:
         self.update_in_backward = False
         self.early: dict[int, tuple[torch.optim.Optimizer, list[dict]]] = {}
         self.grad_buffers: dict[int, torch.Tensor] = {}
+        # Chunks whose host gradients are their pinned staging itself (main thread's view): the
+        # first backward after zero_grad needs no copy out of staging when the dtypes agree
+        # (no fp32 masters). The staging is then released before it is written again
+        # (``_before_staging_write``), at the update (``staging_busy``) or at zero_grad.
+        self.aliased: set[int] = set()
         # Twins and their user-group indices, keyed by (chunk index, id(user optimizer)).
         self.twins: dict[tuple[int, int], torch.optim.Optimizer] = {}
         self.twin_group_index: dict[tuple[int, int], list[int]] = {}
@@ -110,6 +115,7 @@ class CpuOptimizer:
         self.updated_params = 0
         self.updates = 0
         manager.on_grads_ready = self._grads_ready
+        manager.before_staging_write = self._before_staging_write
         # Every offloaded trainable param, on every rank (masters exist only for the chunks
         # this rank owns when the state is sharded: runtime/sharding.py).
         self.offloaded_ids: set[int] = set()
@@ -166,7 +172,10 @@ class CpuOptimizer:
             pid = id(slot.param)
             self.accumulations[pid] = self.accumulations.get(pid, 0) + 1
             self.device_norms[pid] = norm
-        future = self.worker.submit(self._accumulate, chunk, slots, event)
+        alias = all(self._aliasable(slot) for slot in slots)
+        if alias:
+            self.aliased.add(chunk.index)
+        future = self.worker.submit(self._accumulate, chunk, slots, event, alias)
         self.manager.staging_busy[chunk.index] = future
         self.manager.host_busy[chunk.index] = future
         if self.update_in_backward:
@@ -189,6 +198,7 @@ class CpuOptimizer:
         self.early[chunk.index] = (optimizer, hyper)
         future = self.worker.submit(self._update, chunk, twin, hyper, 1.0)
         self.manager.host_busy[chunk.index] = future
+        self._hold_staging(chunk.index, future)
 
     def _hyper(self, chunk: Chunk, optimizer: torch.optim.Optimizer) -> list[dict]:
         """The user's hyperparameters for ``chunk``'s twin groups, as the twin takes them."""
@@ -209,8 +219,20 @@ class CpuOptimizer:
                 " steps or read the gradients before step()"
             )
 
+    def _aliasable(self, slot: ParamSlot) -> bool:
+        """Whether ``slot``'s host gradient can be its staging: the first backward since
+        zero_grad (nothing to add to) and a master of the gradient's dtype."""
+        pid = id(slot.param)
+        master = self.masters.get(pid)
+        first = self.accumulations.get(pid) == 1
+        return first and master is not None and master.dtype == slot.dtype
+
     def _accumulate(
-        self, chunk: Chunk, slots: list[ParamSlot], event: torch.cuda.Event | None
+        self,
+        chunk: Chunk,
+        slots: list[ParamSlot],
+        event: torch.cuda.Event | None,
+        alias: bool = False,
     ) -> None:
         if event is not None:
             event.synchronize()
@@ -218,7 +240,9 @@ class CpuOptimizer:
         for slot in slots:
             master = self.masters[id(slot.param)]
             staged = self.manager.staging_view(slot, chunk)
-            if master.grad is None:
+            if alias:
+                master.grad = staged  # read in place by the update: one pass less
+            elif master.grad is None:
                 buffer = self.grad_buffers.get(id(slot.param))
                 if buffer is None:
                     buffer = torch.empty_like(master)
@@ -228,6 +252,38 @@ class CpuOptimizer:
             else:
                 master.grad.add_(staged)
         self.busy_s += time.perf_counter() - start
+
+    def _before_staging_write(self, index: int) -> None:
+        """Chunk ``index``'s staging is about to be overwritten (a second backward before
+        ``zero_grad``): copy the gradients aliased to it out first, on the worker in order."""
+        if index not in self.aliased:
+            return
+        self.aliased.discard(index)
+        chunk = self.manager.chunks[index]
+        future = self.worker.submit(self._unalias, chunk)
+        self.manager.staging_busy[index] = future
+        self.manager.host_busy[index] = future
+
+    def _unalias(self, chunk: Chunk) -> None:
+        start = time.perf_counter()
+        for slot in chunk.trainable_slots:
+            master = self.masters.get(id(slot.param))
+            staged = self.manager.staging_view(slot, chunk)
+            if master is None or master.grad is None or master.grad.data_ptr() != staged.data_ptr():
+                continue
+            buffer = self.grad_buffers.get(id(slot.param))
+            if buffer is None:
+                buffer = torch.empty_like(master)
+                self.grad_buffers[id(slot.param)] = buffer
+            buffer.copy_(staged)
+            master.grad = buffer
+        self.busy_s += time.perf_counter() - start
+
+    def _hold_staging(self, index: int, future: Future) -> None:
+        """An aliased chunk's staging is read by ``future`` (its update, or the zero_grad clear):
+        the next write into it waits for that."""
+        if index in self.aliased:
+            self.manager.staging_busy[index] = future
 
     def wait(self) -> None:
         """Block until every queued accumulation and update is done."""
@@ -250,7 +306,11 @@ class CpuOptimizer:
                 elif master.grad is not None:
                     master.grad.zero_()
 
-        self.worker.submit(clear)
+        future = self.worker.submit(clear)
+        # The clear drops (or zeroes) gradients aliased to staging: the next writes wait for it.
+        for index in self.aliased:
+            self.manager.staging_busy[index] = future
+        self.aliased.clear()
         self.accumulations.clear()
         self.device_norms.clear()
         self.clip_coef = 1.0
@@ -398,7 +458,9 @@ class CpuOptimizer:
                     )
                 continue  # updated in the backward
             args = (chunk, twin, hyper, self.clip_coef)
-            self.manager.host_busy[chunk.index] = self.worker.submit(self._update, *args)
+            future = self.worker.submit(self._update, *args)
+            self.manager.host_busy[chunk.index] = future
+            self._hold_staging(chunk.index, future)
         self.clip_coef = 1.0
 
     def _update(
@@ -446,6 +508,7 @@ class CpuOptimizer:
                 master = self.masters.get(id(slot.param))
                 if master is not None and master in twin.state:
                     states[id(slot.param)] = dict(twin.state[master])
+        self.aliased.discard(chunk.index)
         for slot in chunk.slots:
             self.offloaded_ids.discard(id(slot.param))
             self.masters.pop(id(slot.param), None)

@@ -183,9 +183,14 @@ def test_step_and_zero_grad_return_before_the_cpu_update_yet_the_next_forward_se
     assert torch.equal(after_step, settled), "the forward read weights the update had not written"
 
 
-def test_zero_grad_queued_behind_the_update_keeps_training_equal_to_plain(make_llama, offload_cpu):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_queued_behind_the_update_keeps_training_equal_to_plain(
+    make_llama, offload_cpu, set_to_none
+):
     """zero_grad clears host gradients on the worker, after the pending update used them and
-    before the next backward accumulates: three steps equal plain AdamW."""
+    before the next backward accumulates: three steps equal plain AdamW. The host gradients
+    are the pinned staging itself (aliased): zeroing them (``set_to_none=False``) must not
+    land after the next backward has written new gradients there."""
     torch.manual_seed(0)
     plain = make_llama(n_layers=2)
     model = make_llama(n_layers=2)
@@ -201,8 +206,93 @@ def test_zero_grad_queued_behind_the_update_keeps_training_equal_to_plain(make_l
         for net, optimizer in zip((plain, model), optimizers, strict=True):
             net(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=set_to_none)
         gate.set()
+    runtime.synchronize()
+    trained = plain.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _offloaded_grads(runtime) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(host gradient, its staging view) of every offloaded trainable param with a gradient."""
+    optimizer, manager = runtime.cpu_optim, runtime.manager
+    return [
+        (optimizer.masters[id(slot.param)].grad, manager.staging_view(slot, chunk))
+        for chunk, slot in optimizer.offloaded_slots()
+        if optimizer.masters[id(slot.param)].grad is not None
+    ]
+
+
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_host_gradients_are_the_staging_after_one_backward(make_llama, offload_cpu, master_weights):
+    """The first backward's gradients are read where they landed (no copy pass) when the
+    master has their dtype; fp32 masters of bf16 weights need the converting copy."""
+    model = make_llama(n_layers=2).to(torch.bfloat16)
+    offload_cpu(n_persist=0, activation_mode="keep", master_weights=master_weights)
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    runtime.cpu_optim.wait()
+    pairs = _offloaded_grads(runtime)
+    assert pairs
+    shared = [grad.data_ptr() == staged.data_ptr() for grad, staged in pairs]
+    assert all(shared) if not master_weights else not any(shared)
+
+
+def test_steps_without_zero_grad_accumulate_across_steps_like_plain(make_llama, offload_cpu):
+    """No zero_grad at all: torch adds each backward's gradients to the last step's. The
+    gradients aliased to the staging are copied out before the next backward overwrites it."""
+    torch.manual_seed(0)
+    plain = make_llama(n_layers=2)
+    model = make_llama(n_layers=2)
+    model.load_state_dict(plain.state_dict())
+    offload_cpu(n_persist=0, activation_mode="keep")
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (plain, model)]
+    batches = [
+        torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(k)) for k in range(3)
+    ]
+    for ids in batches:
+        for net, optimizer in zip((plain, model), optimizers, strict=True):
+            net(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+    runtime.synchronize()
+    assert not runtime.cpu_optim.aliased, "gradients of later backwards stayed aliased"
+    for grad, staged in _offloaded_grads(runtime):
+        assert grad.data_ptr() != staged.data_ptr()
+    trained = plain.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_zeroing_aliased_gradients_lands_before_the_next_backward_writes(make_llama, offload_cpu):
+    """``zero_grad(set_to_none=False)`` zeroes the host gradients, which are the staging, on
+    the worker; held up there (a gate released 0.2 s later), it must still run before the
+    next backward copies new gradients into the staging, or it would wipe them."""
+    torch.manual_seed(0)
+    plain = make_llama(n_layers=2)
+    model = make_llama(n_layers=2)
+    model.load_state_dict(plain.state_dict())
+    offload_cpu(n_persist=0, activation_mode="keep")
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (plain, model)]
+    batches = [
+        torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(k)) for k in range(3)
+    ]
+    for ids in batches:
+        for net, optimizer in zip((plain, model), optimizers, strict=True):
+            net(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            if net is model:
+                gate = threading.Event()
+                runtime.cpu_optim.worker.submit(gate.wait, 30)
+                threading.Timer(0.2, gate.set).start()
+            optimizer.zero_grad(set_to_none=False)
     runtime.synchronize()
     trained = plain.state_dict()
     for name, value in model.state_dict().items():
