@@ -240,7 +240,11 @@ def peak_breakdown(
     grads[u] = offload_grad_bytes[p, u] + persist_grad_bytes[p, u]   (backward only)
     fwd[u]   = fwd_act[u] + in_flight_fwd[u]              (``activation_events``,
     bwd[u]   = bwd_act[u] + grads[u] + in_flight_bwd[u]    ``chunk_bytes_in_flight``)
-    peak     = cuda_context + ceil(fragmentation * (static + max(max_u fwd[u], max_u bwd[u])))
+    step     = persist_grad_total[p] (unless in static) + optim_step_bytes_per_param
+               * persist_numel[p]       (the user's optimizer.step(): activations are gone, the
+                                         persistent grads and the optimizer's temporaries live)
+    peak     = cuda_context + ceil(fragmentation * (static + max(max_u fwd[u], max_u bwd[u],
+                                                               step)))
     """
     tables = tables or chunk_tables(profile)
     check_knobs(profile, knobs, tables)
@@ -261,7 +265,8 @@ def peak_breakdown(
     fwd_peak, bwd_peak = int(fwd.max()), int(bwd.max())
     in_backward = bwd_peak > fwd_peak
     peak_unit = int(np.argmax(bwd if in_backward else fwd))
-    allocated = static + max(fwd_peak, bwd_peak)
+    step = optimizer_step_bytes(profile, tables, p)
+    allocated = static + max(fwd_peak, bwd_peak, step)
     frag = profile.fragmentation_factor
     peak = hw.cuda_context_bytes + math.ceil(frag * allocated)
     return {
@@ -275,10 +280,20 @@ def peak_breakdown(
         "activations_fwd_peak": float(fwd_act.max()),
         "activations_bwd_peak": float((bwd_act + grads).max()),
         "peak_in_backward": float(in_backward),
+        "optimizer_step": float(step),
         "peak_unit": float(peak_unit),
         "allocated": float(allocated),
         "fragmentation": frag,
     }
+
+
+def optimizer_step_bytes(
+    profile: ModelProfile, tables: ChunkTables, p: int | np.ndarray
+) -> int | np.ndarray:
+    """Bytes above ``static`` while the user's optimizer steps the persistent chunks (see
+    ``peak_breakdown``); ``p`` an n_persist or an array of them."""
+    grads = 0 if profile.grad_accumulation else tables.persist_grad_total[p]
+    return grads + profile.optim_step_bytes_per_param * tables.persist_numel[p]
 
 
 def predict_peak_bytes(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs) -> int:

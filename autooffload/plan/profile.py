@@ -211,7 +211,9 @@ class StepProfiler:
         bwd_s = self.clock.seconds(bstart, bend)
         return fwd_s, bwd_s, int(kept), int(fwd_peak), int(bwd_peak)
 
-    def build(self, optim_bytes_per_param: int, grad_accumulation: bool) -> ModelProfile:
+    def build(
+        self, optim_bytes_per_param: int, grad_accumulation: bool, optim_step_bytes: int = 0
+    ) -> ModelProfile:
         """The ``ModelProfile`` of this step (runs the probes)."""
         runtime = self.runtime
         probes: dict[type, UnitProfile] = {}
@@ -267,6 +269,7 @@ class StepProfiler:
             batch_tokens=tokens,
             static_bytes=max(0, self.start_allocated - runtime.manager.resident_bytes()),
             optim_bytes_per_param=optim_bytes_per_param,
+            optim_step_bytes_per_param=optim_step_bytes,
             weight_dtype=str(runtime.weight_dtype()).replace("torch.", ""),
             grad_accumulation=grad_accumulation,
             update_in_backward=runtime.settings.update_in_backward,

@@ -135,6 +135,9 @@ class ModelProfile:
     """Per-step seconds outside the units (zero_grad, host code, loss scaling)."""
     optim_bytes_per_param: int = 4
     """GPU optimizer state bytes per persistent trainable element (AdamW bf16: 2 states x 2 B)."""
+    optim_step_bytes_per_param: int = 0
+    """Transient GPU bytes per persistent trainable element while the user's optimizer steps
+    (foreach AdamW's whole-group sqrt of ``exp_avg_sq``: one state element; fused kernels: 0)."""
     weight_dtype: str = "bfloat16"
     """Storage dtype of the weights; selects the fragmentation factor."""
     fragmentation: dict[str, float] = field(default_factory=dict)

@@ -28,6 +28,7 @@ from autooffload.plan.cost import (
     assign_block_policies,
     backward_update_ready,
     chunk_tables,
+    optimizer_step_bytes,
     peak_breakdown,
     predict_step_time,
 )
@@ -307,6 +308,7 @@ def _search_layout(
     fwd_chunks = live + fwd_window
     bwd_chunks = live + bwd_window + grads[:, None, :]
     static_p = static[persist][None, :, None]
+    step_bytes = optimizer_step_bytes(profile, tables, persist)[None, :, None]
 
     best = None
     unit_index = np.arange(n_units)
@@ -350,7 +352,7 @@ def _search_layout(
         bwd_peak = _split_max(
             events_ckpt + bwd_transient, events_keep + bwd_transient, bwd_chunks, bound, saving
         )
-        allocated = static_p + np.maximum(fwd_peak, bwd_peak)
+        allocated = static_p + np.maximum(np.maximum(fwd_peak, bwd_peak), step_bytes)
         peak = hw.cuda_context_bytes + np.ceil(frag * allocated.astype(float)).astype(np.int64)
 
         ok = np.broadcast_to(valid[None], peak.shape)

@@ -184,6 +184,27 @@ def check_host_memory(
     )
 
 
+def optim_step_bytes(
+    optimizer: torch.optim.Optimizer | None, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Transient device bytes per persistent trainable element while ``optimizer`` steps. torch's
+    foreach implementations (its default on CUDA unless ``fused`` or ``foreach=False``) build
+    whole-group temporaries: Adam-family the sqrt of ``exp_avg_sq`` (one state element), SGD
+    the weight-decayed gradients. Fused and per-tensor kernels, and optimizers outside
+    torch.optim (bitsandbytes 8-bit), count none: they hold at most one tensor's worth."""
+    if optimizer is None or not type(optimizer).__module__.startswith("torch.optim"):
+        return 0
+    element = torch.empty((), dtype=dtype).element_size()
+    groups = optimizer.param_groups
+    if any(g.get("fused") for g in groups) or device.type != "cuda":
+        return 0
+    if all(g.get("foreach") is False for g in groups):
+        return 0
+    if type(optimizer).__name__ == "SGD":
+        return element if any(g.get("weight_decay", 0) for g in groups) else 0
+    return element
+
+
 def optim_state_bytes(optimizer: torch.optim.Optimizer | None, dtype: torch.dtype) -> int:
     """GPU optimizer-state bytes per persistent trainable element (torch keeps states in the
     param dtype): Adam-family 2 states, SGD with momentum / Adagrad / RMSprop 1; bitsandbytes
@@ -291,6 +312,7 @@ def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> Mo
     return profiler.build(
         optim_bytes_per_param=optim_state_bytes(optimizer, runtime.weight_dtype()),
         grad_accumulation=runtime._backwards_this_step > 1,
+        optim_step_bytes=optim_step_bytes(optimizer, runtime.weight_dtype(), runtime.device),
     )
 
 

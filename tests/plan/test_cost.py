@@ -149,6 +149,26 @@ def test_logits_transient_and_context_and_fragmentation_enter_the_peak(profile, 
     assert fragmented - hw.cuda_context_bytes == pytest.approx(1.5 * base["allocated"], abs=1)
 
 
+def test_the_optimizer_steps_temporaries_and_persistent_grads_can_set_the_peak(profile, hw):
+    """foreach AdamW's temporaries (one state element per persistent param) live with every
+    persistent gradient at ``optimizer.step()``, when activations are gone: with enough
+    persistent chunks that moment is the peak (an H100 run OOMed there, 3 GiB cap)."""
+    everything = Knobs(profile.n_chunks, 1, 0, profile.n_blocks)
+    fused = peak_breakdown(profile, hw, everything)
+    foreach = peak_breakdown(replace(profile, optim_step_bytes_per_param=64), hw, everything)
+    tables = chunk_tables(profile)
+    step = tables.persist_grad_total[profile.n_chunks] + 64 * tables.persist_numel[profile.n_chunks]
+    assert foreach["optimizer_step"] == step
+    static = foreach["allocated"] - step
+    assert static > 0 and foreach["allocated"] > fused["allocated"]
+    assert foreach["peak"] > fused["peak"]
+    none = Knobs(0, int(tables.min_buffers[0]), 0, profile.n_blocks)
+    assert (
+        peak_breakdown(replace(profile, optim_step_bytes_per_param=64), hw, none)["optimizer_step"]
+        == 0
+    ), "nothing persistent: the user's optimizer has nothing on the device"
+
+
 def test_calibrate_recovers_the_measured_fragmentation(profile, hw):
     knobs = _knobs(profile)
     predicted = predict_peak_bytes(profile, hw, knobs)

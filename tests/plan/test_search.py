@@ -59,8 +59,11 @@ def _score_all(profiles, hw):
 
 def _profiles(seed, **kwargs):
     in_backward = kwargs.pop("update_in_backward", False)
+    step_bytes = kwargs.pop("optim_step_bytes_per_param", 0)
     profile = make_profile(seed=seed, **{**SMALL, **kwargs})
-    profile = dataclasses.replace(profile, update_in_backward=in_backward)
+    profile = dataclasses.replace(
+        profile, update_in_backward=in_backward, optim_step_bytes_per_param=step_bytes
+    )
     return {profile.chunk_size: profile}
 
 
@@ -81,6 +84,7 @@ def _budgets(profiles, hw):
         (12, {"edge_bytes": 3 * SMALL["chunk_size"], "tied": True}),
         (13, {"update_in_backward": True}),
         (14, {"update_in_backward": True, "tied": True}),
+        (15, {"optim_step_bytes_per_param": 24}),
     ],
 )
 def test_search_returns_the_brute_force_optimum(seed, kwargs):
@@ -98,8 +102,13 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"tied": True}, {"edge_bytes": 3 * SMALL["chunk_size"]}, {"update_in_backward": True}],
-    ids=["tied", "oversized", "update-in-backward"],
+    [
+        {"tied": True},
+        {"edge_bytes": 3 * SMALL["chunk_size"]},
+        {"update_in_backward": True},
+        {"optim_step_bytes_per_param": 24},
+    ],
+    ids=["tied", "oversized", "update-in-backward", "optimizer-step"],
 )
 def test_vectorised_rows_equal_the_scalar_model(kwargs):
     hw = make_hardware(h2d_bps=8e9, d2h_bps=10e9, duplex_bps=14e9, cpu_optim_params_per_s=2e9)

@@ -140,3 +140,20 @@ def test_a_slower_cpu_update_than_planned_replans_and_promotes(
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+
+
+def test_the_optimizer_step_temporaries_follow_the_optimizer_implementation():
+    """foreach (torch's CUDA default) builds whole-group temporaries; fused and per-tensor
+    kernels, the CPU, and bitsandbytes optimizers count none."""
+    from autooffload.runtime.planning import optim_step_bytes
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    bf16 = torch.bfloat16
+    assert optim_step_bytes(torch.optim.AdamW(params), bf16, cuda) == 2
+    assert optim_step_bytes(torch.optim.AdamW(params, foreach=True), torch.float32, cuda) == 4
+    assert optim_step_bytes(torch.optim.AdamW(params, foreach=False), bf16, cuda) == 0
+    assert optim_step_bytes(torch.optim.AdamW(params), bf16, cpu) == 0
+    assert optim_step_bytes(torch.optim.SGD(params, lr=0.1), bf16, cuda) == 0
+    assert optim_step_bytes(torch.optim.SGD(params, lr=0.1, weight_decay=0.1), bf16, cuda) == 2
+    assert optim_step_bytes(None, bf16, cuda) == 0
