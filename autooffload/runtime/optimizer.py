@@ -243,12 +243,7 @@ class CpuOptimizer:
             if alias:
                 master.grad = staged  # read in place by the update: one pass less
             elif master.grad is None:
-                buffer = self.grad_buffers.get(id(slot.param))
-                if buffer is None:
-                    buffer = torch.empty_like(master)
-                    self.grad_buffers[id(slot.param)] = buffer
-                buffer.copy_(staged)
-                master.grad = buffer
+                self._copy_grad(slot, master, staged)
             else:
                 master.grad.add_(staged)
         self.busy_s += time.perf_counter() - start
@@ -271,13 +266,17 @@ class CpuOptimizer:
             staged = self.manager.staging_view(slot, chunk)
             if master is None or master.grad is None or master.grad.data_ptr() != staged.data_ptr():
                 continue
-            buffer = self.grad_buffers.get(id(slot.param))
-            if buffer is None:
-                buffer = torch.empty_like(master)
-                self.grad_buffers[id(slot.param)] = buffer
-            buffer.copy_(staged)
-            master.grad = buffer
+            self._copy_grad(slot, master, staged)
         self.busy_s += time.perf_counter() - start
+
+    def _copy_grad(self, slot: ParamSlot, master: torch.Tensor, staged: torch.Tensor) -> None:
+        """``master.grad`` = a copy of ``staged`` in the param's own gradient buffer."""
+        buffer = self.grad_buffers.get(id(slot.param))
+        if buffer is None:
+            buffer = torch.empty_like(master)
+            self.grad_buffers[id(slot.param)] = buffer
+        buffer.copy_(staged)
+        master.grad = buffer
 
     def _hold_staging(self, index: int, future: Future) -> None:
         """An aliased chunk's staging is read by ``future`` (its update, or the zero_grad clear):

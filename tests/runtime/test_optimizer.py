@@ -183,21 +183,25 @@ def test_step_and_zero_grad_return_before_the_cpu_update_yet_the_next_forward_se
     assert torch.equal(after_step, settled), "the forward read weights the update had not written"
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad_queued_behind_the_update_keeps_training_equal_to_plain(
-    make_llama, offload_cpu, set_to_none
-):
-    """zero_grad clears host gradients on the worker, after the pending update used them and
-    before the next backward accumulates: three steps equal plain AdamW. The host gradients
-    are the pinned staging itself (aliased): zeroing them (``set_to_none=False``) must not
-    land after the next backward has written new gradients there."""
+def _plain_and_attached(make_llama, offload_cpu):
+    """Two equal tiny models, the second attached with every chunk offloaded; its runtime."""
     torch.manual_seed(0)
     plain = make_llama(n_layers=2)
     model = make_llama(n_layers=2)
     model.load_state_dict(plain.state_dict())
     offload_cpu(n_persist=0, activation_mode="keep")
     model.to("cpu")
-    runtime = rt.runtime_of(model)
+    return plain, model, rt.runtime_of(model)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_queued_behind_the_update_keeps_training_equal_to_plain(
+    make_llama, offload_cpu, set_to_none
+):
+    """zero_grad clears host gradients on the worker, after the pending update used them and
+    before the next backward accumulates: three steps equal plain AdamW. The host gradients
+    are the pinned staging itself (aliased)."""
+    plain, model, runtime = _plain_and_attached(make_llama, offload_cpu)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model)]
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
@@ -242,16 +246,14 @@ def test_host_gradients_are_the_staging_after_one_backward(make_llama, offload_c
     assert all(shared) if not master_weights else not any(shared)
 
 
-def test_steps_without_zero_grad_accumulate_across_steps_like_plain(make_llama, offload_cpu):
-    """No zero_grad at all: torch adds each backward's gradients to the last step's. The
-    gradients aliased to the staging are copied out before the next backward overwrites it."""
-    torch.manual_seed(0)
-    plain = make_llama(n_layers=2)
-    model = make_llama(n_layers=2)
-    model.load_state_dict(plain.state_dict())
-    offload_cpu(n_persist=0, activation_mode="keep")
-    model.to("cpu")
-    runtime = rt.runtime_of(model)
+@pytest.mark.parametrize("loop", ["no_zero_grad", "zero_grad_delayed"])
+def test_gradients_aliased_to_the_staging_survive_its_next_write(make_llama, offload_cpu, loop):
+    """The first backward's host gradients are the staging itself. ``no_zero_grad``: torch
+    adds each backward's gradients to the last step's, so they are copied out before the next
+    backward overwrites the staging. ``zero_grad_delayed``: ``zero_grad(set_to_none=False)``
+    zeroes them on the worker; held up there (a gate released 0.2 s later), it must still run
+    before the next backward writes new gradients into the staging, or it would wipe them."""
+    plain, model, runtime = _plain_and_attached(make_llama, offload_cpu)
     optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (plain, model)]
     batches = [
         torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(k)) for k in range(3)
@@ -260,40 +262,18 @@ def test_steps_without_zero_grad_accumulate_across_steps_like_plain(make_llama, 
         for net, optimizer in zip((plain, model), optimizers, strict=True):
             net(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
-    runtime.synchronize()
-    assert not runtime.cpu_optim.aliased, "gradients of later backwards stayed aliased"
-    for grad, staged in _offloaded_grads(runtime):
-        assert grad.data_ptr() != staged.data_ptr()
-    trained = plain.state_dict()
-    for name, value in model.state_dict().items():
-        torch.testing.assert_close(value, trained[name], rtol=1e-5, atol=1e-6, msg=name)
-
-
-def test_zeroing_aliased_gradients_lands_before_the_next_backward_writes(make_llama, offload_cpu):
-    """``zero_grad(set_to_none=False)`` zeroes the host gradients, which are the staging, on
-    the worker; held up there (a gate released 0.2 s later), it must still run before the
-    next backward copies new gradients into the staging, or it would wipe them."""
-    torch.manual_seed(0)
-    plain = make_llama(n_layers=2)
-    model = make_llama(n_layers=2)
-    model.load_state_dict(plain.state_dict())
-    offload_cpu(n_persist=0, activation_mode="keep")
-    model.to("cpu")
-    runtime = rt.runtime_of(model)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (plain, model)]
-    batches = [
-        torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(k)) for k in range(3)
-    ]
-    for ids in batches:
-        for net, optimizer in zip((plain, model), optimizers, strict=True):
-            net(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
+            if loop == "no_zero_grad":
+                continue
             if net is model:
                 gate = threading.Event()
                 runtime.cpu_optim.worker.submit(gate.wait, 30)
                 threading.Timer(0.2, gate.set).start()
             optimizer.zero_grad(set_to_none=False)
     runtime.synchronize()
+    if loop == "no_zero_grad":
+        assert not runtime.cpu_optim.aliased, "gradients of later backwards stayed aliased"
+        for grad, staged in _offloaded_grads(runtime):
+            assert grad.data_ptr() != staged.data_ptr()
     trained = plain.state_dict()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, trained[name], rtol=1e-5, atol=1e-6, msg=name)
