@@ -110,6 +110,7 @@ def _train(
     step_s: list[float] = []
     losses: list[float] = []
     for index in range(warmup + steps):
+        result["_step_index"] = index  # where a failure happened (0-based, warm-up included)
         if index == warmup:
             trainee.on_timing_start()
             if cuda:
@@ -139,6 +140,13 @@ def _train(
         "loss_first": losses[0],
         "loss_final": losses[-1],
     }
+
+
+def _plan_summary() -> str | None:
+    """The autooffload plan in force, if autooffload ran in this worker."""
+    module = sys.modules.get("autooffload")
+    plan = getattr(module, "last_plan", lambda: None)() if module is not None else None
+    return plan.summary() if plan is not None else None
 
 
 def _world_size() -> int:
@@ -194,6 +202,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             result.update(
                 status="OOM", reason=f"{type(exc).__name__}: {message[0] if message else ''}"
             )
+            # Where: the step, the innermost frames, and the plan running then.
+            result["failed_step"] = result.get("_step_index")
+            result["traceback_tail"] = traceback.format_exc().strip().splitlines()[-12:]
+            result["plan_at_failure"] = _plan_summary()
         else:
             lines = traceback.format_exc().strip().splitlines()
             result.update(status="error", reason="\n".join(lines[-TRACEBACK_LINES:]))
@@ -205,6 +217,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 trainee.close()
             except Exception:
                 pass
+        result.pop("_step_index", None)
         result.update(_memory(device, result.pop("_peaks_before_timing", None)))
         result["versions"] = _versions()
         result["wall_s"] = time.perf_counter() - started

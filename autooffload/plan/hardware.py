@@ -71,17 +71,27 @@ def measure_hardware(
             logger.debug("hardware profile from %s", path)
             return replace(cached, gpu_free_bytes=free, gpu_total_bytes=total)
     started = time.perf_counter()
+    phases = [started]
     if device.type == "cuda":
         h2d, d2h, duplex = _cuda_bandwidths(device, copy_bytes, pinned)
         torch.cuda.empty_cache()  # give the copy buffers back before anything else allocates
     else:
         h2d, d2h, duplex = _host_bandwidths(copy_bytes)
+    phases.append(time.perf_counter())
     cpu_rate, optim_name = optimizer_rate(optimizer_cls, torch.device("cpu"), cpu_optim_dtype)
+    phases.append(time.perf_counter())
     device_rate, _ = optimizer_rate(optimizer_cls, device, device_optim_dtype)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the probe's param and states
+    phases.append(time.perf_counter())
     free, total = _memory(device)
     context, method = _context_bytes(device, free, total)
+    phases.append(time.perf_counter())
+    logger.debug(
+        "hardware phases: copies %.2f s, CPU optimizer %.2f s, device optimizer %.2f s,"
+        " memory and context %.2f s",
+        *(b - a for a, b in zip(phases, phases[1:])),
+    )
     profile = HardwareProfile(
         h2d_bps=h2d,
         d2h_bps=d2h,

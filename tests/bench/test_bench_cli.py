@@ -119,6 +119,9 @@ def test_oom_is_reported_and_the_harness_goes_on(tiny_run: tuple[dict, str, Path
     run = _run(payload, "_oom")
     assert run["status"] == "OOM"
     assert "out of memory" in run["reason"].lower()
+    # Where it failed: in the peer's set-up (no step yet), and the innermost frames.
+    assert run["failed_step"] is None and "OutOfMemoryError" in run["traceback_tail"][-1]
+    assert "_setup_oom" in "\n".join(run["traceback_tail"])
     labels = [r["peer_label"] for r in payload["runs"]]
     assert labels.index("_oom") < len(labels) - 1  # later runs still happened
     assert payload["runs"][-1]["status"] == "ok"
