@@ -261,6 +261,9 @@ class Runtime:
         if output is None:
             # An exception is on its way out of the model (always_call): this trace is partial.
             self._trace = []
+        else:
+            # The forward's group order drives this backward's releases and prefetches.
+            self._trace_end()
         self.recover_interrupted()
 
     def recover_interrupted(self) -> None:
@@ -313,7 +316,11 @@ class Runtime:
             for index in self._chunks(group):
                 self.manager.gather(index)
             return
-        if self._trace and group.index == self._last_trace[0]:
+        if self._trace and group.index == self._last_trace[0] and group.index in self._trace:
+            # Forwards that bypass the root module: the last trace's first group comes round
+            # again. (Not merely that group: the static first group is not the first to run in
+            # every model; Qwen2-VL embeds tokens before its vision tower, and ending the trace
+            # there left one group in it, so no chunk was ever released in a backward.)
             self._trace_end()
         if self._pending_profile is not None:
             pending, self._pending_profile = self._pending_profile, None
