@@ -284,6 +284,11 @@ class CpuOptimizer:
         if index in self.aliased:
             self.manager.staging_busy[index] = future
 
+    def mark(self) -> tuple[float, int]:
+        """``(busy_s, updated_params)`` now: the start of a window ``planning.worker_rate``
+        measures over (take it while the worker is idle)."""
+        return self.busy_s, self.updated_params
+
     def wait(self) -> None:
         """Block until every queued accumulation and update is done."""
         self.worker.submit(lambda: None).result()

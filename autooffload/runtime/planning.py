@@ -194,12 +194,12 @@ def optim_step_bytes(
     torch.optim (bitsandbytes 8-bit), count none: they hold at most one tensor's worth."""
     if optimizer is None or not type(optimizer).__module__.startswith("torch.optim"):
         return 0
-    element = torch.empty((), dtype=dtype).element_size()
     groups = optimizer.param_groups
     if any(g.get("fused") for g in groups) or device.type != "cuda":
         return 0
     if all(g.get("foreach") is False for g in groups):
         return 0
+    element = torch.empty((), dtype=dtype).element_size()
     if type(optimizer).__name__ == "SGD":
         return element if any(g.get("weight_decay", 0) for g in groups) else 0
     return element
@@ -333,8 +333,7 @@ def switch_to_searched_plan(
         torch.cuda.reset_peak_memory_stats(runtime.device)
         runtime.calibrate_at_step = runtime.steps_taken + CALIBRATE_AFTER_STEPS
         # The worker is idle here (the last profiling step waited for its update).
-        optimizer = runtime.cpu_optim
-        runtime.cpu_mark = (optimizer.busy_s, optimizer.updated_params)
+        runtime.cpu_mark = runtime.cpu_optim.mark()
     from autooffload import runtime as rt
 
     rt._last_plan[:] = [plan]
@@ -346,10 +345,10 @@ def switch_to_searched_plan(
 
 def worker_rate(mark: tuple[float, int], optimizer: CpuOptimizer) -> float | None:
     """Offloaded params updated per second the CPU worker was busy since ``mark`` (its
-    ``(busy_s, updated_params)`` then): gradient accumulation included, as the step runs it.
+    ``optimizer.mark()`` then): gradient accumulation included, as the step runs it.
     The worker must be idle at ``mark`` and now (``wait()`` first)."""
-    seconds = optimizer.busy_s - mark[0]
-    params = optimizer.updated_params - mark[1]
+    busy_s, updated = optimizer.mark()
+    seconds, params = busy_s - mark[0], updated - mark[1]
     return params / seconds if seconds > 0 and params > 0 else None
 
 

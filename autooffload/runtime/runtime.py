@@ -479,7 +479,7 @@ class Runtime:
                 # update competes for the host (launch-bound timings doubled the predicted
                 # step and made the plan vary from run to run).
                 self.cpu_optim.wait()
-                self.cpu_mark = (self.cpu_optim.busy_s, self.cpu_optim.updated_params)
+                self.cpu_mark = self.cpu_optim.mark()
         self._steps += 1
         sharding = self.manager.sharding
         if apply_update and sharding is not None:
