@@ -1,5 +1,6 @@
 """nn.Module patches: moving a large trainable model to the GPU attaches it instead of copying
-it whole; ``zero_grad`` also clears the host gradients of offloaded parameters."""
+it whole; ``zero_grad`` also clears the host gradients of offloaded parameters; printing an
+offloaded parameter shows its real values."""
 
 from __future__ import annotations
 
@@ -191,12 +192,25 @@ def _zero_grad_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     return result
 
 
+def _param_repr_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``repr(param)`` of an offloaded parameter: its placeholder keeps the shape but has no
+    bytes (torch's printer would read out of bounds), so the chunk is gathered for the print."""
+    from autooffload.runtime.access import params_on_device, runtime_managing
+
+    runtime = runtime_managing([instance]) if isinstance(instance, torch.Tensor) else None
+    if runtime is None:
+        return wrapped(*args, **kwargs)
+    with params_on_device(runtime, [instance]):
+        return wrapped(*args, **kwargs)
+
+
 def install(settings: Settings, target: str) -> None:
     _registry.wrap(nn.Module, "to", _to_wrapper, __name__)
     _registry.wrap(nn.Module, "cuda", _cuda_wrapper, __name__)
     _registry.wrap(nn.Module, "cpu", _cpu_wrapper, __name__)
     _registry.wrap(nn.Module, "_apply", _apply_wrapper, __name__)
     _registry.wrap(nn.Module, "zero_grad", _zero_grad_wrapper, __name__)
+    _registry.wrap(nn.Parameter, "__repr__", _param_repr_wrapper, __name__)
 
 
 def uninstall() -> None:

@@ -542,8 +542,10 @@ class CpuOptimizer:
             for key, value in state.items():
                 if not isinstance(value, torch.Tensor):
                     moved[key] = value
-                elif key == "step":
-                    moved[key] = value.to(device if on_device else "cpu", torch.float32)
+                elif value.numel() != slot.numel or value.dim() == 0:
+                    # Scalar state (``step``, NAdam's ``mu_product``): where the optimizer keeps
+                    # its step, in its own dtype.
+                    moved[key] = value.to(device if on_device else "cpu")
                 else:
                     moved[key] = value.to(device, slot.dtype).view(slot.shape)
             optimizer.state[slot.param] = moved
@@ -568,4 +570,17 @@ class CpuOptimizer:
                 self.device_norms[pid] = self.device_norms[pid] * coef
 
     def shutdown(self) -> None:
+        """Join the worker and drop every host tensor this side holds (masters that are views
+        of the pinned host store, host gradients, twin states) and the manager's callbacks into
+        it: after detach the pinned memory is freed at once, not at the next cyclic gc."""
         self.worker.shutdown(wait=True)
+        self.manager.on_grads_ready = None
+        self.manager.before_staging_write = None
+        for table in (self.masters, self.grad_buffers, self.twins, self.twin_group_index):
+            table.clear()
+        self.early.clear()
+        self.aliased.clear()
+        self.device_norms.clear()
+        self.accumulations.clear()
+        self.optimizers.clear()
+        self.optimizer_of_param.clear()

@@ -126,6 +126,8 @@ class Runtime:
         self._steps = 0
         # The step after which the searched plan's measured peak is checked (CUDA only).
         self.calibrate_at_step: int | None = None
+        # Device bytes the allocator held in the profiling steps (CUDA only, once measured).
+        self.profiling_peak_bytes: int | None = None
         # The CPU worker's (busy_s, updated_params) when it was last known idle: the start of
         # the window its rate is measured over (``planning.worker_rate``).
         self.cpu_mark: tuple[float, int] = (0.0, 0)
@@ -569,6 +571,11 @@ class Runtime:
                 remove_policy(group.module)
         if self.hf_checkpointing_taken:
             restore_hf_gradient_checkpointing(self.model)
+        # The user's optimizer keeps training the returned model: the offloaded params' state
+        # (in the CPU twins) becomes its own, as when a re-plan promotes a chunk.
+        for chunk in self.manager.chunks:
+            if chunk.index not in self.manager.persistent:
+                self.cpu_optim.promote_chunk(chunk, target)
         self.manager.materialize(target)
         self.quantized.bind_aliases(self.model.parameters())
         self.quantized.restore(target)
@@ -579,6 +586,10 @@ class Runtime:
                 if buffer is not None:
                     module._buffers[name] = buffer.to(target)
         self.cpu_optim.shutdown()
+        if self.swapper is not None:
+            self.swapper.release_in_flight()
+            self.swapper.pool.clear()
+        self.profiler = None
         allocator.release(self.allocator_hold)
         self.allocator_hold = False
         return self.model

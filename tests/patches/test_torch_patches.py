@@ -155,6 +155,21 @@ def test_state_dict_of_an_attached_model_holds_the_weights():
         assert tensor.untyped_storage().nbytes() >= tensor.numel() * tensor.element_size(), name
 
 
+def test_printing_an_offloaded_parameter_shows_its_values_and_leaves_it_offloaded():
+    """``print(model.layer.weight)`` while debugging: the placeholder has no bytes, so a plain
+    repr would read out of bounds (a RuntimeError, or a crash); the patched one gathers."""
+    model = tiny_llama()
+    expected = repr(model.model.layers[1].mlp.down_proj.weight)
+    enable_cpu(force_attach=True, n_persist=0)
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    weight = model.model.layers[1].mlp.down_proj.weight
+    assert runtime.is_offloaded(weight) and weight.untyped_storage().nbytes() == 0
+    assert repr(weight) == expected
+    assert weight.untyped_storage().nbytes() == 0, "the print left the chunk on the device"
+    assert runtime.manager.n_in_use() == 0
+
+
 # ---- zero_grad ----------------------------------------------------------------------------------
 
 
@@ -260,6 +275,7 @@ def test_disable_restores_every_patched_torch_entry_point():
         "Module.to": nn.Module.__dict__["to"],
         "Module.cuda": nn.Module.__dict__["cuda"],
         "Module.zero_grad": nn.Module.__dict__["zero_grad"],
+        "Parameter.__repr__": nn.Parameter.__dict__["__repr__"],
         "Optimizer.__init__": torch.optim.Optimizer.__dict__["__init__"],
         "Optimizer.zero_grad": torch.optim.Optimizer.__dict__["zero_grad"],
         "utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
@@ -276,6 +292,7 @@ def test_disable_restores_every_patched_torch_entry_point():
         "Module.to": nn.Module.__dict__["to"],
         "Module.cuda": nn.Module.__dict__["cuda"],
         "Module.zero_grad": nn.Module.__dict__["zero_grad"],
+        "Parameter.__repr__": nn.Parameter.__dict__["__repr__"],
         "Optimizer.__init__": torch.optim.Optimizer.__dict__["__init__"],
         "Optimizer.zero_grad": torch.optim.Optimizer.__dict__["zero_grad"],
         "utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,

@@ -157,6 +157,18 @@ def test_state_dict_after_detach_is_the_ordinary_one() -> None:
     assert attached.state_dict()["model.norm.weight"].untyped_storage().nbytes() > 0
 
 
+@pytest.mark.parametrize("n_persist", [0, 2])
+def test_training_goes_on_after_detach_with_the_same_optimizer(n_persist: int) -> None:
+    """``disable()`` hands the offloaded params' optimizer state (kept by the CPU side) to the
+    user's optimizer: the next steps of the returned model are those of plain training."""
+    plain, attached, (optimizer, attached_optimizer) = trained_pair(n_persist=n_persist)
+    autooffload.disable()
+    more = batches(3, seed=11)
+    train(plain, optimizer, scheduler_of(optimizer), more)
+    train(attached, attached_optimizer, scheduler_of(attached_optimizer), more)
+    assert_same_weights(attached.state_dict(), plain.state_dict())
+
+
 @pytest.mark.parametrize("shard", [False, True], ids=["one-file", "sharded"])
 def test_save_pretrained_reloads_into_a_plain_model(tmp_path: Path, shard: bool) -> None:
     plain, attached, _ = trained_pair(n_persist=2, tied=False)
