@@ -172,6 +172,7 @@ class AutoOffloadTrainee(Trainee):
         out["plan"]["bottleneck"] = getattr(plan, "bottleneck", None)
         out["plan"]["source"] = getattr(plan, "source", None)
         out["expandable_segments"] = _safe(lambda: _runtime_of(self.model).expandable_segments)
+        out["profiling_peak_bytes"] = _safe(lambda: _runtime_of(self.model).profiling_peak_bytes)
         stats = self._stats()
         out["stats"] = stats
         out["breakdown"] = _per_step_breakdown(self.stats_at_start, stats, timed_steps)

@@ -329,8 +329,10 @@ def switch_to_searched_plan(
     runtime.search_request = request
     runtime.apply_plan(plan)
     if runtime.manager.is_cuda and runtime.data_parallel is None:
-        # The planned steps' peak, not the profiling steps', is compared with the prediction.
-        torch.cuda.reset_peak_memory_stats(runtime.device)
+        # The planned steps' peak, not the profiling steps', is compared with the prediction;
+        # the profiling steps' own is kept (the least memory a run of this model needs).
+        runtime.profiling_peak_bytes = torch.cuda.max_memory_reserved(runtime.device)
+        fresh_peak(runtime.device)
         runtime.calibrate_at_step = runtime.steps_taken + CALIBRATE_AFTER_STEPS
         # The worker is idle here (the last profiling step waited for its update).
         runtime.cpu_mark = runtime.cpu_optim.mark()
@@ -341,6 +343,17 @@ def switch_to_searched_plan(
     if runtime.settings.print_plan:
         print(plan.summary(), flush=True)  # noqa: T201 - the launcher's --print-plan
         raise SystemExit(0)
+
+
+def fresh_peak(device: torch.device) -> None:
+    """Start measuring a new plan's peak: give the allocator's cached blocks back, then reset
+    the peak counters. Without the ``empty_cache`` the reserved peak keeps what the previous
+    plan (the profiling steps, or the plan before a calibration) left cached, and reads as the
+    new plan's: the calibration then inflated the fragmentation factor, and a plan that fitted
+    was measured at the cap. Once per plan switch (``cudaFree`` synchronizes the device)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
 
 
 def worker_rate(mark: tuple[float, int], optimizer: CpuOptimizer) -> float | None:
@@ -420,6 +433,8 @@ def calibrate_after_steps(
         )
         return None
     runtime.apply_plan(new_plan)
+    if runtime.manager.is_cuda:
+        fresh_peak(runtime.device)
     from autooffload import runtime as rt
 
     rt._last_plan[:] = [new_plan]
