@@ -243,8 +243,15 @@ def peak_breakdown(
     step     = persist_grad_total[p] (unless in static) + optim_step_bytes_per_param
                * persist_numel[p]       (the user's optimizer.step(): activations are gone, the
                                          persistent grads and the optimizer's temporaries live)
-    peak     = cuda_context + ceil(fragmentation * (static + max(max_u fwd[u], max_u bwd[u],
-                                                               step)))
+    allocated = static + max(max_u fwd[u], max_u bwd[u], step)     (bytes live at once)
+    pooled   = static + max(max_u fwd_act[u], max_u (bwd_act[u] + grads[u]), step)
+               + max_u max(in_flight_fwd[u], in_flight_bwd[u])
+    peak     = cuda_context + ceil(fragmentation * pooled)
+
+    Chunk buffers are allocated on the copy stream and activations and gradients on the compute
+    stream; the caching allocator keeps one pool per stream, so the memory the process holds
+    (reserved, the peak that meets a cap) is the sum of the two pools' peaks, not the peak of
+    their sum (measured: reserved 0.7 GiB over the simultaneous peak, 8B LoRA at 12 GiB).
     """
     tables = tables or chunk_tables(profile)
     check_knobs(profile, knobs, tables)
@@ -267,8 +274,10 @@ def peak_breakdown(
     peak_unit = int(np.argmax(bwd if in_backward else fwd))
     step = optimizer_step_bytes(profile, tables, p)
     allocated = static + max(fwd_peak, bwd_peak, step)
+    chunk_pool = int(max(in_fwd.max(), in_bwd.max()))
+    pooled = static + max(int(fwd_act.max()), int((bwd_act + grads).max()), step) + chunk_pool
     frag = profile.fragmentation_factor
-    peak = hw.cuda_context_bytes + math.ceil(frag * allocated)
+    peak = hw.cuda_context_bytes + math.ceil(frag * pooled)
     return {
         "peak": float(peak),
         "context": float(hw.cuda_context_bytes),
@@ -283,6 +292,7 @@ def peak_breakdown(
         "optimizer_step": float(step),
         "peak_unit": float(peak_unit),
         "allocated": float(allocated),
+        "pooled": float(pooled),
         "fragmentation": frag,
     }
 

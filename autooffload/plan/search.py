@@ -305,8 +305,11 @@ def _search_layout(
     grads = tables.offload_grad_bytes[persist]
     if not profile.grad_accumulation:
         grads = grads + tables.persist_grad_bytes[persist]
-    fwd_chunks = live + fwd_window
-    bwd_chunks = live + bwd_window + grads[:, None, :]
+    # Two allocator pools (``cost.peak_breakdown``): the chunk buffers' peak over the step, and
+    # the compute stream's (activations, plus the gradients in the backward).
+    chunk_pool = np.maximum((live + fwd_window).max(-1), (live + bwd_window).max(-1))
+    fwd_extra = np.zeros((1, 1, n_units), dtype=np.int64)
+    bwd_extra = grads[:, None, :]
     static_p = static[persist][None, :, None]
     step_bytes = optimizer_step_bytes(profile, tables, persist)[None, :, None]
 
@@ -347,13 +350,14 @@ def _search_layout(
         saving = np.cumsum(keep - ckpt)
         saving = saving[bound - 1] - saving[n_swap]
         fwd_peak = _split_max(
-            events_ckpt + fwd_transient, events_keep + fwd_transient, fwd_chunks, bound, saving
+            events_ckpt + fwd_transient, events_keep + fwd_transient, fwd_extra, bound, saving
         )
         bwd_peak = _split_max(
-            events_ckpt + bwd_transient, events_keep + bwd_transient, bwd_chunks, bound, saving
+            events_ckpt + bwd_transient, events_keep + bwd_transient, bwd_extra, bound, saving
         )
-        allocated = static_p + np.maximum(np.maximum(fwd_peak, bwd_peak), step_bytes)
-        peak = hw.cuda_context_bytes + np.ceil(frag * allocated.astype(float)).astype(np.int64)
+        compute = np.maximum(np.maximum(fwd_peak, bwd_peak), step_bytes)
+        pooled = static_p + compute + chunk_pool[None]
+        peak = hw.cuda_context_bytes + np.ceil(frag * pooled.astype(float)).astype(np.int64)
 
         ok = np.broadcast_to(valid[None], peak.shape)
         if budget is not None:

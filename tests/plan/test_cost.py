@@ -142,11 +142,11 @@ def test_logits_transient_and_context_and_fragmentation_enter_the_peak(profile, 
     )  # e.g. a 128k vocabulary's fp32 logits
     grown = peak_breakdown(bigger_loss, hw, knobs)
     assert grown["peak"] > base["peak"] + 3 * 1024 * MiB
-    assert grown["peak"] == hw.cuda_context_bytes + -(-grown["allocated"] * 1.1 // 1)
+    assert grown["peak"] == hw.cuda_context_bytes + -(-grown["pooled"] * 1.1 // 1)
     with_context = predict_peak_bytes(profile, replace(hw, cuda_context_bytes=0), knobs)
     assert base["peak"] - with_context == hw.cuda_context_bytes
     fragmented = predict_peak_bytes(profile.with_fragmentation(1.5), hw, knobs)
-    assert fragmented - hw.cuda_context_bytes == pytest.approx(1.5 * base["allocated"], abs=1)
+    assert fragmented - hw.cuda_context_bytes == pytest.approx(1.5 * base["pooled"], abs=1)
 
 
 def test_the_optimizer_steps_temporaries_and_persistent_grads_can_set_the_peak(profile, hw):
@@ -282,3 +282,22 @@ def test_prefetch_takes_the_next_chunks_in_order_at_their_own_size():
     one_free = predict_step_time(profile, hw, Knobs(0, 2))[1]["fwd_s"]
     two_free = predict_step_time(profile, hw, Knobs(0, 3))[1]["fwd_s"]
     assert one_free - two_free == pytest.approx(400 * MiB / 1e9, rel=1e-9)
+
+
+def test_chunk_buffers_and_activations_are_two_allocator_pools(profile, hw):
+    """The peak is the sum of the chunk pool's and the compute pool's own peaks (one caching
+    allocator pool per stream): above the bytes live at once when the two peak apart, here a
+    large logits transient in the head's forward, after which nothing is left to prefetch."""
+    tables = chunk_tables(profile)
+    knobs = _knobs(profile, n_persist=0, n_buffer=int(tables.useful_buffers.max()))
+    big_loss = replace(profile, post=replace(profile.post, fwd_transient_bytes=2048 * MiB))
+    memory = peak_breakdown(big_loss, hw, knobs)
+    static = (
+        memory["persistent_weights"] + memory["persistent_optim_states"] + memory["static_other"]
+    )
+    compute = max(
+        memory["activations_fwd_peak"], memory["activations_bwd_peak"], memory["optimizer_step"]
+    )
+    assert memory["pooled"] == static + compute + memory["buffers_max"]
+    assert memory["pooled"] > memory["allocated"]
+    assert memory["peak"] == hw.cuda_context_bytes + -(-memory["pooled"] * 1.1 // 1)
