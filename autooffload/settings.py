@@ -359,9 +359,10 @@ class Settings:
         reprofile: Ignore the hardware cache and measure again.
         print_plan: Print the plan summary to stdout when it is made (not only log it).
         oom_retry: After a device OOM in the attached model's forward, or in ``backward()`` of
-            its own loss, re-plan under a smaller budget and retry the step once. Experimental
-            and off by default: its CPU-simulation tests pass, but on an H100 a real OOM was not
-            retried (no smaller plan found) and a later step hit an illegal memory access.
+            its own loss, re-plan under a smaller budget (a batch more than twice the profiled
+            size: profile it again) and retry the step once. ``None``/``auto``: on, except with
+            ``update_in_backward`` (a retried backward would update twice); ``False``: a device
+            OOM is raised as torch raises it, after the usual clean-up.
         data_parallel: ``auto``: when a ``torch.distributed`` process group of several ranks
             exists (torchrun, accelerate launch), every rank's attached replica averages its
             gradients across ranks chunk by chunk; ``off``: leave gradients local (the script
@@ -489,12 +490,19 @@ class Settings:
     print_plan: bool = _knob(
         False, "AUTOOFFLOAD_PRINT_PLAN", _parse_bool, "print the plan summary to stdout"
     )
-    oom_retry: bool = _knob(
-        False,
+    oom_retry: bool | None = _knob(
+        None,
         "AUTOOFFLOAD_OOM_RETRY",
-        _parse_bool,
-        "retry a step once under a smaller plan after a device OOM (experimental)",
+        _parse_optional_bool,
+        "retry a step once under a smaller plan after a device OOM; auto = on unless"
+        " AUTOOFFLOAD_UPDATE_IN_BACKWARD=1",
     )
+
+    @property
+    def oom_retry_on(self) -> bool:
+        """Whether the OOM retry runs: the setting, else on unless ``update_in_backward``."""
+        return self.oom_retry if self.oom_retry is not None else not self.update_in_backward
+
     data_parallel: str = _knob(
         "auto",
         "AUTOOFFLOAD_DATA_PARALLEL",

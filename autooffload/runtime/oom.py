@@ -17,9 +17,16 @@ root model's ``forward`` (a wrapper installed here) and sees every ``torch.autog
   logits, a later micro-batch of gradient accumulation whose partial sum cannot be told apart)
   raises :class:`OutOfMemoryRetryError` at once.
 
-Shrinking keeps the persistent chunks (their optimizer state lives in the user's optimizer and
-demotion is not supported): the search re-runs with ``n_persist`` pinned and the budget cut by
-the failed allocation's size (at least ``OOM_BUDGET_CUT`` of it), so buffers and activation
+A batch more than ``REPROFILE_RATIO`` times the profiled one's input size is retried under the
+conservative plan of a profiling step (persistent chunks kept, every block checkpointed) and that
+retried step is profiled: the next forward runs the plan searched from the real batch (never
+with fewer persistent chunks). Otherwise shrinking keeps the persistent chunks (their optimizer
+state lives in the user's optimizer and demotion is not supported): the search re-runs with
+``n_persist`` pinned, on the profile scaled to the failed batch's size, under a budget that
+depends on whether the model explains the OOM. If the current plan's predicted peak for this
+batch exceeds the memory available (a longer batch than profiled), the budget is that memory
+less ``OOM_BUDGET_CUT``; if it did not (the prediction was short), the budget is the prediction
+less the failed allocation's size (at least ``OOM_BUDGET_CUT`` of it). Buffers and activation
 policies (more checkpointing or swapping) absorb the cut. Each failed pass (a forward, or a
 backward with the forward it re-runs) is retried once; a later OOM gets its own retry, each
 under a smaller plan than the last.
@@ -43,13 +50,22 @@ from autooffload.plan.profile import StepProfiler
 from autooffload.plan.search import make_plan
 from autooffload.plan.types import GiB, Plan
 from autooffload.runtime.forward_wrap import install_forward, remove_forward
-from autooffload.runtime.planning import budget_bytes, hardware_profile, plan_from_profile
+from autooffload.runtime.planning import (
+    REPROFILE_SOURCE,
+    budget_bytes,
+    hardware_profile,
+    plan_from_profile,
+)
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
 
 # The retry's budget is the old one (or the predicted peak, if lower) minus at least this share.
 OOM_BUDGET_CUT = 0.1
+# A batch this many times the profiled one's input size is profiled again instead of having
+# the profile extrapolated: fixed-size parts of a short batch's measured transients (a library's
+# workspace, a loss chunk) scaled 128x made a 2.7 GiB need read as 10 GiB on an H100.
+REPROFILE_RATIO = 2.0
 # Mul/Div by constants between an output of the model and the tensor handed to backward().
 _SCALE_NODES = {"MulBackward0": "mul", "MulBackward1": "mul", "DivBackward0": "div"}
 _MAX_SCALE_NODES = 4
@@ -174,6 +190,7 @@ class OomRetry:
         finally:
             self.retrying = False
         self.runtime.recover_interrupted()
+        self._restart_profiler()
         raise self._error("again after the retry", message)
 
     def _save_call(self, args: tuple, kwargs: dict) -> _ForwardCall:
@@ -212,6 +229,7 @@ class OomRetry:
         runtime = self.runtime
         if self.retrying:
             runtime.recover_interrupted()
+            self._restart_profiler()
             raise self._error("again after the retry", message)
         runtime._trace = []
         runtime.recover_interrupted()
@@ -224,15 +242,20 @@ class OomRetry:
             )
         runtime._active.clear()
         runtime.manager.release_all()
-        if isinstance(runtime.profiler, StepProfiler):
-            # The failed pass left partial marks; the profiling step starts over.
-            runtime.profiler = StepProfiler(runtime, warm=runtime.profiler.warm)
+        self._restart_profiler()
         self._free_cached_memory()
         old = runtime.plan
         plan = self.shrunk_plan(_requested_bytes(message))
         if plan is None:
             raise self._error("and no smaller plan keeps the persistent chunks", message)
         runtime.apply_plan(plan)
+        if plan.source == REPROFILE_SOURCE:
+            # The retried pass is a measured profiling step of the real batch (the worker idle
+            # at its start, as for the first profile); the next forward switches to the plan
+            # searched from it.
+            runtime.cpu_optim.wait()
+            runtime.cpu_mark = runtime.cpu_optim.mark()
+            runtime.profiler = StepProfiler(runtime, warm=True)
         self.retries += 1
         logger.warning(
             "device out of memory in %s (step %d); retrying it once under a smaller plan: %s"
@@ -242,6 +265,12 @@ class OomRetry:
             _describe(plan),
             _describe(old),
         )
+
+    def _restart_profiler(self) -> None:
+        """A failed pass left a profiling step's marks partial: that step starts over."""
+        runtime = self.runtime
+        if isinstance(runtime.profiler, StepProfiler):
+            runtime.profiler = StepProfiler(runtime, warm=runtime.profiler.warm)
 
     def _free_cached_memory(self) -> None:
         if self.runtime.manager.is_cuda:
@@ -263,19 +292,26 @@ class OomRetry:
                 return None
             return replace(current, n_buffer=widest, source="OOM retry")
         ratio = self.input_numel / self.profiled_numel if self.profiled_numel else 1.0
+        if ratio > REPROFILE_RATIO:
+            return self._reprofiling_plan()
         if ratio > 1.0:
             profile = profile.with_batch_scaled(ratio)
         hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
         # What the current plan needs for this batch, the budget it had, and (on a GPU) what
         # is available now: another process may have taken memory since the plan was made.
         needed = make_plan(profile, hw, current.knobs, None).predicted_peak_bytes
-        limits = [b for b in (needed, current.budget_bytes) if b]
+        limits = [b for b in (current.budget_bytes,) if b]
         if runtime.manager.is_cuda:
             limits.append(budget_bytes(runtime.settings, runtime.device))
-        if not limits:
-            return None
-        reference = min(limits)
-        budget = reference - max(requested_bytes, int(OOM_BUDGET_CUT * reference))
+        available = min((b for b in limits if b), default=None)
+        if available is not None and needed > available:
+            # The batch outgrew the plan and the scaled profile says by how much: what is
+            # available, less the cut as a margin, holds the new plan.
+            budget = available - int(OOM_BUDGET_CUT * available)
+        else:
+            # The model thought the plan fitted: its prediction was short by at least the
+            # failed allocation; plan for less than it predicted by that much.
+            budget = needed - max(requested_bytes, int(OOM_BUDGET_CUT * needed))
         try:
             plan = plan_from_profile(
                 runtime, profile, budget=budget, pinned={"n_persist": current.n_persist}
@@ -286,6 +322,27 @@ class OomRetry:
         if plan.knobs == current.knobs:
             return None
         return replace(plan, chunk_size=runtime.layout.chunk_size, source="OOM retry")
+
+    def _reprofiling_plan(self) -> Plan:
+        """The conservative plan of a profiling step, keeping the persistent chunks: every block
+        checkpointed (unless the user fixed the activation mode), no more buffers than the
+        current plan's or two blocks' worth."""
+        runtime = self.runtime
+        current = runtime.plan
+        widest = max((len(v) for v in runtime.layout.chunks_of_group.values()), default=1)
+        policies = current.block_policies
+        if runtime.settings.activation_mode == "auto":
+            policies = ("checkpoint",) * sum(1 for g in runtime.groups if g.is_block)
+        return replace(
+            current,
+            n_buffer=max(widest, min(current.n_buffer, 2 * widest)),
+            block_policies=policies,
+            predicted_peak_bytes=None,
+            predicted_step_s=None,
+            bottleneck="not profiled yet (re-profiling a longer batch)",
+            source=REPROFILE_SOURCE,
+            breakdown={},
+        )
 
     def _error(self, what: str, message: str) -> OutOfMemoryRetryError:
         budget = self.runtime.settings.budget
@@ -379,6 +436,7 @@ class OomRetry:
         finally:
             self.retrying = False
         self._discard_gradients()
+        self._restart_profiler()
         raise self._error("again after the retry", message)
 
     def _discard_gradients(self) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from autooffload.errors import PlanError
-from autooffload.log import logger
+from autooffload.log import logger, warn_once
 from autooffload.plan.hardware import measure_hardware
 from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 # Without AUTOOFFLOAD_BUDGET: all free memory minus this (CUDA context growth, other libraries).
 DEFAULT_SAFETY_MARGIN = 1 << 30
+# The source of the plan an OOM retry of a much longer batch runs while profiling it
+# (``runtime/oom.py``); the plan searched from that profile keeps its persistent chunks.
+REPROFILE_SOURCE = "OOM retry, re-profiling"
 BUDGET_MARGIN_SHARE = 0.04
 BUDGET_MARGIN_MIN = 256 << 20
 # Steps run under the searched plan before its measured peak and CPU update rate are compared
@@ -322,7 +325,25 @@ def switch_to_searched_plan(
     """Profiling step done: search the plan for the measured profile (rank 0's under data
     parallelism), switch to it, log it once (print it and exit under ``--print-plan``)."""
     request = search_request(runtime, profile, cpu_rate)
-    plan = replace(request.plan(), chunk_size=runtime.layout.chunk_size)
+    # A profile taken again later (an OOM retry of a longer batch) keeps the persistent chunks:
+    # their optimizer state lives in the user's optimizer.
+    floor = len(runtime.manager.persistent) if runtime.plan.source == REPROFILE_SOURCE else 0
+    request = replace(request, min_persist=floor)
+    try:
+        plan = replace(request.plan(), chunk_size=runtime.layout.chunk_size)
+    except PlanError as error:
+        if not floor:
+            raise
+        # The re-profiled batch ran under the conservative plan: it stays (it fits for real;
+        # the prediction with the budget's margins does not).
+        runtime.profile = profile
+        warn_once(
+            "reprofile-no-plan",
+            f"autooffload: no plan keeping the {floor} persistent chunks fits the budget for the"
+            f" longer batch ({error}); the re-profiling plan (every block checkpointed) stays;"
+            " raise AUTOOFFLOAD_BUDGET (unset, 1 GiB stays free) for a faster one",
+        )
+        return
     if runtime.data_parallel is not None:
         plan = runtime.data_parallel.agree(plan)
     runtime.profile = profile

@@ -89,6 +89,7 @@ class Runtime:
         # Under torchrun: rank 0's plan on every rank, same layout and settings checked.
         self.data_parallel = attach_data_parallel(self, settings)
         if settings.update_in_backward and (self.data_parallel is not None or settings.oom_retry):
+            # oom_retry=True only: auto (None) leaves the retry off in this mode.
             raise AttachError(
                 "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 is single-process and excludes"
                 " AUTOOFFLOAD_OOM_RETRY=1 (a retried backward would update twice); found"
@@ -144,9 +145,9 @@ class Runtime:
         # state_dict / load_state_dict see and set the weights wherever they live (removed on
         # detach with the other hooks).
         self._handles.extend(ModelStateHooks(self).install())
-        # A device OOM inside the model's forward or backward is retried once (runtime/oom.py),
-        # when switched on: off by default until its GPU tests pass (see docs/architecture.md).
-        self.oom = OomRetry(self).install() if settings.oom_retry else None
+        # A device OOM inside the model's forward or backward is retried once (runtime/oom.py;
+        # on by default, off with AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 unless set explicitly).
+        self.oom = OomRetry(self).install() if settings.oom_retry_on else None
         if self.profiler is not None:
             self.profiler = StepProfiler(self)
             logger.debug("%s", self.plan.summary())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,7 +24,14 @@ from _faults import (
 )
 
 from autooffload import runtime as rt
-from autooffload.runtime.oom import OutOfMemoryRetryError
+from autooffload.plan.search import make_plan
+from autooffload.runtime.oom import (
+    OOM_BUDGET_CUT,
+    REPROFILE_RATIO,
+    REPROFILE_SOURCE,
+    OutOfMemoryRetryError,
+)
+from autooffload.runtime.planning import hardware_profile
 
 STEPS = 6
 # Long enough that activations weigh as much as the weights: a smaller plan exists.
@@ -228,9 +236,11 @@ def test_disable_restores_the_model_forward():
     assert "forward" not in model.__dict__
 
 
-def test_a_longer_batch_than_the_profiled_one_is_replanned_for_its_size():
-    """The plan was searched on short batches; the OOM comes with a 4x longer one: the retry
-    scales the profile's activations by the input size, so it checkpoints more blocks."""
+def test_a_much_longer_batch_is_retried_as_a_profiling_step_and_planned_from_it():
+    """The plan was searched on short batches; the OOM comes with a 4x longer one (more than
+    ``REPROFILE_RATIO``): the retry runs the conservative profiling plan (persistent chunks
+    kept, every block checkpointed) and profiles that step; the next step runs the plan searched
+    from the long batch. Training matches plain PyTorch throughout."""
     base = tiny_llama()
     short = [ids[:, :16] for ids in long_batches(4)]
     data = [*short, *long_batches(2, seed=2)]
@@ -244,6 +254,7 @@ def test_a_longer_batch_than_the_profiled_one_is_replanned_for_its_size():
             runtime = rt.runtime_of(model)
         fault = OomFault(model.model.layers[1].mlp, "forward")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        plans = []
         for step, ids in enumerate(data):
             fault.times = 1 if attach and step == 4 else 0
             if runtime is not None and step == 4:
@@ -251,10 +262,16 @@ def test_a_longer_batch_than_the_profiled_one_is_replanned_for_its_size():
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            if runtime is not None:
+                plans.append(runtime.plan)
         runs.append(weights(model))
     assert_same_weights(*runs)
-    assert runtime.oom.retries == 1 and runtime.plan.source == "OOM retry"
-    assert runtime.plan.n_checkpoint + runtime.plan.n_swap > before.n_checkpoint + before.n_swap
+    assert runtime.oom.retries == 1
+    retried, after = plans[4], plans[5]
+    assert retried.source == REPROFILE_SOURCE and retried.n_persist == before.n_persist
+    assert set(retried.block_policies) == {"checkpoint"}
+    assert after.source == "search" and after.n_persist >= before.n_persist
+    assert runtime.profile.batch_tokens == data[-1].numel()
 
 
 def test_backward_of_a_scaled_loss_is_retried_with_the_same_scale():
@@ -280,3 +297,33 @@ def test_backward_of_a_scaled_loss_is_retried_with_the_same_scale():
     assert_same_weights(*runs)
     moved = max((runs[0][k] - weights(base)[k]).abs().max().item() for k in runs[0])
     assert moved > 1e-2
+
+
+def test_a_batch_that_outgrew_the_budget_is_replanned_under_that_budget_less_the_cut():
+    """When the current plan's predicted peak for the failing batch is above the memory
+    available, the scaled profile explains the OOM: the retry plans for the available memory
+    less ``OOM_BUDGET_CUT``, not less the failed allocation too."""
+    model = tiny_llama()
+    enable_cpu(oom_retry=True)
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for ids in long_batches(4):
+        ids = ids[:, :16]
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert runtime.plan.source == "search"
+    guard = runtime.oom
+    ratio = REPROFILE_RATIO * 0.75  # longer ones are profiled again
+    guard.input_numel = int(ratio * guard.profiled_numel)
+    hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
+    scaled = runtime.profile.with_batch_scaled(guard.input_numel / guard.profiled_numel)
+    needed = make_plan(scaled, hw, runtime.plan.knobs, None).predicted_peak_bytes
+    available = int(0.9 * needed)
+    runtime.plan = replace(runtime.plan, budget_bytes=available)
+    plan = guard.shrunk_plan(requested_bytes=available // 2)
+    assert plan is not None
+    assert plan.budget_bytes == available - int(OOM_BUDGET_CUT * available)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.n_persist == runtime.plan.n_persist

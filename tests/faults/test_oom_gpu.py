@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import pytest
 import torch
@@ -15,22 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import autooffload
 from autooffload import runtime as rt
-from autooffload.runtime.oom import OutOfMemoryRetryError
+from autooffload.runtime.oom import REPROFILE_SOURCE, OutOfMemoryRetryError
 
-pytestmark = [
-    pytest.mark.gpu,
-    # Measured on an H100 (2026-11-23): the longer batch's OOM found "no smaller plan keeps the
-    # persistent chunks" (budget 1.75 GiB, 10 blocks swapped), and the next test then hit a CUDA
-    # illegal memory access. The retry is off by default (AUTOOFFLOAD_OOM_RETRY) until these pass.
-    pytest.mark.xfail(reason="OOM retry not yet reliable on a GPU (see above)", strict=False),
-    # Re-measured 2026-11-23: the first test still finds no smaller plan, and after the next
-    # one a CUDA illegal memory access poisons the process, failing every later GPU test.
-    # Run them alone (AUTOOFFLOAD_TEST_OOM_GPU=1) until the retry is fixed.
-    pytest.mark.skipif(
-        os.environ.get("AUTOOFFLOAD_TEST_OOM_GPU") != "1",
-        reason="poisons the CUDA context of later tests; run alone with AUTOOFFLOAD_TEST_OOM_GPU=1",
-    ),
-]
+pytestmark = pytest.mark.gpu
 
 # A small vocabulary: the logits (kept whatever the plan) stay small next to the blocks.
 VOCAB = 256
@@ -73,9 +59,14 @@ def capped() -> None:
     torch.cuda.empty_cache()
 
 
-def train(model: torch.nn.Module, data: list[torch.Tensor], steps: list[int]) -> None:
+def train(model: torch.nn.Module, data: list[torch.Tensor], steps: list) -> None:
+    """Train on ``data``; ``steps`` gets one entry per optimizer step: the plan it ran under
+    (None when not attached)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    optimizer.register_step_post_hook(lambda *a: steps.append(1))
+    runtime = rt.runtime_of(model)
+    optimizer.register_step_post_hook(
+        lambda *a: steps.append(runtime.plan if runtime is not None else None)
+    )
     for ids in data:
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
@@ -94,7 +85,9 @@ def test_real_oom_from_a_longer_batch_is_retried_under_a_smaller_plan(capped):
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
 
-    autooffload.enable(force_attach=True, mask=False, oom_retry=True)
+    # The budget is the cap (not the cap less the default 1 GiB kept free): the long batch's
+    # plan needs ~2.6 GiB with every block but one checkpointed.
+    autooffload.enable(force_attach=True, mask=False, oom_retry=True, budget=CAP_BYTES)
     model = copy.deepcopy(base).cuda()
     runtime = rt.runtime_of(model)
     records = Records()
@@ -105,10 +98,13 @@ def test_real_oom_from_a_longer_batch_is_retried_under_a_smaller_plan(capped):
     finally:
         logging.getLogger("autooffload").removeHandler(records)
     assert runtime.oom.retries == 1, "the long batch did not run out of memory: raise LONG"
-    assert runtime.plan.source == "OOM retry"
-    assert runtime.plan.n_checkpoint + runtime.plan.n_swap > 0
+    # 128x the profiled input: the retry is a profiling step of the long batch (every block
+    # checkpointed), and the next step runs the plan searched from it.
+    retried, after = steps[4], steps[5]
+    assert retried.source == REPROFILE_SOURCE and retried.n_checkpoint > 0, retried.summary()
+    assert after.source == "search", after.summary()
     assert len([line for line in records.lines if "out of memory" in line]) == 1
-    assert steps == plain_steps == [1] * len(data)
+    assert len(steps) == len(plain_steps) == len(data)
     state = model.state_dict()
     for name, weight in expected.items():
         torch.testing.assert_close(state[name].cpu(), weight, rtol=RTOL, atol=ATOL, msg=name)
