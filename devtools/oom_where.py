@@ -11,23 +11,18 @@ import collections
 import sys
 
 import torch
+from _workload import capped_workload
 
 import autooffload
-from autooffload.bench.models import accepted_batch, build_model, make_batch
-from autooffload.bench.workloads import get_workload
 from autooffload.settings import _parse_size_or_fraction
 
 GiB = 1 << 30
 name, cap_text = sys.argv[1], sys.argv[2]
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-cap = _parse_size_or_fraction(cap_text, "cap")
-torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
 torch.cuda.memory._record_memory_history(max_entries=200_000)
-workload = get_workload(name)
-autooffload.enable(budget=cap, **workload.autooffload_defaults)
-model = build_model(workload).to("cuda")
-optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-batch = {k: v.to("cuda") for k, v in accepted_batch(model, make_batch(workload)).items()}
+model, optimizer, batch = capped_workload(
+    name, cap_text, budget=_parse_size_or_fraction(cap_text, "cap")
+)
 INTERESTING = ("autooffload", "transformers", "peft", "torch/utils/checkpoint", "torch/optim")
 
 

@@ -1,0 +1,29 @@
+"""A bench workload's model, optimizer and batch under a real device cap (shared by dev tools)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import autooffload
+from autooffload.bench.models import accepted_batch, build_model, make_batch
+from autooffload.bench.workloads import get_workload
+from autooffload.settings import _parse_size_or_fraction
+
+
+def capped_workload(
+    name: str, cap_text: str, **settings: Any
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    """Cap this process's device memory at ``cap_text`` (``set_per_process_memory_fraction``),
+    enable autooffload with the workload's defaults and ``settings``, and build the workload's
+    model (attached by its move to the GPU), an AdamW over its trainable params and its batch."""
+    cap = _parse_size_or_fraction(cap_text, "cap")
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    workload = get_workload(name)
+    autooffload.enable(**{**workload.autooffload_defaults, **settings})
+    model = build_model(workload).to("cuda")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    batch = {k: v.to("cuda") for k, v in accepted_batch(model, make_batch(workload)).items()}
+    return model, optimizer, batch
