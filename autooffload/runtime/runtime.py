@@ -88,8 +88,8 @@ class Runtime:
         self.plan: Plan = initial_plan(self, settings)
         # Under torchrun: rank 0's plan on every rank, same layout and settings checked.
         self.data_parallel = attach_data_parallel(self, settings)
+        # An explicit oom_retry=True only: auto (None) leaves the retry off in this mode.
         if settings.update_in_backward and (self.data_parallel is not None or settings.oom_retry):
-            # oom_retry=True only: auto (None) leaves the retry off in this mode.
             raise AttachError(
                 "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 is single-process and excludes"
                 " AUTOOFFLOAD_OOM_RETRY=1 (a retried backward would update twice); found"
