@@ -23,3 +23,8 @@ class UpdateInBackwardError(AutoOffloadError):
     """``AUTOOFFLOAD_UPDATE_IN_BACKWARD=1`` updated a chunk during backward, and the training
     loop then did something only an update at ``step()`` could honour (clipping, accumulation,
     a skipped step, changed hyperparameters)."""
+
+
+class DetachStateError(AutoOffloadError):
+    """The model was detached whole, but the optimizer state of its offloaded parameters could
+    not be handed to the user's optimizer on the detach device (it does not fit there)."""

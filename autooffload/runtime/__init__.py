@@ -101,9 +101,15 @@ def detach(model: nn.Module, device: torch.device | str | None = None) -> nn.Mod
 
 def detach_all() -> None:
     """Detach every attached model (``autooffload.disable()`` calls this)."""
+    first: BaseException | None = None
     for key in list(_runtimes):
-        _runtimes.pop(key).detach()
+        try:
+            _runtimes.pop(key).detach()
+        except Exception as error:  # the others are detached all the same; the first is raised
+            first = first or error
     _last_plan.clear()
+    if first is not None:
+        raise first
 
 
 def last_plan() -> Plan | None:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from autooffload.errors import AttachError, PlanError
+from autooffload.errors import AttachError, DetachStateError, PlanError
 from autooffload.log import logger
 from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import ModelProfile
@@ -572,11 +572,6 @@ class Runtime:
                 remove_policy(group.module)
         if self.hf_checkpointing_taken:
             restore_hf_gradient_checkpointing(self.model)
-        # The user's optimizer keeps training the returned model: the offloaded params' state
-        # (in the CPU twins) becomes its own, as when a re-plan promotes a chunk.
-        for chunk in self.manager.chunks:
-            if chunk.index not in self.manager.persistent:
-                self.cpu_optim.promote_chunk(chunk, target)
         self.manager.materialize(target)
         self.quantized.bind_aliases(self.model.parameters())
         self.quantized.restore(target)
@@ -586,13 +581,28 @@ class Runtime:
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:
                     module._buffers[name] = buffer.to(target)
-        self.cpu_optim.shutdown()
-        if self.swapper is not None:
-            self.swapper.release_in_flight()
-            self.swapper.pool.clear()
-        self.profiler = None
-        allocator.release(self.allocator_hold)
-        self.allocator_hold = False
+        try:
+            # The user's optimizer keeps training the returned model: the offloaded params'
+            # state (in the CPU twins) becomes its own, as when a re-plan promotes a chunk. Done
+            # once the model is whole, so a state that does not fit leaves a correct model.
+            for chunk in self.manager.chunks:
+                if chunk.index not in self.manager.persistent:
+                    self.cpu_optim.promote_chunk(chunk, target)
+        except torch.OutOfMemoryError as error:
+            raise DetachStateError(
+                f"the model is detached on {target}, but the optimizer state of its offloaded"
+                f" parameters does not fit there ({str(error).splitlines()[0][:120]}); detach to"
+                " the CPU instead (autooffload.runtime.detach(model, 'cpu')) to keep training"
+                " with this optimizer, or build a new optimizer for the returned model"
+            ) from None
+        finally:
+            self.cpu_optim.shutdown()
+            if self.swapper is not None:
+                self.swapper.release_in_flight()
+                self.swapper.pool.clear()
+            self.profiler = None
+            allocator.release(self.allocator_hold)
+            self.allocator_hold = False
         return self.model
 
 

@@ -19,6 +19,8 @@ from transformers import LlamaForCausalLM
 
 import autooffload
 from autooffload import runtime as rt
+from autooffload.errors import DetachStateError
+from autooffload.runtime.optimizer import CpuOptimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -389,3 +391,21 @@ def run_python() -> Callable[..., str]:
         return result.stdout
 
     return run
+
+
+def test_optimizer_state_that_does_not_fit_at_detach_leaves_a_whole_model(monkeypatch) -> None:
+    """Detach hands the CPU optimizer state over after the model is whole: an OOM there raises
+    ``DetachStateError`` naming the way out, and the returned model has its trained weights."""
+    plain, attached, _ = trained_pair(n_persist=0)
+    runtime = rt.runtime_of(attached)
+    worker = runtime.cpu_optim.worker
+
+    def no_room(self, chunk, device):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    monkeypatch.setattr(CpuOptimizer, "promote_chunk", no_room)
+    with pytest.raises(DetachStateError, match="detach to the CPU instead"):
+        autooffload.disable()
+    assert rt.runtime_of(attached) is None
+    assert not any(t.is_alive() for t in worker._threads), "CPU optimizer thread not joined"
+    assert_same_weights(attached.state_dict(), plain.state_dict())
