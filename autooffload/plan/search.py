@@ -386,18 +386,19 @@ def _search_layout(
 def _split_max(
     events_before: np.ndarray,
     events_after: np.ndarray,
-    chunks: np.ndarray,
+    extra: np.ndarray,
     bound: np.ndarray,
     saving: np.ndarray,
 ) -> np.ndarray:
-    """max(max_{u <= b_k} (events_before[u] + chunks[p,d,u]),
-           max_{u > b_k} (events_after[u] + chunks[p,d,u]) - saving[k]), shape (K, P, D).
+    """max(max_{u <= b_k} (events_before[u] + extra[p,d,u]),
+           max_{u > b_k} (events_after[u] + extra[p,d,u]) - saving[k]), shape (K, P, D).
 
-    Running maxima are taken from the smallest ``b_k`` on only (the rest is one max)."""
+    ``extra``: per-unit bytes on top of the events (the backward's gradients; broadcastable to
+    (P, D, U)). Running maxima are taken from the smallest ``b_k`` on only (the rest is one max)."""
     low = int(bound.min())
-    head = (events_before[:low] + chunks[..., :low]).max(axis=-1, initial=_NONE)
-    before = np.maximum.accumulate(events_before[low:] + chunks[..., low:], axis=-1)
-    after = np.maximum.accumulate((events_after[low:] + chunks[..., low:])[..., ::-1], axis=-1)
+    head = (events_before[:low] + extra[..., :low]).max(axis=-1, initial=_NONE)
+    before = np.maximum.accumulate(events_before[low:] + extra[..., low:], axis=-1)
+    after = np.maximum.accumulate((events_after[low:] + extra[..., low:])[..., ::-1], axis=-1)
     after = np.concatenate([after[..., ::-1], np.full((*after.shape[:-1], 1), _NONE)], axis=-1)
     at = bound - low
     best = np.maximum(np.maximum(head[..., None], before[..., at]), after[..., at + 1] - saving)

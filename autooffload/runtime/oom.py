@@ -60,7 +60,8 @@ from autooffload.runtime.planning import (
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
 
-# The retry's budget is the old one (or the predicted peak, if lower) minus at least this share.
+# The retry's budget is cut by at least this share: of the memory available when the scaled
+# profile explains the OOM, else of the current plan's predicted peak (``shrunk_plan``).
 OOM_BUDGET_CUT = 0.1
 # A batch this many times the profiled one's input size is profiled again instead of having
 # the profile extrapolated: fixed-size parts of a short batch's measured transients (a library's
@@ -300,7 +301,7 @@ class OomRetry:
         # What the current plan needs for this batch, the budget it had, and (on a GPU) what
         # is available now: another process may have taken memory since the plan was made.
         needed = make_plan(profile, hw, current.knobs, None).predicted_peak_bytes
-        limits = [b for b in (current.budget_bytes,) if b]
+        limits = [current.budget_bytes]
         if runtime.manager.is_cuda:
             limits.append(budget_bytes(runtime.settings, runtime.device))
         available = min((b for b in limits if b), default=None)
@@ -332,7 +333,7 @@ class OomRetry:
         widest = max((len(v) for v in runtime.layout.chunks_of_group.values()), default=1)
         policies = current.block_policies
         if runtime.settings.activation_mode == "auto":
-            policies = ("checkpoint",) * sum(1 for g in runtime.groups if g.is_block)
+            policies = ("checkpoint",) * len(runtime._blocks_in_order())
         return replace(
             current,
             n_buffer=max(widest, min(current.n_buffer, 2 * widest)),
