@@ -324,7 +324,29 @@ def build_payload_from_files(paths: list[Path]) -> dict[str, Any]:
             {"file": Path(path).name, "command": p.get("command"), "date": p.get("date")}
             for path, p in zip(paths, payloads)
         ]
-    return build_payload([run for p in payloads for run in p["runs"]], meta)
+    return build_payload(_qualify_shapes([run for p in payloads for run in p["runs"]]), meta)
+
+
+def _qualify_shapes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs of one workload at different batch shapes (``--bs``/``--seq``/``--gc`` overrides in
+    the merged files) get the shape in their workload name, so the summary never pools them."""
+    shapes: dict[str, set[tuple]] = {}
+    for run in runs:
+        shapes.setdefault(run["workload"], set()).add(_shape(run))
+    return [
+        {
+            **run,
+            "workload": f"{run['workload']} bs{run.get('bs')} seq{run.get('seq')}"
+            + ("" if run.get("gc") is None else (" gc" if run["gc"] else " no-gc")),
+        }
+        if len(shapes[run["workload"]]) > 1
+        else run
+        for run in runs
+    ]
+
+
+def _shape(run: dict[str, Any]) -> tuple:
+    return (run.get("bs"), run.get("seq"), run.get("gc"))
 
 
 def write_plots(payload: dict[str, Any], path: Path, title: str = "") -> list[Path]:

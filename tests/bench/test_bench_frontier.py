@@ -201,3 +201,18 @@ def test_from_json_merges_files_and_writes_both_plots(tmp_path: Path, capsys) ->
         assert png.read_bytes()[:8] == PNG_MAGIC
     printed = capsys.readouterr().out
     assert "failed runs (OOM, nothing fits, errors): 1 of 5; w / 4GiB: OOM" in printed
+
+
+def test_from_json_keeps_one_workload_at_two_shapes_apart(tmp_path: Path) -> None:
+    runs = sweep_runs()[:2]
+    parts = []
+    for index, seq in enumerate((8192, 16384)):
+        path = tmp_path / f"seq{seq}.json"
+        chunk = [{**r, "seq": seq, "tokens_per_s": 1000.0 * (index + 1)} for r in runs]
+        report.write_json(path, report.build_payload(chunk, {"workloads": {}}))
+        parts.append(path)
+    merged = report.build_payload_from_files(parts)
+    names = {r["workload"] for r in merged["summary"]}
+    assert len(names) == 2 and all("seq8192" in n or "seq16384" in n for n in names)
+    same_name = report.build_payload_from_files([parts[0], parts[0]])
+    assert {r["workload"] for r in same_name["summary"]} == {runs[0]["workload"]}
