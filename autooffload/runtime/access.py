@@ -50,6 +50,7 @@ def _store(runtime: Runtime, chunk: Chunk, slot: ParamSlot) -> None:
     busy = manager.host_busy[chunk.index]
     if busy is not None:
         busy.result()
+    manager.before_host_write(chunk.index)
     manager.host_view(slot, chunk).copy_(view)
 
 

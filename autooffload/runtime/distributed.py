@@ -147,7 +147,7 @@ class DataParallel:
         tensors = [
             manager.gpu_flat[chunk.index]
             if chunk.index in manager.persistent
-            else manager.host.view(chunk.index)
+            else manager.host_for_write(chunk.index)
             for chunk in manager.chunks
         ]
         tensors += [p.data for p in runtime.resident_params]

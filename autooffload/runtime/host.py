@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from autooffload.log import logger, warn_once
@@ -27,6 +28,7 @@ class HostArena:
         self.total_bytes = total
         self.pinned = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._array: np.ndarray | None = None  # the buffer as numpy, for ``alias``
         if total == 0:
             return
         if pin:
@@ -53,8 +55,23 @@ class HostArena:
         start = self.offsets[index]
         return self.buffer[start : start + self.sizes[index]]
 
+    def alias(
+        self, index: int, offset: int, nbytes: int, dtype: torch.dtype, shape: torch.Size
+    ) -> torch.Tensor:
+        """A tensor over bytes ``[offset, offset + nbytes)`` of chunk ``index`` with a storage of
+        its own: it shares the arena's memory, but ``torch.save``, safetensors and storage-identity
+        checks (tied-weight detection) see only its bytes, where a view would carry the arena."""
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        if self._array is None:
+            self._array = self.buffer.numpy()
+        start = self.offsets[index] + offset
+        count = nbytes // dtype.itemsize
+        return torch.frombuffer(self._array, dtype=dtype, count=count, offset=start).view(shape)
+
     def free(self) -> None:
         """Drop the allocation (views taken earlier keep their memory alive until dropped)."""
+        self._array = None
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.offsets = []
         self.sizes = []

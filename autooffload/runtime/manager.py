@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -87,6 +88,8 @@ class ChunkManager:
         # gradient accumulation); a copy that touches those bytes waits for them first.
         self.host_busy: list[Future | None] = [None] * len(self.chunks)
         self.staging_busy: list[Future | None] = [None] * len(self.chunks)
+        # Weak references to host-byte aliases handed out (state dicts), per chunk index.
+        self._aliases: dict[int, list[weakref.ref]] = {}
         self.on_grads_ready: GradsReady | None = None
         # Called with a chunk's index before its staging is written again (the CPU optimizer
         # may have aliased its host gradients to it and must release them first).
@@ -137,6 +140,32 @@ class ChunkManager:
         """The parameter's compute copy in the host store."""
         return _view(self.host.view(chunk.index), slot)
 
+    def host_alias(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
+        """The parameter's host bytes as a tensor of its own storage, copied on write: before
+        the runtime next writes the chunk's host bytes (an update, a load, a write-back),
+        ``before_host_write`` gives every alias still alive a private copy, so an alias keeps
+        the values it had when taken and costs no memory unless it outlives them."""
+        alias = self.host.alias(chunk.index, slot.offset, slot.nbytes, slot.dtype, slot.shape)
+        self.watch_alias(chunk.index, alias)
+        return alias
+
+    def host_for_write(self, index: int) -> torch.Tensor:
+        """Chunk ``index``'s host bytes, for a caller about to write them."""
+        self.before_host_write(index)
+        return self.host.view(index)
+
+    def watch_alias(self, index: int, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` out of chunk ``index``'s host bytes before they are next written."""
+        self._aliases.setdefault(index, []).append(weakref.ref(tensor))
+
+    def before_host_write(self, index: int) -> None:
+        """Called before chunk ``index``'s host bytes change: detach live aliases of them."""
+        refs = self._aliases.pop(index, None) if self._aliases else None
+        for ref in refs or ():
+            tensor = ref()
+            if tensor is not None:
+                tensor.data = tensor.data.clone()
+
     def staging_view(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
         """The pinned host buffer the parameter's gradient is copied into."""
         return _view(
@@ -165,6 +194,7 @@ class ChunkManager:
         """Copy a resident chunk's GPU bytes to the host store (persistent chunks are updated
         on the GPU, so their host copy is stale until written back)."""
         if self.state[index] == Residency.RESIDENT:
+            self.before_host_write(index)
             self.host.view(index).copy_(self.gpu_flat[index])
 
     def materialize(self, device: torch.device) -> None:
@@ -177,6 +207,8 @@ class ChunkManager:
                 source = self.host.view(chunk.index)
             for slot in chunk.slots:
                 slot.param.data = _view(source, slot).to(device, copy=True)
+        for index in list(self._aliases):
+            self.before_host_write(index)  # an alias would keep the whole arena alive
         self.gpu_flat = []
         self.host.free()
         self.grad_staging.free()

@@ -196,6 +196,7 @@ class CpuOptimizer:
             return
         hyper = self._hyper(chunk, optimizer)
         self.early[chunk.index] = (optimizer, hyper)
+        self.manager.before_host_write(chunk.index)
         future = self.worker.submit(self._update, chunk, twin, hyper, 1.0)
         self.manager.host_busy[chunk.index] = future
         self._hold_staging(chunk.index, future)
@@ -462,6 +463,7 @@ class CpuOptimizer:
                     )
                 continue  # updated in the backward
             args = (chunk, twin, hyper, self.clip_coef)
+            self.manager.before_host_write(chunk.index)
             future = self.worker.submit(self._update, *args)
             self.manager.host_busy[chunk.index] = future
             self._hold_staging(chunk.index, future)

@@ -243,7 +243,9 @@ def refresh_hosts(runtime: Runtime) -> None:
     if sharding is None or not sharding.dirty:
         return
     runtime.synchronize()
-    sharding.refresh_hosts(manager.host.view, lambda index: manager._wait(manager.host_busy, index))
+    sharding.refresh_hosts(
+        manager.host_for_write, lambda index: manager._wait(manager.host_busy, index)
+    )
 
 
 def consolidate(runtime: Runtime, dst: int | None = 0) -> None:

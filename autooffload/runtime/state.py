@@ -2,7 +2,8 @@
 
 An offloaded parameter's ``.data`` is a view into a chunk whose device storage is freed while the
 chunk lives on the host, so torch's own ``state_dict`` would hand out 0-byte tensors. The module
-hooks here replace those entries with CPU copies read from the host store (persistent params keep
+hooks here replace those entries with CPU tensors over the host store's bytes (copied on write,
+so saving costs no host memory and a held state dict keeps its values; persistent params keep
 their device tensors, as torch returns them), and route ``load_state_dict`` values of chunked
 params around torch's in-place copy, into the place that holds them (host store, persistent
 chunk, fp32 master). The optimizer functions merge the CPU twins' state into the user's optimizer
@@ -35,9 +36,9 @@ class ModelStateHooks:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.slots: dict[int, tuple[Chunk, ParamSlot]] = runtime.layout.slot_of()
-        # Copies made during one (outermost) state_dict call, per param id: tied weights get one
+        # Entries made during one (outermost) state_dict call, per param id: tied weights get one
         # tensor under all their names, as torch gives them, so save_pretrained sees the tie.
-        self._copies: dict[int, torch.Tensor] = {}
+        self._entries: dict[int, torch.Tensor] = {}
         self._depth = 0
         self._destination: int | None = None
         # Keys a load pre-hook wrote itself, per module id, for its post-hook to un-miss.
@@ -63,7 +64,7 @@ class ModelStateHooks:
 
     def _state_dict_pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self._depth == 0:
-            self._copies.clear()
+            self._entries.clear()
             self._destination = None
             sharding = self.runtime.manager.sharding
             if sharding is not None and sharding.dirty:
@@ -78,26 +79,26 @@ class ModelStateHooks:
         if self._destination != id(destination):
             if self._destination is not None:
                 self.runtime.synchronize()  # an earlier call ended without its post-hooks
-            self._copies.clear()
+            self._entries.clear()
             self._destination = id(destination)
         try:
             for name, param in module._parameters.items():
                 key = prefix + name
                 if param is None or key not in destination or not self._offloaded(param):
                     continue
-                copy = self._copies.get(id(param))
-                if copy is None:
+                entry = self._entries.get(id(param))
+                if entry is None:
                     chunk, slot = self.slots[id(param)]
-                    copy = torch.empty(slot.shape, dtype=slot.dtype)
-                    copy.copy_(self.runtime.manager.host_view(slot, chunk))
+                    entry = self.runtime.manager.host_alias(slot, chunk)
                     if destination[key] is param:  # keep_vars=True hands out Parameters
-                        copy = nn.Parameter(copy, requires_grad=param.requires_grad)
-                    self._copies[id(param)] = copy
-                destination[key] = copy
+                        entry = nn.Parameter(entry, requires_grad=param.requires_grad)
+                        self.runtime.manager.watch_alias(chunk.index, entry)
+                    self._entries[id(param)] = entry
+                destination[key] = entry
         finally:
             self._depth = max(0, self._depth - 1)
             if self._depth == 0:
-                self._copies.clear()
+                self._entries.clear()
                 self._destination = None
 
     def _offloaded(self, param: torch.Tensor) -> bool:
@@ -150,6 +151,7 @@ def write_param(runtime: Runtime, chunk: Chunk, slot: ParamSlot, value: torch.Te
         if chunk.index in manager.persistent:
             slot.param.data.copy_(value)
             return
+        manager.before_host_write(chunk.index)
         host = manager.host_view(slot, chunk)
         host.copy_(value)
         if manager.state[chunk.index] != Residency.HOST:

@@ -121,6 +121,74 @@ def test_torch_save_of_an_attached_model_loads_into_a_plain_model(tmp_path: Path
     assert path.stat().st_size < 1.5 * model_bytes
 
 
+def test_offloaded_entries_share_the_host_store_but_own_their_bytes() -> None:
+    _, attached, _ = trained_pair(n_persist=0, steps=1)
+    arena = rt.runtime_of(attached).manager.host.buffer
+    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    for name, value in attached.state_dict().items():
+        assert lo <= value.data_ptr() < hi, f"{name} is a copy, not the host store's bytes"
+        storage = value.untyped_storage()
+        assert storage.nbytes() == value.numel() * value.element_size(), name
+
+
+def test_a_held_state_dict_keeps_its_values_through_steps_loads_and_disable() -> None:
+    model = tiny_llama()
+    runtime = attach(model, n_persist=0)
+    optimizer = adamw(model)
+    train(model, optimizer, scheduler_of(optimizer), batches(1))
+    held = model.state_dict()
+    held_vars = model.state_dict(keep_vars=True)
+    expected = {k: v.clone() for k, v in held.items()}
+    train(model, optimizer, scheduler_of(optimizer), batches(2, seed=3))
+    moved = model.state_dict()
+    assert any(not torch.equal(moved[k], expected[k]) for k in expected), "training moved nothing"
+    assert_same_weights(held, expected)
+    assert_same_weights({k: v.detach() for k, v in held_vars.items()}, expected)
+    before_load = model.state_dict()
+    model.load_state_dict({k: torch.zeros_like(v) for k, v in expected.items()})
+    assert all(not v.any() for v in model.state_dict().values())
+    assert_same_weights(before_load, moved)
+    # The held entries no longer alias the store: disable() frees it whole.
+    arena = runtime.manager.host.buffer
+    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    assert not any(lo <= v.data_ptr() < hi for v in held.values())
+    last = model.state_dict()
+    autooffload.disable()
+    assert all(not v.any() for v in last.values())
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return _rss_kib("VmHWM") <= _rss_kib("VmRSS") + 1024
+
+
+@pytest.mark.parametrize("how", ["save_pretrained", "torch.save"])
+def test_saving_adds_no_host_copy_of_the_offloaded_weights(tmp_path: Path, how: str) -> None:
+    model = tiny_llama(hidden=512, n_layers=4)  # ~27 MB of fp32 weights, 6.5 M params
+    attach(model, n_persist=0)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not _reset_peak_rss():
+        pytest.skip("peak RSS cannot be reset here (/proc/self/clear_refs)")
+    before = _rss_kib("VmRSS")
+    if how == "save_pretrained":
+        model.save_pretrained(tmp_path)
+    else:
+        torch.save(model.state_dict(), tmp_path / "model.pt")
+    grew = (_rss_kib("VmHWM") - before) * 1024
+    # A copy of the offloaded weights (the former state dict) grows the peak by model_bytes.
+    assert grew < 0.25 * model_bytes, f"saving grew peak RSS by {grew} B of {model_bytes} B"
+
+
 def test_state_dict_keeps_tied_weights_as_one_tensor() -> None:
     _, attached, _ = trained_pair(n_persist=0, steps=1)
     state = attached.state_dict()
