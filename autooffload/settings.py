@@ -16,7 +16,8 @@ from autooffload.errors import SettingsError
 
 ENV_PREFIX = "AUTOOFFLOAD"
 
-ACTIVATION_MODES = ("auto", "keep", "checkpoint", "swap", "off")
+ACTIVATION_MODES = ("auto", "keep", "checkpoint", "checkpoint_cpu", "swap", "off")
+CHECKPOINT_INPUTS = ("auto", "gpu", "cpu")
 EOS_MODES = ("turn", "last", "all", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEVICES = ("cuda", "cpu")
@@ -314,7 +315,11 @@ class Settings:
         n_swap: Blocks whose activations are swapped to host memory; ``None``: searched.
         n_checkpoint: Blocks whose activations are recomputed in backward; ``None``: searched.
         activation_mode: ``auto`` (the plan decides per block), or one policy for every block:
-            ``keep``, ``checkpoint``, ``swap``; ``off`` leaves activations to the script.
+            ``keep``, ``checkpoint``, ``checkpoint_cpu`` (checkpoint with the block input in host
+            memory), ``swap``; ``off`` leaves activations to the script.
+        checkpoint_inputs: Where checkpointed blocks keep their input: ``gpu``, ``cpu`` (copied
+            to pinned host memory in the forward, prefetched back for the recompute), or
+            ``auto``: the plan search tries both on a CUDA device (``gpu`` elsewhere).
         attach_threshold: Models smaller than this many bytes of parameters are not attached
             automatically (they fit anyway); default 1 GiB.
         force_attach: Attach every trained model whatever its size.
@@ -415,7 +420,13 @@ class Settings:
         "auto",
         "AUTOOFFLOAD_ACTIVATION_MODE",
         _enum(ACTIVATION_MODES),
-        "auto, keep, checkpoint, swap or off",
+        "auto, keep, checkpoint, checkpoint_cpu, swap or off",
+    )
+    checkpoint_inputs: str = _knob(
+        "auto",
+        "AUTOOFFLOAD_CHECKPOINT_INPUTS",
+        _enum(CHECKPOINT_INPUTS),
+        "auto, gpu or cpu",
     )
     attach_threshold: int = _knob(
         1 << 30,

@@ -14,7 +14,7 @@ tests check both agree.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,9 +27,11 @@ from autooffload.plan.types import Knobs
 BOTTLENECK_MIN_SHARE = 0.05
 
 
-def assign_block_policies(n_blocks: int, n_swap: int, n_checkpoint: int) -> tuple[str, ...]:
-    """Per-block policy: blocks ``[0, n_swap)`` swap, the next ``n_checkpoint`` checkpoint, the
-    rest keep.
+def assign_block_policies(
+    n_blocks: int, n_swap: int, n_checkpoint: int, checkpoint: str = "checkpoint"
+) -> tuple[str, ...]:
+    """Per-block policy: blocks ``[0, n_swap)`` swap, the next ``n_checkpoint`` checkpoint (named
+    ``checkpoint``: "checkpoint", or "checkpoint_cpu" with the inputs on the host), the rest keep.
 
     Why this order: a swapped block's activations leave during its forward and are needed back only
     at the very end of the backward, so the first blocks have the most time to hide both copies.
@@ -43,7 +45,44 @@ def assign_block_policies(n_blocks: int, n_swap: int, n_checkpoint: int) -> tupl
             f"n_swap={n_swap} + n_checkpoint={n_checkpoint} must be >= 0 and <= n_blocks={n_blocks}"
         )
     n_keep = n_blocks - n_swap - n_checkpoint
-    return ("swap",) * n_swap + ("checkpoint",) * n_checkpoint + ("keep",) * n_keep
+    return ("swap",) * n_swap + (checkpoint,) * n_checkpoint + ("keep",) * n_keep
+
+
+def with_checkpoint_inputs_on_cpu(profile: ModelProfile, hw: HardwareProfile) -> ModelProfile:
+    """The layout's variant where a checkpointed block's one saved tensor, its input, is copied
+    to host memory in the forward and prefetched back for its recompute (``checkpoint_cpu``).
+
+    For every block ``u`` with input bytes ``c = act_bytes_checkpoint[u]``:
+      act_bytes_checkpoint'[u] = 0                    (nothing stays saved on the device)
+      fwd_transient'[u]        = fwd_transient[u] + c  (the input while its copy-out runs)
+      bwd_transient'[u]        = bwd_transient[u] + 2c (its input back, and the next one
+                                                         prefetched)
+      bwd_s'[u]                = bwd_s[u] + c / h2d    (the prefetch, charged unoverlapped)
+      other_s'                 = other_s + sum(c) / d2h (the copy-outs, charged unoverlapped)
+    Kept and swapped blocks get the same small surcharges (a few MiB and ~1 ms per block at most
+    for an 8B model at 4k tokens), so the variant wins only where it really saves memory or
+    recompute: the search runs both layouts and keeps the faster feasible plan.
+    """
+    blocks = []
+    copied_out = 0
+    for unit in profile.blocks:
+        c = unit.act_bytes_checkpoint
+        copied_out += c
+        blocks.append(
+            replace(
+                unit,
+                act_bytes_checkpoint=0,
+                fwd_transient_bytes=unit.fwd_transient_bytes + c,
+                bwd_transient_bytes=unit.bwd_transient_bytes + 2 * c,
+                bwd_s=unit.bwd_s + c / hw.h2d_bps,
+            )
+        )
+    return replace(
+        profile,
+        blocks=tuple(blocks),
+        other_s=profile.other_s + copied_out / hw.d2h_bps,
+        checkpoint_inputs_on_cpu=True,
+    )
 
 
 def unit_policies(n_blocks: int, n_swap: int, n_checkpoint: int) -> tuple[str, ...]:

@@ -149,6 +149,9 @@ class ModelProfile:
     when its gradients arrive in the backward, not at ``optimizer.step()``."""
     expandable_segments: bool = False
     """True when the allocator uses expandable segments (``EXPANDABLE_FRAGMENTATION`` prior)."""
+    checkpoint_inputs_on_cpu: bool = False
+    """True for the variant where checkpointed blocks keep their input in host memory
+    (``cost.with_checkpoint_inputs_on_cpu``): its plans name them ``checkpoint_cpu``."""
 
     @property
     def n_blocks(self) -> int:

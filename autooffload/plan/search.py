@@ -31,6 +31,7 @@ from autooffload.plan.cost import (
     optimizer_step_bytes,
     peak_breakdown,
     predict_step_time,
+    with_checkpoint_inputs_on_cpu,
 )
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import queued_bytes
@@ -83,17 +84,29 @@ class SearchRequest:
     fixed: dict[str, int] = field(default_factory=dict)
     min_persist: int = 0
     """Lower bound of ``n_persist`` (a re-plan may promote chunks, never demote them)."""
+    checkpoint_inputs: str = "gpu"
+    """Where checkpointed blocks keep their input: ``gpu``, ``cpu`` or ``auto`` (both searched)."""
 
     def plan(self) -> Plan:
         """The fastest feasible configuration (``search``)."""
         return search(
-            self.profiles_by_chunk_size, self.hw, self.budget_bytes, self.fixed, self.min_persist
+            self.profiles_by_chunk_size,
+            self.hw,
+            self.budget_bytes,
+            self.fixed,
+            self.min_persist,
+            self.checkpoint_inputs,
         )
 
     def candidates(self) -> Candidates:
         """Every feasible configuration evaluated (``search_all``)."""
         return search_all(
-            self.profiles_by_chunk_size, self.hw, self.budget_bytes, self.fixed, self.min_persist
+            self.profiles_by_chunk_size,
+            self.hw,
+            self.budget_bytes,
+            self.fixed,
+            self.min_persist,
+            self.checkpoint_inputs,
         )
 
 
@@ -105,6 +118,7 @@ class _Pick:
     peak: int
     chunk_size: int
     knobs: Knobs
+    profile: ModelProfile = field(compare=False, repr=False)
 
 
 def search(
@@ -113,20 +127,24 @@ def search(
     budget_bytes: int | None,
     fixed: dict[str, int] | None = None,
     min_persist: int = 0,
+    checkpoint_inputs: str = "gpu",
 ) -> Plan:
     """The fastest configuration whose predicted peak fits ``budget_bytes`` (None: unbounded).
 
     ``fixed`` pins any subset of ``chunk_size, n_persist, n_buffer, n_swap, n_checkpoint``; the
-    search completes the rest, with ``n_persist >= min_persist``. Raises ``PlanError`` when
-    nothing fits, naming the fixed knob that makes it infeasible and its nearest feasible value,
-    or the smallest budget that would fit.
+    search completes the rest, with ``n_persist >= min_persist``. ``checkpoint_inputs``: where
+    checkpointed blocks keep their input, ``gpu``, ``cpu`` (``cost.with_checkpoint_inputs_on_cpu``)
+    or ``auto`` (both layouts searched). Raises ``PlanError`` when nothing fits, naming the fixed
+    knob that makes it infeasible and its nearest feasible value, or the smallest budget that
+    would fit.
     """
     fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
-    best, _ = _run(profiles_by_chunk_size, hw, budget_bytes, fixed, min_persist=min_persist)
+    variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs)
+    best, _ = _run(variants, hw, budget_bytes, fixed, min_persist=min_persist)
     if best is None:
-        raise _infeasible(profiles_by_chunk_size, hw, budget_bytes, fixed)
+        raise _infeasible(variants, hw, budget_bytes, fixed)
     source = "search" if not fixed else ("user" if len(fixed) == len(KNOBS) else "user+search")
-    return make_plan(profiles_by_chunk_size[best.chunk_size], hw, best.knobs, budget_bytes, source)
+    return make_plan(best.profile, hw, best.knobs, budget_bytes, source)
 
 
 def search_all(
@@ -135,11 +153,29 @@ def search_all(
     budget_bytes: int | None,
     fixed: dict[str, int] | None = None,
     min_persist: int = 0,
+    checkpoint_inputs: str = "gpu",
 ) -> Candidates:
     """Every feasible configuration the search evaluates, with its predicted peak and throughput
     (``n_buffer`` values above the last useful one are not evaluated: they only add memory)."""
     fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
-    return _run(profiles_by_chunk_size, hw, budget_bytes, fixed, True, min_persist=min_persist)[1]
+    variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs)
+    return _run(variants, hw, budget_bytes, fixed, True, min_persist=min_persist)[1]
+
+
+CHECKPOINT_INPUTS = ("auto", "gpu", "cpu")
+
+
+def _variants(
+    profiles: dict[int, ModelProfile], hw: HardwareProfile, checkpoint_inputs: str
+) -> list[ModelProfile]:
+    """The layouts to search: each profile as measured and/or with checkpoint inputs on the host."""
+    if checkpoint_inputs not in CHECKPOINT_INPUTS:
+        raise PlanError(
+            f"checkpoint_inputs={checkpoint_inputs!r} is not valid; valid: {CHECKPOINT_INPUTS}"
+        )
+    ordered = [profiles[size] for size in sorted(profiles)]
+    on_cpu = [with_checkpoint_inputs_on_cpu(p, hw) for p in ordered]
+    return {"gpu": ordered, "cpu": on_cpu, "auto": ordered + on_cpu}[checkpoint_inputs]
 
 
 def make_plan(
@@ -159,7 +195,12 @@ def make_plan(
         n_chunks=profile.n_chunks,
         n_persist=knobs.n_persist,
         n_buffer=knobs.n_buffer,
-        block_policies=assign_block_policies(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint),
+        block_policies=assign_block_policies(
+            profile.n_blocks,
+            knobs.n_swap,
+            knobs.n_checkpoint,
+            "checkpoint_cpu" if profile.checkpoint_inputs_on_cpu else "checkpoint",
+        ),
         budget_bytes=budget_bytes,
         predicted_peak_bytes=int(memory["peak"]),
         predicted_step_s=step_s,
@@ -199,7 +240,7 @@ def _check_fixed(profiles: dict[int, ModelProfile], fixed: dict[str, int]) -> di
 
 
 def _run(
-    profiles: dict[int, ModelProfile],
+    profiles: list[ModelProfile],
     hw: HardwareProfile,
     budget: int | None,
     fixed: dict[str, int],
@@ -211,11 +252,11 @@ def _run(
     and, with ``collect``, every feasible row."""
     best = None
     rows: list[tuple[np.ndarray, ...]] = []
-    for chunk_size in sorted(profiles):
-        if fixed.get("chunk_size", chunk_size) != chunk_size:
+    for profile in profiles:
+        if fixed.get("chunk_size", profile.chunk_size) != profile.chunk_size:
             continue
         pick = _search_layout(
-            profiles[chunk_size], hw, budget, fixed, rows if collect else None, by_peak, min_persist
+            profile, hw, budget, fixed, rows if collect else None, by_peak, min_persist
         )
         if pick is not None and (best is None or _order(pick, by_peak) < _order(best, by_peak)):
             best = pick
@@ -465,7 +506,11 @@ def _better_pick(
     k_idx, p_idx, d_idx = np.unravel_index(index, peak.shape)
     knobs = Knobs(int(persist[p_idx]), int(buffers[p_idx, d_idx]), n_swap, int(checkpoints[k_idx]))
     pick = _Pick(
-        float(step[k_idx, p_idx, d_idx]), int(peak[k_idx, p_idx, d_idx]), profile.chunk_size, knobs
+        float(step[k_idx, p_idx, d_idx]),
+        int(peak[k_idx, p_idx, d_idx]),
+        profile.chunk_size,
+        knobs,
+        profile,
     )
     if current is None:
         return pick
@@ -473,7 +518,7 @@ def _better_pick(
 
 
 def _infeasible(
-    profiles: dict[int, ModelProfile],
+    profiles: list[ModelProfile],
     hw: HardwareProfile,
     budget: int | None,
     fixed: dict[str, int],
@@ -519,4 +564,12 @@ def _infeasible(
     )
 
 
-__all__ = ["KNOBS", "Candidates", "SearchRequest", "make_plan", "search", "search_all"]
+__all__ = [
+    "CHECKPOINT_INPUTS",
+    "KNOBS",
+    "Candidates",
+    "SearchRequest",
+    "make_plan",
+    "search",
+    "search_all",
+]

@@ -29,7 +29,7 @@ class Plan:
 
     ``n_persist`` chunks (the first ones in execution order) stay on the GPU; the other chunks
     stream through at most ``n_buffer`` GPU chunk buffers. ``block_policies[i]`` is the activation
-    policy of block ``i`` ("keep", "checkpoint" or "swap").
+    policy of block ``i`` ("keep", "checkpoint", "checkpoint_cpu" or "swap").
     """
 
     chunk_size: int
@@ -50,7 +50,7 @@ class Plan:
 
     @property
     def n_checkpoint(self) -> int:
-        return sum(p == "checkpoint" for p in self.block_policies)
+        return sum(p in ("checkpoint", "checkpoint_cpu") for p in self.block_policies)
 
     @property
     def knobs(self) -> Knobs:
@@ -67,9 +67,12 @@ class Plan:
         ]
         if self.block_policies:
             n_keep = len(self.block_policies) - self.n_swap - self.n_checkpoint
+            on_cpu = "checkpoint_cpu" in self.block_policies
+            kind = "checkpoint_cpu" if on_cpu else "checkpoint"
             lines.append(
                 f"  activations: {n_keep} blocks keep, {self.n_checkpoint} checkpoint"
-                f"{_block_ranges(self.block_policies, 'checkpoint')}, {self.n_swap} swap"
+                f"{' (inputs on CPU)' if on_cpu else ''}"
+                f"{_block_ranges(self.block_policies, kind)}, {self.n_swap} swap"
                 f"{_block_ranges(self.block_policies, 'swap')}"
             )
         if self.predicted_peak_bytes is not None:

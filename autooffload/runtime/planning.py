@@ -247,7 +247,7 @@ def search_request(
     mode = settings.activation_mode
     if mode in ("keep", "off"):
         fixed.update(n_swap=0, n_checkpoint=0)
-    elif mode == "checkpoint":
+    elif mode in ("checkpoint", "checkpoint_cpu"):
         fixed.update(n_swap=0, n_checkpoint=n_blocks)
     elif mode == "swap":
         fixed.update(n_swap=n_blocks, n_checkpoint=0)
@@ -271,7 +271,24 @@ def search_request(
             # Headroom for what the model does not see: allocator growth at the cap costs a
             # cudaFree + synchronize per retry, far more than the memory it saves.
             budget -= max(BUDGET_MARGIN_MIN, int(BUDGET_MARGIN_SHARE * budget))
-    return SearchRequest({profile.chunk_size: profile}, hw, budget, fixed)
+    return SearchRequest(
+        {profile.chunk_size: profile},
+        hw,
+        budget,
+        fixed,
+        checkpoint_inputs=_checkpoint_inputs(runtime),
+    )
+
+
+def _checkpoint_inputs(runtime: Runtime) -> str:
+    """The search's ``checkpoint_inputs``: the activation mode's or the setting's choice; ``auto``
+    searches host-side inputs on a CUDA device only (on the CPU they would not leave it)."""
+    if runtime.settings.activation_mode == "checkpoint_cpu":
+        return "cpu"
+    if runtime.settings.activation_mode == "checkpoint":
+        return "gpu"
+    chosen = runtime.settings.checkpoint_inputs
+    return "gpu" if chosen == "auto" and runtime.device.type != "cuda" else chosen
 
 
 def plan_from_profile(
@@ -431,6 +448,7 @@ def calibrate_after_steps(
         request.budget_bytes,
         request.fixed,
         min_persist=plan.n_persist,
+        checkpoint_inputs=request.checkpoint_inputs,
     )
     try:
         new_plan = new_request.plan()

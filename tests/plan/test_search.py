@@ -13,7 +13,12 @@ import pytest
 from plan_profiles import MiB, layout_chunks, make_hardware, make_profile
 
 from autooffload.errors import PlanError
-from autooffload.plan.cost import chunk_tables, predict_peak_bytes, predict_step_time
+from autooffload.plan.cost import (
+    chunk_tables,
+    predict_peak_bytes,
+    predict_step_time,
+    with_checkpoint_inputs_on_cpu,
+)
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import SearchRequest, search, search_all
 from autooffload.plan.types import Knobs
@@ -323,3 +328,73 @@ def test_updating_in_the_backward_is_never_predicted_slower_and_helps_cpu_bound_
         assert after <= before + 1e-12, knobs
         gains.append(before - after)
     assert max(gains) > 0, "the head start in the backward never shortened a step"
+
+
+# ---- checkpoint inputs on the host ----------------------------------------------------------
+
+
+def _long_context(n_blocks: int = 16) -> ModelProfile:
+    """LoRA-like (frozen blocks, no weight grads), with checkpoint inputs as big as a long
+    sequence makes them (a quarter of a block's keep)."""
+    base = make_profile(
+        n_blocks=n_blocks, chunk_size=48 * MiB, block_param_bytes=64 * MiB, lora=True
+    )
+    blocks = tuple(replace(u, act_bytes_checkpoint=u.act_bytes_keep // 4) for u in base.blocks)
+    return replace(base, blocks=blocks)
+
+
+def test_checkpoint_inputs_on_cpu_leave_only_in_flight_inputs_on_the_device():
+    hw = make_hardware()
+    profile = _long_context()
+    on_cpu = with_checkpoint_inputs_on_cpu(profile, hw)
+    assert on_cpu.checkpoint_inputs_on_cpu and not profile.checkpoint_inputs_on_cpu
+    c = profile.blocks[0].act_bytes_checkpoint
+    assert on_cpu.blocks[0].act_bytes_checkpoint == 0
+    assert on_cpu.blocks[0].bwd_transient_bytes == profile.blocks[0].bwd_transient_bytes + 2 * c
+    assert on_cpu.blocks[0].bwd_s == pytest.approx(profile.blocks[0].bwd_s + c / hw.h2d_bps)
+    assert (on_cpu.pre, on_cpu.post) == (profile.pre, profile.post)
+    all_ckpt = Knobs(profile.n_chunks, 1, 0, profile.n_blocks)
+    saved = sum(u.act_bytes_checkpoint for u in profile.blocks)
+    drop = predict_peak_bytes(profile, hw, all_ckpt) - predict_peak_bytes(on_cpu, hw, all_ckpt)
+    # Every saved input but the ~3 in flight leaves the device.
+    assert drop >= profile.fragmentation_factor * (saved - 4 * c)
+    step_gpu = predict_step_time(profile, hw, all_ckpt)[0]
+    step_cpu = predict_step_time(on_cpu, hw, all_ckpt)[0]
+    assert 0 < step_cpu - step_gpu <= 2.01 * saved / hw.h2d_bps
+
+
+def test_auto_checkpoint_inputs_take_the_faster_feasible_layout():
+    hw = make_hardware()
+    profile = _long_context()
+    profiles = {profile.chunk_size: profile}
+    on_cpu_only = {profile.chunk_size: with_checkpoint_inputs_on_cpu(profile, hw)}
+    # A budget only the host-side inputs fit: the smallest GPU-input peak, less a little.
+    smallest_gpu = int(search_all(profiles, hw, None).peak_bytes.min())
+    budget = smallest_gpu - 8 * MiB
+    with pytest.raises(PlanError, match="no configuration fits"):
+        search(profiles, hw, budget)
+    plan = search(profiles, hw, budget, checkpoint_inputs="auto")
+    assert "checkpoint_cpu" in plan.block_policies and plan.predicted_peak_bytes <= budget
+    assert plan.knobs == search(on_cpu_only, hw, budget).knobs
+    assert "(inputs on CPU)" in plan.summary()
+    # Unbounded, recompute is not needed and the inputs stay where they are.
+    roomy = search(profiles, hw, None, checkpoint_inputs="auto")
+    assert "checkpoint_cpu" not in roomy.block_policies
+    # auto is never slower than either layout alone, at any budget.
+    for budget in (None, smallest_gpu, 2 * smallest_gpu):
+        steps = [
+            search(profiles, hw, budget, checkpoint_inputs=where).predicted_step_s
+            for where in ("gpu", "cpu")
+        ]
+        auto = search(profiles, hw, budget, checkpoint_inputs="auto").predicted_step_s
+        assert auto == pytest.approx(min(steps))
+    found = search_all(profiles, hw, budget, checkpoint_inputs="auto")
+    assert len(found) == len(search_all(profiles, hw, budget)) + len(
+        search_all(on_cpu_only, hw, budget)
+    )
+
+
+def test_invalid_checkpoint_inputs_is_a_plan_error():
+    profile = make_profile()
+    with pytest.raises(PlanError, match=r"checkpoint_inputs='disk' is not valid; valid: \('auto'"):
+        search({profile.chunk_size: profile}, make_hardware(), None, checkpoint_inputs="disk")

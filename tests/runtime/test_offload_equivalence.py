@@ -317,7 +317,7 @@ def test_bf16_clipping_norm_rounds_like_plain(make_llama, make_batches, offload_
     assert_same_training(plain, offloaded)
 
 
-@pytest.mark.parametrize("mode", ["keep", "checkpoint", "swap"])
+@pytest.mark.parametrize("mode", ["keep", "checkpoint", "checkpoint_cpu", "swap"])
 def test_every_activation_policy_matches_plain(make_llama, make_batches, offload_cpu, mode):
     plain, offloaded, _ = compare(
         make_llama,
@@ -327,6 +327,25 @@ def test_every_activation_policy_matches_plain(make_llama, make_batches, offload
         n_data=2 * STEPS,
         attach={"n_persist": 1, "activation_mode": mode},
     )
+    assert_same_training(plain, offloaded)
+
+
+def test_searched_plan_checkpoints_with_inputs_on_the_host_when_told_to(
+    make_llama, make_batches, offload_cpu
+):
+    """AUTOOFFLOAD_ACTIVATION_MODE=checkpoint_cpu with the rest searched: the plan after the
+    profiling steps names every block checkpoint_cpu, and training stays exact."""
+    base = make_llama()
+    data = make_batches(STEPS)
+    plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu)
+    model = copy.deepcopy(base)
+    offload_cpu(activation_mode="checkpoint_cpu")
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    offloaded = train(model, data, attach=None, offload_cpu=offload_cpu)
+    assert runtime.plan.source == "user+search"  # the mode fixes n_swap and n_checkpoint
+    assert set(runtime.plan.block_policies) == {"checkpoint_cpu"}
+    assert "(inputs on CPU)" in runtime.plan.summary()
     assert_same_training(plain, offloaded)
 
 
