@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from autooffload.runtime.chunks import ChunkLayout
     from autooffload.runtime.runtime import Runtime
     from autooffload.settings import Settings
+
+T = TypeVar("T")
 
 
 def world() -> tuple[int, int]:
@@ -115,13 +117,23 @@ class DataParallel:
 
     def agree(self, plan: Plan) -> Plan:
         """Rank 0's plan, on every rank."""
-        box = [plan if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=self._global_rank(0), group=self.group)
-        agreed = box[0]
+        agreed = self.agree_object(plan)
         assert agreed is not None
         if self.rank != 0 and agreed != plan:
             logger.debug("rank %d takes rank 0's plan: %s", self.rank, agreed.summary())
         return agreed
+
+    def agree_object(self, value: T) -> T:
+        """Rank 0's ``value`` (any picklable object, None included), on every rank."""
+        box = [value if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=self._global_rank(0), group=self.group)
+        return box[0]  # type: ignore[return-value]
+
+    def gather_object(self, value: T) -> list[T]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
 
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -366,7 +366,7 @@ def switch_to_searched_plan(
     runtime.profile = profile
     runtime.search_request = request
     runtime.apply_plan(plan)
-    if runtime.manager.is_cuda and runtime.data_parallel is None:
+    if runtime.manager.is_cuda:
         # The planned steps' peak, not the profiling steps', is compared with the prediction;
         # the profiling steps' own is kept (the least memory a run of this model needs).
         runtime.profiling_peak_bytes = torch.cuda.max_memory_reserved(runtime.device)
@@ -413,7 +413,40 @@ def calibrate_after_steps(
     off the planned one by more than ``CPU_RATE_MARGIN`` replaces it. Either re-runs the search,
     which may promote chunks but never demotes one (that would move live optimizer state back).
     Returns the new plan, or None when the assumptions held or the plan stays. Logged once
-    whenever it acts."""
+    whenever it acts.
+
+    Under data parallelism every rank calls this at the same step (a collective): the ranks
+    judge the largest peak and the slowest CPU update of any rank, and all take rank 0's
+    outcome, as they take rank 0's plan at the switch, so their collectives stay in step."""
+    dp = runtime.data_parallel
+    if dp is not None:
+        measured = dp.gather_object((int(measured_peak), measured_cpu_rate))
+        measured_peak = max(peak for peak, _ in measured)
+        rates = [rate for _, rate in measured if rate]
+        measured_cpu_rate = min(rates) if rates else None
+    decision: _Calibration | None = None
+    if dp is None or dp.rank == 0:
+        decision = _calibration(runtime, measured_peak, measured_cpu_rate)
+    if dp is not None:
+        decision = dp.agree_object(decision)
+    return None if decision is None else _apply_calibration(runtime, decision)
+
+
+@dataclass(frozen=True)
+class _Calibration:
+    """What a calibration found and the search it ran: the new plan, or why none fits."""
+
+    what: str
+    profile: ModelProfile
+    request: SearchRequest
+    outcome: Plan | str
+
+
+def _calibration(
+    runtime: Runtime, measured_peak: int, measured_cpu_rate: float | None
+) -> _Calibration | None:
+    """The calibrated profile and hardware, and the plan searched with them; None when the
+    measurements are within the margins of what the plan assumed."""
     from autooffload.plan.cost import calibrate
 
     plan, request, profile = runtime.plan, runtime.search_request, runtime.profile
@@ -440,8 +473,6 @@ def calibrate_after_steps(
         )
     if not found:
         return None
-    what = "; ".join(found)
-    runtime.profile = calibrated
     new_request = SearchRequest(
         {calibrated.chunk_size: calibrated},
         hw,
@@ -450,21 +481,32 @@ def calibrate_after_steps(
         min_persist=plan.n_persist,
         checkpoint_inputs=request.checkpoint_inputs,
     )
+    outcome: Plan | str
     try:
-        new_plan = new_request.plan()
+        outcome = replace(
+            new_request.plan(),
+            chunk_size=runtime.layout.chunk_size,
+            source=f"{plan.source}, calibrated",
+        )
     except PlanError as error:
+        outcome = str(error)
+    return _Calibration("; ".join(found), calibrated, new_request, outcome)
+
+
+def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
+    """Take the calibrated profile, and the new plan when it changes anything (logged once)."""
+    plan, new_plan, what = runtime.plan, found.outcome, found.what
+    runtime.profile = found.profile
+    if isinstance(new_plan, str):
         logger.warning(
             "%s, and no plan keeping the %d persistent chunks fits the budget (%s); set"
             " AUTOOFFLOAD_BUDGET lower to leave the allocator more room",
             what,
             plan.n_persist,
-            error,
+            new_plan,
         )
         return None
-    new_plan = replace(
-        new_plan, chunk_size=runtime.layout.chunk_size, source=f"{plan.source}, calibrated"
-    )
-    runtime.search_request = new_request
+    runtime.search_request = found.request
     if new_plan.knobs == plan.knobs:
         runtime.plan = new_plan
         logger.info(

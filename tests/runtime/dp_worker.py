@@ -9,6 +9,7 @@ model on the global batch, computed here on rank 0 before autooffload is enabled
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -161,6 +162,37 @@ def case_promote(device, dtype, rank, world):
     return result, promoted
 
 
+def case_calibrate(device, dtype, rank, world):
+    """Planned by the search, then calibrated after its steps with a peak over the prediction
+    measured on rank 1 only: both ranks re-plan to the same plan (rank 1's peak counts) and
+    training goes on like single-process training."""
+    from autooffload import runtime as rt
+    from autooffload.runtime.planning import calibrate_after_steps
+
+    enable(device, n_persist=None, activation_mode="auto", budget=900_000)
+    model = tiny_llama().to(device, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    batches = global_batches(STEPS)
+    train_local(model, optimizer, batches[:3], device, rank, world)
+    runtime = rt.runtime_of(model)
+    planned = runtime.plan
+    # Half way between the prediction and the budget, in the calibrated factor's terms: over the
+    # margin, so the fragmentation factor grows and the search runs again.
+    measured = int(planned.predicted_peak_bytes * (1.3 if rank == 1 else 1.0))
+    new_plan = calibrate_after_steps(runtime, measured, None)
+    facts = {
+        "source": runtime.plan.source,
+        "knobs": dataclasses.astuple(runtime.plan.knobs),
+        "fragmentation": runtime.profile.fragmentation_factor,
+        "replanned": new_plan is not None,
+        "planned_knobs": dataclasses.astuple(planned.knobs),
+    }
+    train_local(model, optimizer, batches[3:], device, rank, world)
+    result = weights(model)
+    autooffload.disable()
+    return result, facts
+
+
 def case_ddp(device, dtype, rank, world):
     """DDP-wrapped, rank 1 starting from other weights (DDP's broadcast makes them rank 0's),
     two micro-batches per step with no_sync on the first, and gradient clipping."""
@@ -255,6 +287,8 @@ def main() -> None:
         report["dp_vs_averaged"] = max_diff(dp, averaged)
         report["dp_vs_whole_batch"] = max_diff(dp, whole)
         report["averaged_vs_whole_batch"] = max_diff(averaged, whole)
+        calibrated, report["calibration"] = case_calibrate(device, dtype, rank, world)
+        report["calibrate_vs_averaged"] = max_diff(calibrated, averaged)
         ddp = case_ddp(device, dtype, rank, world)
         report["ddp_vs_averaged"] = max_diff(ddp, averaged_clip)
         report["no_sync_vs_averaged"] = max_diff(

@@ -66,6 +66,19 @@ def test_chunks_made_persistent_take_their_owners_optimizer_state(cpu_run):
         assert report["promote_vs_averaged"] < TOL
 
 
+def test_calibration_under_data_parallelism_takes_every_ranks_peak_and_one_plan(cpu_run):
+    """Only rank 1 measured a peak over the prediction; both ranks calibrate and re-plan alike
+    (rank 0 alone would have kept its plan), and the trajectory is unchanged."""
+    reports, _ = cpu_run
+    facts = [report["calibration"] for report in reports]
+    assert all(f["source"].endswith("calibrated") for f in facts), facts
+    assert facts[0]["knobs"] == facts[1]["knobs"]
+    assert facts[0]["fragmentation"] == facts[1]["fragmentation"] > 1.1
+    assert facts[0]["replanned"] == facts[1]["replanned"]
+    for report in reports:
+        assert report["calibrate_vs_averaged"] < TOL
+
+
 def test_replicated_state_still_trains_like_one_process(cpu_run):
     reports, _ = cpu_run
     for report in reports:
