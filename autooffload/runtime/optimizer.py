@@ -286,7 +286,7 @@ class CpuOptimizer:
             self.manager.staging_busy[index] = future
 
     def mark(self) -> tuple[float, int]:
-        """``(busy_s, updated_params)`` now: the start of a window ``planning.worker_rate``
+        """``(busy_s, updated_params)`` now: the start of a window ``calibration.worker_rate``
         measures over (take it while the worker is idle)."""
         return self.busy_s, self.updated_params
 

@@ -27,18 +27,17 @@ from autooffload.runtime.activations import (
 from autooffload.runtime.adapters import adapter_params
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group, discover_groups
+from autooffload.runtime.calibration import calibrate_after_steps, worker_rate
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.distributed import attach_data_parallel
 from autooffload.runtime.manager import ChunkManager, Residency
 from autooffload.runtime.oom import OomRetry
 from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
-    calibrate_after_steps,
     check_host_memory,
     initial_plan,
     profile_after_step,
     switch_to_searched_plan,
-    worker_rate,
 )
 from autooffload.runtime.quantized import QuantizedParams
 from autooffload.runtime.sharding import Sharding, refresh_hosts
@@ -130,7 +129,7 @@ class Runtime:
         # Device bytes the allocator held in the profiling steps (CUDA only, once measured).
         self.profiling_peak_bytes: int | None = None
         # The CPU worker's (busy_s, updated_params) when it was last known idle: the start of
-        # the window its rate is measured over (``planning.worker_rate``).
+        # the window its rate is measured over (``calibration.worker_rate``).
         self.cpu_mark: tuple[float, int] = (0.0, 0)
         self._step_started = time.perf_counter()
         self.swapper: ActivationSwapper | None = None

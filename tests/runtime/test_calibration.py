@@ -10,7 +10,7 @@ import torch
 
 from autooffload import runtime as rt
 from autooffload.plan.cost import predict_peak_bytes
-from autooffload.runtime.planning import (
+from autooffload.runtime.calibration import (
     CALIBRATION_MARGIN,
     CPU_RATE_MARGIN,
     calibrate_after_steps,

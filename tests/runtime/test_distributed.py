@@ -71,10 +71,10 @@ def test_calibration_under_data_parallelism_takes_every_ranks_peak_and_one_plan(
     (rank 0 alone would have kept its plan), and the trajectory is unchanged."""
     reports, _ = cpu_run
     facts = [report["calibration"] for report in reports]
-    assert all(f["source"].endswith("calibrated") for f in facts), facts
-    assert facts[0]["knobs"] == facts[1]["knobs"]
+    assert all(f["room"] for f in facts), "the plan is already the smallest: nothing to test"
+    assert all(f["source"].endswith("calibrated") and f["replanned"] for f in facts), facts
+    assert facts[0]["knobs"] == facts[1]["knobs"] != facts[0]["planned_knobs"]
     assert facts[0]["fragmentation"] == facts[1]["fragmentation"] > 1.1
-    assert facts[0]["replanned"] == facts[1]["replanned"]
     for report in reports:
         assert report["calibrate_vs_averaged"] < TOL
 

@@ -1,0 +1,166 @@
+"""Calibration after the plan switch: the planned steps' measured peak and CPU update rate
+against what the plan assumed, and the one re-plan that follows when they differ (issue 13)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from autooffload.errors import PlanError
+from autooffload.log import logger
+from autooffload.plan.profile_types import ModelProfile
+from autooffload.plan.search import SearchRequest
+from autooffload.plan.types import Plan
+
+if TYPE_CHECKING:
+    from autooffload.runtime.optimizer import CpuOptimizer
+    from autooffload.runtime.runtime import Runtime
+
+# Steps run under the searched plan before its measured peak and CPU update rate are compared
+# with what the plan assumed; how far above the predicted peak the measured one may be, and how
+# far from the planned rate the measured one, before the model is calibrated.
+CALIBRATE_AFTER_STEPS = 2
+CALIBRATION_MARGIN = 0.02
+CPU_RATE_MARGIN = 0.10
+
+
+def fresh_peak(device: torch.device) -> None:
+    """Start measuring a new plan's peak: give the allocator's cached blocks back, then reset
+    the peak counters. Without the ``empty_cache`` the reserved peak keeps what the previous
+    plan (the profiling steps, or the plan before a calibration) left cached, and reads as the
+    new plan's: the calibration then inflated the fragmentation factor, and a plan that fitted
+    was measured at the cap. Once per plan switch (``cudaFree`` synchronizes the device)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def worker_rate(mark: tuple[float, int], optimizer: CpuOptimizer) -> float | None:
+    """Offloaded params updated per second the CPU worker was busy since ``mark`` (its
+    ``optimizer.mark()`` then): gradient accumulation included, as the step runs it.
+    The worker must be idle at ``mark`` and now (``wait()`` first)."""
+    busy_s, updated = optimizer.mark()
+    seconds, params = busy_s - mark[0], updated - mark[1]
+    return params / seconds if seconds > 0 and params > 0 else None
+
+
+def calibrate_after_steps(
+    runtime: Runtime, measured_peak: int, measured_cpu_rate: float | None = None
+) -> Plan | None:
+    """Check the planned steps against what their plan assumed, once: the measured peak
+    (bytes reserved by the allocator) above the prediction by more than ``CALIBRATION_MARGIN``
+    calibrates the fragmentation factor (``cost.calibrate``); the CPU worker's measured rate
+    (``worker_rate``: the update contended by the running step, gradient accumulation included)
+    off the planned one by more than ``CPU_RATE_MARGIN`` replaces it. Either re-runs the search,
+    which may promote chunks but never demotes one (that would move live optimizer state back).
+    Returns the new plan, or None when the assumptions held or the plan stays. Logged once
+    whenever it acts.
+
+    Under data parallelism every rank calls this at the same step (a collective): the ranks
+    judge the largest peak and the slowest CPU update of any rank, and all take rank 0's
+    outcome, as they take rank 0's plan at the switch, so their collectives stay in step."""
+    dp = runtime.data_parallel
+    if dp is not None:
+        measured = dp.gather_object((int(measured_peak), measured_cpu_rate))
+        measured_peak = max(peak for peak, _ in measured)
+        rates = [rate for _, rate in measured if rate]
+        measured_cpu_rate = min(rates) if rates else None
+    decision: _Calibration | None = None
+    if dp is None or dp.rank == 0:
+        decision = _calibration(runtime, measured_peak, measured_cpu_rate)
+    if dp is not None:
+        decision = dp.agree_object(decision)
+    return None if decision is None else _apply_calibration(runtime, decision)
+
+
+@dataclass(frozen=True)
+class _Calibration:
+    """What a calibration found and the search it ran: the new plan, or why none fits."""
+
+    what: str
+    profile: ModelProfile
+    request: SearchRequest
+    outcome: Plan | str
+
+
+def _calibration(
+    runtime: Runtime, measured_peak: int, measured_cpu_rate: float | None
+) -> _Calibration | None:
+    """The calibrated profile and hardware, and the plan searched with them; None when the
+    measurements are within the margins of what the plan assumed."""
+    from autooffload.plan.cost import calibrate
+
+    plan, request, profile = runtime.plan, runtime.search_request, runtime.profile
+    predicted = plan.predicted_peak_bytes
+    if request is None or profile is None or not predicted:
+        return None
+    gib = 1 << 30
+    found = []
+    calibrated, hw = profile, request.hw
+    if measured_peak > predicted * (1 + CALIBRATION_MARGIN):
+        old = profile.fragmentation_factor
+        factor = calibrate(profile, measured_peak, predicted)
+        calibrated = profile.with_fragmentation(factor)
+        found.append(
+            f"measured peak {measured_peak / gib:.2f} GiB > predicted {predicted / gib:.2f} GiB"
+            f" (fragmentation {old:.3f} -> {factor:.3f})"
+        )
+    planned_rate = hw.cpu_optim_params_per_s
+    if measured_cpu_rate and abs(measured_cpu_rate / planned_rate - 1) > CPU_RATE_MARGIN:
+        hw = replace(hw, cpu_optim_params_per_s=measured_cpu_rate)
+        found.append(
+            f"CPU update {measured_cpu_rate / 1e9:.2f} Gparam/s measured vs"
+            f" {planned_rate / 1e9:.2f} planned"
+        )
+    if not found:
+        return None
+    new_request = SearchRequest(
+        {calibrated.chunk_size: calibrated},
+        hw,
+        request.budget_bytes,
+        request.fixed,
+        min_persist=plan.n_persist,
+        checkpoint_inputs=request.checkpoint_inputs,
+    )
+    outcome: Plan | str
+    try:
+        outcome = replace(
+            new_request.plan(),
+            chunk_size=runtime.layout.chunk_size,
+            source=f"{plan.source}, calibrated",
+        )
+    except PlanError as error:
+        outcome = str(error)
+    return _Calibration("; ".join(found), calibrated, new_request, outcome)
+
+
+def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
+    """Take the calibrated profile, and the new plan when it changes anything (logged once)."""
+    plan, new_plan, what = runtime.plan, found.outcome, found.what
+    runtime.profile = found.profile
+    if isinstance(new_plan, str):
+        logger.warning(
+            "%s, and no plan keeping the %d persistent chunks fits the budget (%s); set"
+            " AUTOOFFLOAD_BUDGET lower to leave the allocator more room",
+            what,
+            plan.n_persist,
+            new_plan,
+        )
+        return None
+    runtime.search_request = found.request
+    if new_plan.knobs == plan.knobs:
+        runtime.plan = new_plan
+        logger.info(
+            "%s; the plan stays (predicted step now %.0f ms)", what, new_plan.predicted_step_s * 1e3
+        )
+        return None
+    runtime.apply_plan(new_plan)
+    if runtime.manager.is_cuda:
+        fresh_peak(runtime.device)
+    from autooffload import runtime as rt
+
+    rt._last_plan[:] = [new_plan]
+    logger.info("%s, re-planned:\n%s", what, new_plan.summary())
+    return new_plan
