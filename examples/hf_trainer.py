@@ -2,6 +2,8 @@
 
     python examples/hf_trainer.py                       # tiny model, CPU, seconds
     python examples/hf_trainer.py --size 1b --steps 20  # TinyLlama-1.1B dimensions, on a GPU
+    python examples/hf_trainer.py --steps 8 --save-steps 4 --grad-accum 2 --output-dir out/
+    python examples/hf_trainer.py --steps 8 --grad-accum 2 --resume out/checkpoint-4
 
 The data is ``examples/data/chat.jsonl`` (one ``{"messages": [...]}`` per line), tokenized with the
 Qwen3 chat template from ``tests/data/tokenizers/qwen3``; nothing is downloaded. The collator is
@@ -62,6 +64,16 @@ SIZES = {
 }
 
 
+def dump_logits(model: torch.nn.Module, input_ids: list[int], path: str) -> None:
+    """Save the model's logits on one fixed sequence (under bf16 autocast on a GPU, as every
+    example does), to compare with a plain model loaded from the saved checkpoint."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = torch.tensor([input_ids], device=device)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        logits = model(input_ids=ids).logits
+    torch.save({"input_ids": ids.cpu(), "logits": logits.float().cpu()}, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -70,7 +82,18 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--data", default=str(REPO / "examples/data/chat.jsonl"))
     parser.add_argument("--tokenizer", default=str(REPO / "tests/data/tokenizers/qwen3"))
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--output-dir", default=None, help="default: a temporary directory")
+    parser.add_argument("--save-steps", type=int, default=None, help="default: no checkpoints")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        help="resume_from_checkpoint: the last checkpoint in --output-dir, or the one named",
+    )
+    parser.add_argument("--dump-logits", default=None, help="save logits of a fixed batch here")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -100,9 +123,12 @@ def main() -> None:
             output_dir=args.output_dir or scratch,
             max_steps=args.steps,
             per_device_train_batch_size=args.batch_size,
+            gradient_accumulation_steps=args.grad_accum,
+            max_grad_norm=args.max_grad_norm,
             learning_rate=args.lr,
             logging_steps=1,
-            save_strategy="no",
+            save_strategy="no" if args.save_steps is None else "steps",
+            save_steps=args.save_steps,
             report_to=[],
             bf16=use_cuda,
             disable_tqdm=True,
@@ -114,8 +140,10 @@ def main() -> None:
             data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
             processing_class=tokenizer,
         )
-        trainer.train()
+        trainer.train(resume_from_checkpoint=args.resume)
 
+    if args.dump_logits is not None:
+        dump_logits(trainer.model, train_dataset[0]["input_ids"], args.dump_logits)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     print(f"losses: {' '.join(f'{loss:.4f}' for loss in losses)}")
     plan = autooffload.last_plan()

@@ -2,6 +2,7 @@
 
     python examples/plain_torch.py                       # tiny model, CPU, seconds
     python examples/plain_torch.py --size 1b --steps 20  # TinyLlama-1.1B dimensions, on a GPU
+    python examples/plain_torch.py --save out/           # save_pretrained at the end
 
 Nothing is downloaded: the model is built from a ``transformers.LlamaConfig``. The batch is a
 fixed set of random tokens, so the loss falls as the model memorizes it.
@@ -55,6 +56,16 @@ SIZES = {
 }
 
 
+def dump_logits(model: torch.nn.Module, input_ids: list[int], path: str) -> None:
+    """Save the model's logits on one fixed sequence (under bf16 autocast on a GPU, as every
+    example does), to compare with a plain model loaded from the saved checkpoint."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = torch.tensor([input_ids], device=device)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        logits = model(input_ids=ids).logits
+    torch.save({"input_ids": ids.cpu(), "logits": logits.float().cpu()}, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -62,6 +73,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--save", default=None, help="save_pretrained the model here at the end")
+    parser.add_argument("--dump-logits", default=None, help="save logits of a fixed batch here")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -81,6 +94,11 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         print(f"step {step}/{args.steps} loss {loss.item():.4f}", flush=True)
+
+    if args.save is not None:
+        model.save_pretrained(args.save)
+    if args.dump_logits is not None:
+        dump_logits(model, tokens[0].tolist(), args.dump_logits)
 
     plan = autooffload.last_plan()
     print(plan.summary() if plan is not None else "plan: none (the model was not attached)")

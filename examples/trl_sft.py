@@ -2,6 +2,7 @@
 
     python examples/trl_sft.py                       # tiny model, CPU, seconds
     python examples/trl_sft.py --size 1b --steps 20  # TinyLlama-1.1B dimensions, on a GPU
+    python examples/trl_sft.py --steps 8 --save-steps 4 --output-dir out/
 
 The data is ``examples/data/chat.jsonl`` in TRL's conversational ``messages`` format; the
 tokenizer (and its chat template) is the Qwen3 one in ``tests/data/tokenizers/qwen3``; nothing is
@@ -56,6 +57,16 @@ SIZES = {
 }
 
 
+def dump_logits(model: torch.nn.Module, input_ids: list[int], path: str) -> None:
+    """Save the model's logits on one fixed sequence (under bf16 autocast on a GPU, as every
+    example does), to compare with a plain model loaded from the saved checkpoint."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = torch.tensor([input_ids], device=device)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        logits = model(input_ids=ids).logits
+    torch.save({"input_ids": ids.cpu(), "logits": logits.float().cpu()}, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -65,6 +76,8 @@ def main() -> None:
     parser.add_argument("--data", default=str(REPO / "examples/data/chat.jsonl"))
     parser.add_argument("--tokenizer", default=str(REPO / "tests/data/tokenizers/qwen3"))
     parser.add_argument("--output-dir", default=None, help="default: a temporary directory")
+    parser.add_argument("--save-steps", type=int, default=None, help="default: no checkpoints")
+    parser.add_argument("--dump-logits", default=None, help="save logits of a fixed batch here")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -93,7 +106,8 @@ def main() -> None:
             learning_rate=args.lr,
             max_length=512,
             logging_steps=1,
-            save_strategy="no",
+            save_strategy="no" if args.save_steps is None else "steps",
+            save_steps=args.save_steps,
             report_to="none",
             bf16=use_cuda,
             disable_tqdm=True,
@@ -106,6 +120,9 @@ def main() -> None:
         )
         trainer.train()
 
+    if args.dump_logits is not None:
+        first = tokenizer.apply_chat_template(train_dataset[0]["messages"], tokenize=True)
+        dump_logits(trainer.model, first["input_ids"], args.dump_logits)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     print(f"losses: {' '.join(f'{loss:.4f}' for loss in losses)}")
     plan = autooffload.last_plan()
