@@ -56,6 +56,11 @@ class Plan:
     def knobs(self) -> Knobs:
         return Knobs(self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
 
+    def configures_like(self, other: Plan) -> bool:
+        """Same knobs and block policies: switching between the two changes nothing on the
+        device (a checkpoint block and a checkpoint_cpu one count alike in ``knobs``)."""
+        return self.knobs == other.knobs and self.block_policies == other.block_policies
+
     def summary(self) -> str:
         """A short multi-line human summary (logged once per attach)."""
         n_off = self.n_chunks - self.n_persist

@@ -150,7 +150,7 @@ def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
         )
         return None
     runtime.search_request = found.request
-    if new_plan.knobs == plan.knobs:
+    if new_plan.configures_like(plan):
         runtime.plan = new_plan
         logger.info(
             "%s; the plan stays (predicted step now %.0f ms)", what, new_plan.predicted_step_s * 1e3

@@ -320,7 +320,7 @@ class OomRetry:
         except PlanError as error:
             logger.debug("no plan fits the OOM retry's budget %d: %s", budget, error)
             return None
-        if plan.knobs == current.knobs:
+        if plan.configures_like(current):
             return None
         return replace(plan, chunk_size=runtime.layout.chunk_size, source="OOM retry")
 

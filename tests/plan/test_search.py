@@ -20,7 +20,7 @@ from autooffload.plan.cost import (
     with_checkpoint_inputs_on_cpu,
 )
 from autooffload.plan.profile_types import ModelProfile
-from autooffload.plan.search import SearchRequest, search, search_all
+from autooffload.plan.search import SearchRequest, make_plan, search, search_all
 from autooffload.plan.types import Knobs
 
 SMALL = dict(n_blocks=4, chunk_size=48 * MiB, block_param_bytes=64 * MiB)
@@ -398,3 +398,16 @@ def test_invalid_checkpoint_inputs_is_a_plan_error():
     profile = make_profile()
     with pytest.raises(PlanError, match=r"checkpoint_inputs='disk' is not valid; valid: \('auto'"):
         search({profile.chunk_size: profile}, make_hardware(), None, checkpoint_inputs="disk")
+
+
+def test_a_plan_moving_checkpoint_inputs_to_the_host_is_a_different_configuration():
+    hw = make_hardware()
+    profile = _long_context()
+    knobs = Knobs(0, 2, 0, profile.n_blocks)
+    on_gpu = make_plan(profile, hw, knobs, None)
+    on_cpu = make_plan(with_checkpoint_inputs_on_cpu(profile, hw), hw, knobs, None)
+    # Same counts (a re-plan comparing only knobs would keep the old policies) ...
+    assert on_gpu.knobs == on_cpu.knobs
+    # ... but not the same configuration: calibration and the OOM retry must apply it.
+    assert not on_gpu.configures_like(on_cpu)
+    assert on_gpu.configures_like(make_plan(profile, hw, knobs, None))
