@@ -31,11 +31,12 @@ copied to the host and the result back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from autooffload.masking.markers import MarkerTable, isin_ids
 
 EOS_MODES = ("turn", "last", "all", "none")
 
@@ -103,7 +104,8 @@ class Turns:
     """The turns of a batch as parallel 1-D host arrays, one entry per turn, ordered by row and
     start: ``row``, ``boundary`` (index), ``closed`` (whether an end marker closed it), and the
     positions ``start``, ``content_start``, ``content_end`` and ``end``, counted in the flattened
-    batch (``row * seq_len + column``)."""
+    batch (``row * seq_len + column``). ``unmatched``: some marker candidate began no marker
+    (other tokens were among the candidates)."""
 
     row: np.ndarray
     boundary: np.ndarray
@@ -112,6 +114,7 @@ class Turns:
     content_end: np.ndarray
     end: np.ndarray
     closed: np.ndarray
+    unmatched: bool = True
 
 
 @dataclass
@@ -145,23 +148,13 @@ class ScanResult:
     markers: torch.Tensor | None = None
 
 
-# Up to this many ids, one ``==`` per id (12 us each on 32 x 4096) beats ``np.isin`` (~130 us).
-_FEW_IDS = 8
-
-
 def host_array(tensor: torch.Tensor) -> np.ndarray:
     """A C-contiguous numpy array with the values of ``tensor`` (a view for host tensors)."""
-    return np.ascontiguousarray(tensor.detach().cpu().numpy())
-
-
-def isin_ids(values: np.ndarray, ids: Sequence[int]) -> np.ndarray:
-    """A bool array: which of ``values`` are one of the token ``ids``."""
-    if not ids or len(ids) > _FEW_IDS:
-        return np.isin(values, ids)
-    found = values == ids[0]
-    for token_id in ids[1:]:
-        found |= values == token_id
-    return found
+    try:
+        array = tensor.numpy()  # a host tensor that needs no grad: the cheapest way
+    except (RuntimeError, TypeError):
+        array = tensor.detach().cpu().numpy()
+    return np.ascontiguousarray(array)
 
 
 class Scanner:
@@ -172,30 +165,30 @@ class Scanner:
         self.options = options
         # Longest markers first, so a longer alternative wins over its prefix at the same place.
         starts = {(tuple(m), i) for i, b in enumerate(boundaries) for m in b.starts if m}
-        self._starts = sorted(starts, key=lambda item: (-len(item[0]), item))
+        starts = sorted(starts, key=lambda item: (-len(item[0]), item))
         ends = {tuple(m) for b in boundaries for m in b.ends if m}
-        self._ends = sorted(ends, key=lambda m: (-len(m), m))
-        # End markers grouped by the boundaries they close: (marker indices, closes[b] or None
-        # when the group closes every boundary).
-        by_closed: dict[tuple[bool, ...], list[int]] = {}
-        for k, end in enumerate(self._ends):
-            closed = tuple(end in {tuple(m) for m in b.ends} for b in boundaries)
-            by_closed.setdefault(closed, []).append(k)
-        self._end_groups = [
-            (np.array(group), None if all(closed) else np.array(closed))
-            for closed, group in by_closed.items()
-        ]
-        self._anchor_ids = sorted({m[0] for m, _ in self._starts} | {m[0] for m in self._ends})
-        markers = [m for m, _ in self._starts] + self._ends
+        ends = sorted(ends, key=lambda m: (-len(m), m))
+        markers = [m for m, _ in starts] + ends
         self.marker_token_ids = frozenset(t for m in markers for t in m)
-        # Every marker as a row of a table (start markers, then end markers): its tokens padded
-        # with -1, and which offsets lie past its end (those match anything).
-        longest = max((len(m) for m in markers), default=1)
-        self._marker_tokens = np.array([m + (-1,) * (longest - len(m)) for m in markers] or [[]])
-        self._marker_tokens = self._marker_tokens.reshape(len(markers), longest)
-        self._past_end = self._marker_tokens < 0
-        self._marker_length = np.array([len(m) for m in markers], dtype=np.int64)
-        self._start_boundary = np.array([b for _, b in self._starts], dtype=np.int64)
+        self._markers = MarkerTable(markers, len(starts))
+        self._anchor_ids = self._markers.first_ids
+        # Per marker code (0: none, then index + 1): its length and a start marker's boundary.
+        self._code_length = np.array([0] + [len(m) for m in markers], dtype=np.int64)
+        self._code_boundary = np.array([0] + [b for _, b in starts] + [0] * len(ends))
+        # End markers grouped by the boundaries they close: (is the code in the group, closes[b]
+        # or None when the group closes every boundary); one group for most templates.
+        by_closed: dict[tuple[bool, ...], list[int]] = {}
+        for k, end in enumerate(ends):
+            closed = tuple(end in {tuple(m) for m in b.ends} for b in boundaries)
+            by_closed.setdefault(closed, []).append(len(starts) + k + 1)
+        self._end_groups = []
+        for closed, codes in by_closed.items():
+            in_group = np.zeros(len(markers) + 1, dtype=bool)
+            in_group[codes] = True
+            self._end_groups.append((in_group, None if all(closed) else np.array(closed)))
+        end_lengths = {len(m) for m in ends}
+        self._end_length = end_lengths.pop() if len(end_lengths) == 1 else None
+        self._multi_token_ends = any(len(m) > 1 for m in ends)
         trained_roles = set(options.roles_to_train)
         self._role_trained = np.array([b.role in trained_roles for b in boundaries], dtype=bool)
         self._include_start = np.array([b.include_start for b in boundaries], dtype=bool)
@@ -203,57 +196,83 @@ class Scanner:
         self._assistant = np.array([b.role == "assistant" for b in boundaries], dtype=bool)
         self._every_end_included = bool(self._include_end.all())
         self._some_start_included = bool(self._include_start.any())
+        self._alternating = np.zeros(0, dtype=bool)  # [False, True, False, ...], grown on use
 
-    def find_turns(self, input_ids: torch.Tensor | np.ndarray) -> Turns:
-        """Every turn of a ``[batch, seq]`` batch, found with array ops over marker candidates."""
+    @property
+    def anchor_ids(self) -> list[int]:
+        """The first token of every marker: where a marker can begin."""
+        return self._anchor_ids
+
+    def find_turns(
+        self, input_ids: torch.Tensor | np.ndarray, candidates: np.ndarray | None = None
+    ) -> Turns:
+        """Every turn of a ``[batch, seq]`` batch, found with array ops over marker candidates:
+        ``candidates``, sorted flat positions that include every ``anchor_ids`` token (others
+        are passed over), else the positions of those tokens."""
         ids = input_ids if isinstance(input_ids, np.ndarray) else host_array(input_ids)
         seq_len = ids.shape[1]
         flat = ids.reshape(-1)
-        at = np.flatnonzero(isin_ids(flat, self._anchor_ids))  # sorted by (row, column)
-        rows, columns = np.divmod(at, seq_len)
-        # hits[m, c]: marker m is at candidate c. The tokens after the candidates are gathered
-        # once per offset for all markers; a marker longer than what is left of its row misses.
-        hits = self._marker_tokens[:, :1] == flat[at]
-        for offset in range(1, self._marker_tokens.shape[1]):
-            following = np.take(flat, at + offset, mode="clip")
-            hits &= (self._marker_tokens[:, offset, None] == following) | self._past_end[
-                :, offset, None
-            ]
-        hits &= self._marker_length[:, None] <= seq_len - columns
-        n_starts = len(self._starts)
-        start_marker = _first_hit(hits[:n_starts])
-        is_start = np.flatnonzero(start_marker >= 0)  # indices: cheaper than a bool mask twice
-        start, start_marker, row = at[is_start], start_marker[is_start], rows[is_start]
-        boundary = self._start_boundary[start_marker]
-        content_start = start + self._marker_length[start_marker]
-        row_end = (row + 1) * seq_len
+        at = candidates
+        if at is None:
+            at = isin_ids(flat, self._anchor_ids).nonzero()[0]  # sorted by (row, column)
+        row_ends = self._multi_token_ends  # one that long can be read on into the next row
+        while True:
+            start_code, end_code = self._markers.find(flat, at, seq_len, row_ends)
+            is_start = start_code.nonzero()[0]
+            start, code = at.take(is_start), start_code.take(is_start)
+            content_start = start + self._code_length.take(code)
+            row = start // seq_len
+            row_end = row * seq_len + seq_len
+            if row_ends or not np.count_nonzero(content_start > row_end):
+                break
+            row_ends = True  # a start marker read on into the next row: find them within rows
+        boundary = self._code_boundary.take(code)
         # The next start in the same row bounds each turn, else the end of the row.
         bound = row_end.copy()
         bound[:-1] = np.minimum(start[1:], row_end[:-1])
-        # The first end marker closing this boundary at or after the content start (later rows
-        # included: those are rejected below), searched once per group of end markers that
-        # close the same boundaries (one group for most templates).
-        no_end = flat.size + 1
-        end_at = np.full_like(start, no_end)
-        end_length = np.zeros_like(start)
-        end_marker = _first_hit(hits[n_starts:])
-        for group, closes in self._end_groups:
-            is_end = np.flatnonzero(
-                np.isin(end_marker, group) if group.size > 1 else end_marker == group[0]
-            )
-            ends = np.append(at[is_end], no_end)  # the sentinel: no end after this
-            lengths = np.append(self._marker_length[n_starts + end_marker[is_end]], 0)
-            index = np.searchsorted(ends, content_start)  # sorted keys: ~15 us
-            first = ends[index]
-            better = first < end_at if closes is None else closes[boundary] & (first < end_at)
-            end_at = np.where(better, first, end_at)
-            end_length = np.where(better, lengths[index], end_length)
+        end_at, end_length = self._first_ends(at, end_code, content_start, boundary, flat.size + 1)
         # At equal positions the end marker wins: [/INST] closes the user turn, then opens the
         # next; an end past the row's last token is in another row.
         closed = end_at <= np.minimum(bound, row_end - 1)
         content_end = np.where(closed, end_at, bound)
         end = np.where(closed, end_at + end_length, content_end)
-        return Turns(row, boundary, start, content_start, content_end, end, closed)
+        unmatched = np.count_nonzero(start_code | end_code) < at.size
+        return Turns(row, boundary, start, content_start, content_end, end, closed, unmatched)
+
+    def _first_ends(
+        self,
+        at: np.ndarray,
+        end_code: np.ndarray,
+        content_start: np.ndarray,
+        boundary: np.ndarray,
+        no_end: int,
+    ) -> tuple[np.ndarray, np.ndarray | int]:
+        """Per turn, the position and length of the first end marker at or after its content
+        start that closes its boundary (later rows included: the caller rejects those), else
+        ``no_end``; searched once per group of end markers that close the same boundaries."""
+        if len(self._end_groups) == 1 and self._end_groups[0][1] is None:
+            # One group closing every boundary (most templates); the lengths are often equal.
+            is_end = end_code.nonzero()[0]
+            ends = np.empty(is_end.size + 1, dtype=at.dtype)
+            at.take(is_end, out=ends[:-1])
+            ends[-1] = no_end  # the sentinel: no end after this
+            index = ends.searchsorted(content_start)  # sorted keys: ~15 us
+            if self._end_length is not None:
+                return ends.take(index), self._end_length
+            lengths = np.append(self._code_length.take(end_code.take(is_end)), 0)
+            return ends.take(index), lengths.take(index)
+        end_at = np.full_like(content_start, no_end)
+        end_length = np.zeros_like(content_start)
+        for in_group, closes in self._end_groups:
+            is_end = in_group[end_code].nonzero()[0]
+            ends = np.append(at[is_end], no_end)
+            lengths = np.append(self._code_length[end_code[is_end]], 0)
+            index = np.searchsorted(ends, content_start)
+            first = ends[index]
+            better = first < end_at if closes is None else closes[boundary] & (first < end_at)
+            end_at = np.where(better, first, end_at)
+            end_length = np.where(better, lengths[index], end_length)
+        return end_at, end_length
 
     def turns(self, input_ids: torch.Tensor) -> list[Turn]:
         """Every turn of every row as ``Turn`` records, with positions as columns (for debugging
@@ -299,15 +318,33 @@ class Scanner:
         )
 
     def scan_host(
-        self, input_ids: np.ndarray, details: bool = False, end_markers: bool = False
+        self,
+        input_ids: np.ndarray,
+        details: bool = False,
+        end_markers: bool = False,
+        candidates: np.ndarray | None = None,
     ) -> HostScan:
-        """``scan`` on a ``[batch, seq]`` numpy array, with numpy results."""
+        """``scan`` on a ``[batch, seq]`` numpy array, with numpy results (``candidates`` as
+        ``find_turns`` takes them)."""
         shape = input_ids.shape
-        turns = self.find_turns(input_ids)
+        turns = self.find_turns(input_ids, candidates)
         has_chat = np.zeros(shape[0], dtype=bool)
-        has_chat[turns.row] = True
-        role_trained = self._role_trained[turns.boundary]
+        has_chat.put(turns.row, True)
+        role_trained = self._role_trained.take(turns.boundary)
         mode = self.options.train_on_eos
+        painted_ends = None
+        if mode == "turn" and self._every_end_included and not (end_markers or details):
+            # The common case: each trained turn's span is its contents and, when an end marker
+            # closed it, that marker ([content_start, end): end is content_end when unclosed).
+            if self.options.train_on_inputs:
+                trained = np.repeat(has_chat, shape[1]).reshape(shape)
+            else:
+                first = turns.content_start
+                if self._some_start_included:
+                    first = np.where(self._include_start[turns.boundary], turns.start, first)
+                trained_at = role_trained.nonzero()[0]
+                trained = self._paint(first.take(trained_at), turns.end.take(trained_at), shape)
+            return HostScan(trained, has_chat, None, turns)
         eos = turns.closed & role_trained if mode == "turn" else turns.closed.copy()
         if not self._every_end_included:  # the table lookups cost ~2 us each: skip when uniform
             eos &= self._include_end[turns.boundary]
@@ -322,9 +359,8 @@ class Scanner:
             eos &= is_final
         elif mode == "none":
             eos[:] = False
-        painted_ends = None
         if end_markers or details:
-            painted_ends = _paint(turns.content_end[eos], turns.end[eos], shape)
+            painted_ends = self._paint(turns.content_end[eos], turns.end[eos], shape)
         if self.options.train_on_inputs:
             trained = np.repeat(has_chat, shape[1]).reshape(shape)
         else:
@@ -334,7 +370,7 @@ class Scanner:
             # A turn's contents [first, content_end) and its trained end marker
             # [content_end, end) are adjacent: one span per turn paints both.
             painted = role_trained | eos
-            trained = _paint(
+            trained = self._paint(
                 np.where(role_trained, first, turns.content_end)[painted],
                 np.where(eos, turns.end, turns.content_end)[painted],
                 shape,
@@ -342,43 +378,37 @@ class Scanner:
         found = HostScan(trained, has_chat, painted_ends, turns)
         if details:
             assistant = self._assistant[turns.boundary]
-            found.assistant_content = _paint(
+            found.assistant_content = self._paint(
                 turns.content_start[assistant], turns.content_end[assistant], shape
             )
-            found.markers = _paint(turns.start, turns.content_start, shape) | _paint(
+            found.markers = self._paint(turns.start, turns.content_start, shape) | self._paint(
                 turns.content_end, turns.end, shape
             )
         return found
 
-
-def _first_hit(hits: np.ndarray) -> np.ndarray:
-    """Per column of ``hits`` (markers x candidates), the first marker that matches, else -1:
-    markers are ordered longest first, so this is the longest alternative."""
-    first = np.full(hits.shape[1], -1, dtype=np.int64)
-    # A few masked writes, last marker first, beat a bool argmax along axis 0 (~20 us).
-    for marker in range(hits.shape[0] - 1, -1, -1):
-        first[hits[marker]] = marker
-    return first
-
-
-def _paint(starts: np.ndarray, ends: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """A bool mask of ``shape``, True where the spans ``[starts, ends)`` (flat positions, each
-    within one row, end included) cover a token: where more spans have opened than closed."""
-    size = shape[0] * shape[1]
-    if starts.size == 0:
-        return np.zeros(shape, dtype=bool)
-    where = np.empty(2 * starts.size, dtype=np.int64)
-    where[0::2] = starts
-    where[1::2] = ends
-    step = np.ones(2 * starts.size, dtype=np.int64)
-    step[1::2] = -1
-    order = np.argsort(where, kind="stable")  # ~3 us: turn order is almost always sorted
-    # bounds: 0, the sorted events, size; run i lies between bounds i and i + 1 and is covered
-    # when the events before it leave more spans open than closed.
-    bounds = np.empty(where.size + 2, dtype=np.int64)
-    bounds[0], bounds[-1] = 0, size
-    np.take(where, order, out=bounds[1:-1])
-    covered = np.empty(where.size + 1, dtype=bool)
-    covered[0] = False
-    np.greater(np.cumsum(step[order]), 0, out=covered[1:])
-    return np.repeat(covered, bounds[1:] - bounds[:-1]).reshape(shape)
+    def _paint(self, starts: np.ndarray, ends: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """A bool mask of ``shape``, True where the spans ``[starts, ends)`` (flat positions, each
+        within one row, end included) cover a token: where more spans have opened than closed."""
+        size = shape[0] * shape[1]
+        # Sorted, disjoint spans (a batch's turns almost always): the span bounds in order cut
+        # the batch into runs, alternately out and in.
+        bounds = np.empty(2 * starts.size + 2, dtype=np.int64)
+        bounds[0], bounds[-1] = 0, size
+        bounds[1:-1:2] = starts
+        bounds[2:-1:2] = ends
+        runs = bounds[1:] - bounds[:-1]
+        if starts.size == 0 or np.minimum.reduce(runs) >= 0:
+            if self._alternating.size < runs.size:
+                self._alternating = np.arange(2 * runs.size) % 2 == 1
+            return self._alternating[: runs.size].repeat(runs).reshape(shape)
+        # Overlapping or reversed spans: +1/-1 events in position order, covered where the
+        # running sum is positive.
+        where = bounds[1:-1].copy()
+        step = np.ones(where.size, dtype=np.int64)
+        step[1::2] = -1
+        order = np.argsort(where, kind="stable")
+        bounds[1:-1] = where[order]
+        covered = np.empty(where.size + 1, dtype=bool)
+        covered[0] = False
+        np.greater(np.cumsum(step[order]), 0, out=covered[1:])
+        return np.repeat(covered, bounds[1:] - bounds[:-1]).reshape(shape)

@@ -17,13 +17,15 @@ import numpy as np
 import torch
 
 from autooffload.log import logger, warn_once
-from autooffload.masking.boundaries import HostScan, MaskingOptions, Scanner, host_array, isin_ids
+from autooffload.masking.boundaries import HostScan, MaskingOptions, Scanner, host_array
+from autooffload.masking.markers import IdFinder, isin_ids
 from autooffload.masking.templates import (
     chat_template_of,
     check_markers_without_tokenizer,
     detect_family,
     media_token_ids,
     resolve,
+    special_id_blocks,
     specs_from_settings,
     tokenizer_of,
 )
@@ -49,12 +51,16 @@ class LabelMasker:
         pad_token_id: int | None = None,
         media_ids: Sequence[int] = (),
         stats: MaskingStats | None = None,
+        special_ids: tuple[int, int | None] = (0, None),
     ) -> None:
         self.scanner = scanner
         self.family = family
         self.pad_token_id = pad_token_id
         self.media_ids = tuple(media_ids)
         self.stats = stats if stats is not None else MaskingStats()
+        self.special_ids = special_ids
+        self._finders: dict[int | None, IdFinder] = {}  # by pad id, which callers may change
+        self._media_begin_markers = bool(set(self.media_ids) & set(scanner.anchor_ids))
 
     def mask(
         self,
@@ -84,43 +90,64 @@ class LabelMasker:
         # The whole call works on host numpy views (see the boundaries module for why); each
         # line below is at most one pass over the batch.
         ids = host_array(input_ids)
+        flat = ids.reshape(-1)
+        at = self._candidates(flat)
         found = self.scanner.scan_host(
-            ids, details=assistant_mask is not None, end_markers=pad_is_marker
+            ids, details=assistant_mask is not None, end_markers=pad_is_marker, candidates=at
         )
-        if not found.has_chat.any():
+        if not found.turns.row.size:  # no row has chat markers
             return None if labels is None else (labels.squeeze(0) if squeeze else labels)
 
         base = ids if labels is None else host_array(labels)
-        rows = found.has_chat.copy()
-        trained = found.trained
+        rows = found.has_chat
+        keep = found.trained  # a fresh array: made the mask of the labels kept, in place
         if assistant_mask is not None:
             generation = host_array(assistant_mask).astype(bool)
-            trained = self._use_generation_mask(found, generation, attention_mask)
-        ignored = ~trained
+            keep = self._use_generation_mask(found, generation, attention_mask)
         if labels is not None:
             # Labels that differ from the ids are the caller's -100s (kept, and counted as
             # ignored) or, anywhere else, not a copy of the ids (MLM, pre-shifted): those rows
             # are left alone. The differing tokens are few (padding), so they are listed.
-            differ = np.flatnonzero(base != ids)
-            caller_masked = base.reshape(-1)[differ] == IGNORE_INDEX
-            rows[differ[~caller_masked] // ids.shape[1]] = False
-            ignored.reshape(-1)[differ[caller_masked]] = True
+            differ = (base != ids).reshape(-1).nonzero()[0]
+            caller_masked = base.reshape(-1).take(differ) == IGNORE_INDEX
+            if np.count_nonzero(caller_masked) < differ.size:
+                rows = rows.copy()
+                rows[differ[~caller_masked] // ids.shape[1]] = False
+                differ = differ[caller_masked]
+            keep.reshape(-1).put(differ, False)
         if attention_mask is not None:
-            ignored |= host_array(attention_mask) == 0
+            keep &= host_array(attention_mask) != 0
         elif pad is not None:
             pads = ids == pad
-            ignored |= pads & ~found.end_markers if pad_is_marker else pads
-        if self.media_ids:
-            ignored |= isin_ids(ids, self.media_ids)
-        if not rows.all():
-            ignored[~rows] = False
-        masked = base.copy()
-        np.copyto(masked, IGNORE_INDEX, where=ignored)
-        if count:
-            self._tally(int(rows.sum()), int((rows & ignored.all(1)).sum()))
-        device = input_ids.device if labels is None else labels.device
-        result = torch.from_numpy(masked).to(device)
+            if pad_is_marker:
+                pads &= ~found.end_markers
+            keep &= ~pads
+        # Media tokens are candidates that begin no marker, unless a media id begins one.
+        if self.media_ids and (found.turns.unmatched or self._media_begin_markers):
+            media = isin_ids(flat.take(at), self.media_ids).nonzero()[0]
+            keep.reshape(-1).put(at.take(media), False)
+        n_rows = np.count_nonzero(rows)
+        if n_rows < rows.size:
+            keep[~rows] = True
+        masked = np.where(keep, base, IGNORE_INDEX)
+        if count:  # rows left alone keep every label: only chat rows can keep none
+            n_kept = np.count_nonzero(np.logical_or.reduce(keep, axis=1))
+            self._tally(n_rows, keep.shape[0] - n_kept)
+        result = torch.from_numpy(masked)
+        source = input_ids if labels is None else labels
+        if not source.is_cpu:
+            result = result.to(source.device)
         return result.squeeze(0) if squeeze else result
+
+    def _candidates(self, flat: np.ndarray) -> np.ndarray:
+        """Sorted positions of the flat batch that may begin a marker or hold a media token,
+        found in one pass where the vocabulary allows (see ``IdFinder``)."""
+        finder = self._finders.get(self.pad_token_id)
+        if finder is None:
+            anchors_and_media = (*self.scanner.anchor_ids, *self.media_ids)
+            finder = IdFinder(anchors_and_media, *self.special_ids, frequent=(self.pad_token_id,))
+            self._finders[self.pad_token_id] = finder
+        return finder.positions(flat)
 
     def _use_generation_mask(
         self, found: HostScan, assistant_mask: np.ndarray, attention_mask: torch.Tensor | None
@@ -235,4 +262,5 @@ class MaskerCache:
             pad_token_id=pad if isinstance(pad, int) else None,
             media_ids=media_token_ids(obj),
             stats=self.stats,
+            special_ids=special_id_blocks(obj),
         )

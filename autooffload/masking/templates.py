@@ -297,6 +297,27 @@ def _marker_ids(
     return ids
 
 
+def special_id_blocks(obj: Any) -> tuple[int, int | None]:
+    """``(below, start)``: every id below ``below`` and every id from ``start`` to the end of the
+    vocabulary is an added token of the tokenizer (special tokens, chat and media markers);
+    ``(0, None)`` when the tokenizer does not list its added tokens."""
+    tokenizer = tokenizer_of(obj)
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        return 0, None
+    if not isinstance(added, dict) or not added:
+        return 0, None
+    below = 0
+    while below in added:
+        below += 1
+    start = size
+    while start - 1 in added:
+        start -= 1
+    return below, (start if start < size else None)
+
+
 def media_token_ids(obj: Any) -> tuple[int, ...]:
     """Ids of the image / video / audio placeholder tokens of a processor or tokenizer."""
     tokenizer = tokenizer_of(obj)
