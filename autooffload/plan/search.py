@@ -89,18 +89,14 @@ class SearchRequest:
 
     def plan(self) -> Plan:
         """The fastest feasible configuration (``search``)."""
-        return search(
-            self.profiles_by_chunk_size,
-            self.hw,
-            self.budget_bytes,
-            self.fixed,
-            self.min_persist,
-            self.checkpoint_inputs,
-        )
+        return search(*self._arguments())
 
     def candidates(self) -> Candidates:
         """Every feasible configuration evaluated (``search_all``)."""
-        return search_all(
+        return search_all(*self._arguments())
+
+    def _arguments(self) -> tuple:
+        return (
             self.profiles_by_chunk_size,
             self.hw,
             self.budget_bytes,
