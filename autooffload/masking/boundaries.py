@@ -9,22 +9,26 @@ the next.
 
 The algorithm, on a ``[batch, seq]`` batch seen as one flat row-major array:
 
-1. Candidates, the only full pass of the scan: every token is compared with the first token of
-   every marker (one ``==`` per id, ``isin`` for many), and ``flatnonzero`` lists the few hits,
-   already sorted by (row, column).
-2. Markers: the later tokens of each marker are compared at the candidates only (one gather per
-   offset, shared by all markers), longest markers first so a longer alternative wins.
+1. Candidates, the only full pass of the scan: the positions of every marker's first token, from
+   one ``==`` per id (the label masker finds them together with the media placeholders, with one
+   compare per block of added tokens: ``markers.IdFinder``), listed in (row, column) order.
+2. Markers: ``markers.MarkerTable`` gathers the tokens after every candidate at once and looks
+   them up in one bit-set table per offset: the longest start and end marker at each candidate.
 3. Turns: each start marker opens a turn, bounded by the next start in its row; the first end
-   marker closing it is found with one ``searchsorted`` per group of end markers that close the
-   same boundaries (one group for most templates).
+   marker closing it is the next end candidate (a running count) in the usual layout, where no
+   marker begins inside another, else the first one found by ``searchsorted``, once per group of
+   end markers that close the same boundaries.
 4. Paint: each turn contributes at most one trained span (its contents, followed by its end
-   marker when that is trained). The spans become +1/-1 events at flat positions; a running sum
-   over the *events* (not the tokens) gives the coverage of each run between two events, and
-   ``np.repeat`` writes the runs out as the ``[batch, seq]`` mask in one pass.
+   marker when that is trained). Sorted, disjoint spans (the usual layout) cut the batch into runs
+   alternately out and in; otherwise the spans become +1/-1 events whose running sum gives each
+   run's coverage. ``ndarray.repeat`` writes the runs out as the ``[batch, seq]`` mask.
 
-The work runs in numpy on the host. On the 32 x 4096 collate batch, single-threaded, torch's CPU
-``==`` takes 44 us where numpy's takes 12 us, ``nonzero`` 96 us against 15 us, and each of the
-~100 small ops on the candidate arrays costs ~4 us of dispatch in torch against 1-2 us in numpy.
+The work runs in numpy on the host, ~60 array calls for a whole mask call. On the 32 x 4096 collate
+batch, single-threaded, torch's CPU ``==`` takes 44 us where numpy's takes 12 us, ``nonzero`` 96 us
+against 15 us, and a small op on the candidate arrays ~4 us of dispatch in torch against 1-2 us in
+numpy. Right after a collate an array op whose code is out of the caches costs 10-47 us more than
+warm (each measured alone), so the hot path uses few kinds of op: ``take`` for gathers rather than
+fancy or boolean indexing, ufuncs rather than the Python wrappers ``np.clip`` and ``np.append``.
 Tensors on an accelerator (only the forward-time catch of hand-written collates sees them) are
 copied to the host and the result back.
 """
@@ -189,6 +193,13 @@ class Scanner:
         end_lengths = {len(m) for m in ends}
         self._end_length = end_lengths.pop() if len(end_lengths) == 1 else None
         self._multi_token_ends = any(len(m) > 1 for m in ends)
+        # Most templates: no token begins both a start and an end marker, and none begins a
+        # marker inside another. Then no marker candidate is both, and a turn's span ends at or
+        # before the next turn's start: the spans are sorted and disjoint.
+        start_anchors, end_anchors = {m[0] for m, _ in starts}, {m[0] for m in ends}
+        inner_tokens = {t for m in markers for t in m[1:]}
+        shared = start_anchors & end_anchors or inner_tokens & (start_anchors | end_anchors)
+        self._simple_layout = not shared
         trained_roles = set(options.roles_to_train)
         self._role_trained = np.array([b.role in trained_roles for b in boundaries], dtype=bool)
         self._include_start = np.array([b.include_start for b in boundaries], dtype=bool)
@@ -218,7 +229,7 @@ class Scanner:
         row_ends = self._multi_token_ends  # one that long can be read on into the next row
         while True:
             start_code, end_code = self._markers.find(flat, at, seq_len, row_ends)
-            is_start = start_code.nonzero()[0]
+            is_start = (start_code != 0).nonzero()[0]  # ~2 us less than an int16 nonzero
             start, code = at.take(is_start), start_code.take(is_start)
             content_start = start + self._code_length.take(code)
             row = start // seq_len
@@ -229,38 +240,58 @@ class Scanner:
         boundary = self._code_boundary.take(code)
         # The next start in the same row bounds each turn, else the end of the row.
         bound = row_end.copy()
-        bound[:-1] = np.minimum(start[1:], row_end[:-1])
-        end_at, end_length = self._first_ends(at, end_code, content_start, boundary, flat.size + 1)
-        # At equal positions the end marker wins: [/INST] closes the user turn, then opens the
-        # next; an end past the row's last token is in another row.
-        closed = end_at <= np.minimum(bound, row_end - 1)
-        content_end = np.where(closed, end_at, bound)
-        end = np.where(closed, end_at + end_length, content_end)
-        unmatched = np.count_nonzero(start_code | end_code) < at.size
+        np.minimum(start[1:], row_end[:-1], out=bound[:-1])
+        end_at, end_length, n_ends = self._first_ends(
+            at, end_code, is_start, content_start, boundary, flat.size + 1
+        )
+        if self._simple_layout:
+            # A closing end marker lies before the next start and within the row, and any
+            # other end lies at or after the bound: closed where the end marker ends by then.
+            end = end_at + end_length
+            closed = end <= bound
+            np.minimum(end, bound, out=end)
+            content_end = np.minimum(end_at, bound)
+            unmatched = is_start.size + n_ends < at.size
+        else:
+            # At equal positions the end marker wins: [/INST] closes the user turn, then opens
+            # the next; an end past the row's last token is in another row.
+            closed = end_at <= np.minimum(bound, row_end - 1)
+            end = np.where(closed, end_at + end_length, bound)
+            content_end = np.where(closed, end_at, bound)
+            unmatched = np.count_nonzero(start_code | end_code) < at.size
         return Turns(row, boundary, start, content_start, content_end, end, closed, unmatched)
 
     def _first_ends(
         self,
         at: np.ndarray,
         end_code: np.ndarray,
+        is_start: np.ndarray,
         content_start: np.ndarray,
         boundary: np.ndarray,
         no_end: int,
-    ) -> tuple[np.ndarray, np.ndarray | int]:
+    ) -> tuple[np.ndarray, np.ndarray | int, int]:
         """Per turn, the position and length of the first end marker at or after its content
         start that closes its boundary (later rows included: the caller rejects those), else
-        ``no_end``; searched once per group of end markers that close the same boundaries."""
+        ``no_end``; searched once per group of end markers that close the same boundaries.
+        Also the number of candidates where an end marker begins."""
         if len(self._end_groups) == 1 and self._end_groups[0][1] is None:
             # One group closing every boundary (most templates); the lengths are often equal.
-            is_end = end_code.nonzero()[0]
+            has_end = end_code != 0
+            is_end = has_end.nonzero()[0]
             ends = np.empty(is_end.size + 1, dtype=at.dtype)
             at.take(is_end, out=ends[:-1])
             ends[-1] = no_end  # the sentinel: no end after this
-            index = ends.searchsorted(content_start)  # sorted keys: ~15 us
+            if self._simple_layout:
+                # No end marker begins inside a start marker or where one begins: the first
+                # end at or after a turn's contents is the first end candidate after its start
+                # candidate, counted with a running sum (~3 us where searchsorted takes ~15).
+                index = has_end.cumsum().take(is_start)
+            else:
+                index = ends.searchsorted(content_start)
             if self._end_length is not None:
-                return ends.take(index), self._end_length
+                return ends.take(index), self._end_length, is_end.size
             lengths = np.append(self._code_length.take(end_code.take(is_end)), 0)
-            return ends.take(index), lengths.take(index)
+            return ends.take(index), lengths.take(index), is_end.size
         end_at = np.full_like(content_start, no_end)
         end_length = np.zeros_like(content_start)
         for in_group, closes in self._end_groups:
@@ -272,7 +303,7 @@ class Scanner:
             better = first < end_at if closes is None else closes[boundary] & (first < end_at)
             end_at = np.where(better, first, end_at)
             end_length = np.where(better, lengths[index], end_length)
-        return end_at, end_length
+        return end_at, end_length, np.count_nonzero(end_code)
 
     def turns(self, input_ids: torch.Tensor) -> list[Turn]:
         """Every turn of every row as ``Turn`` records, with positions as columns (for debugging
@@ -329,7 +360,7 @@ class Scanner:
         shape = input_ids.shape
         turns = self.find_turns(input_ids, candidates)
         has_chat = np.zeros(shape[0], dtype=bool)
-        has_chat.put(turns.row, True)
+        has_chat[turns.row] = True
         role_trained = self._role_trained.take(turns.boundary)
         mode = self.options.train_on_eos
         painted_ends = None
@@ -343,7 +374,8 @@ class Scanner:
                 if self._some_start_included:
                     first = np.where(self._include_start[turns.boundary], turns.start, first)
                 trained_at = role_trained.nonzero()[0]
-                trained = self._paint(first.take(trained_at), turns.end.take(trained_at), shape)
+                spans = first.take(trained_at), turns.end.take(trained_at)
+                trained = self._paint(*spans, shape, disjoint=self._simple_layout)
             return HostScan(trained, has_chat, None, turns)
         eos = turns.closed & role_trained if mode == "turn" else turns.closed.copy()
         if not self._every_end_included:  # the table lookups cost ~2 us each: skip when uniform
@@ -386,9 +418,16 @@ class Scanner:
             )
         return found
 
-    def _paint(self, starts: np.ndarray, ends: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    def _paint(
+        self,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        shape: tuple[int, ...],
+        disjoint: bool = False,
+    ) -> np.ndarray:
         """A bool mask of ``shape``, True where the spans ``[starts, ends)`` (flat positions, each
-        within one row, end included) cover a token: where more spans have opened than closed."""
+        within one row, end included) cover a token: where more spans have opened than closed.
+        ``disjoint``: the caller knows the spans are sorted and disjoint."""
         size = shape[0] * shape[1]
         # Sorted, disjoint spans (a batch's turns almost always): the span bounds in order cut
         # the batch into runs, alternately out and in.
@@ -397,7 +436,7 @@ class Scanner:
         bounds[1:-1:2] = starts
         bounds[2:-1:2] = ends
         runs = bounds[1:] - bounds[:-1]
-        if starts.size == 0 or np.minimum.reduce(runs) >= 0:
+        if disjoint or starts.size == 0 or np.minimum.reduce(runs) >= 0:
             if self._alternating.size < runs.size:
                 self._alternating = np.arange(2 * runs.size) % 2 == 1
             return self._alternating[: runs.size].repeat(runs).reshape(shape)

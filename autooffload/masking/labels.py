@@ -42,7 +42,12 @@ class MaskingStats:
 
 
 class LabelMasker:
-    """Masks the labels of batches made by one tokenizer or processor."""
+    """Masks the labels of batches made by one tokenizer or processor.
+
+    ``special_ids`` is ``(below, start)`` as ``templates.special_id_blocks`` gives it: the blocks
+    of added tokens at the ends of the vocabulary, where the marker and media candidates are
+    found with one compare per block (``(0, None)``: one ``==`` per id).
+    """
 
     def __init__(
         self,
@@ -114,9 +119,10 @@ class LabelMasker:
                 rows = rows.copy()
                 rows[differ[~caller_masked] // ids.shape[1]] = False
                 differ = differ[caller_masked]
-            keep.reshape(-1).put(differ, False)
+            keep.reshape(-1)[differ] = False
         if attention_mask is not None:
-            keep &= host_array(attention_mask) != 0
+            # keep and not a pad (``==`` is ~3 us faster than ``!=`` on int64 here)
+            np.greater(keep, host_array(attention_mask) == 0, out=keep)
         elif pad is not None:
             pads = ids == pad
             if pad_is_marker:
@@ -125,7 +131,7 @@ class LabelMasker:
         # Media tokens are candidates that begin no marker, unless a media id begins one.
         if self.media_ids and (found.turns.unmatched or self._media_begin_markers):
             media = isin_ids(flat.take(at), self.media_ids).nonzero()[0]
-            keep.reshape(-1).put(at.take(media), False)
+            keep.reshape(-1)[at.take(media)] = False
         n_rows = np.count_nonzero(rows)
         if n_rows < rows.size:
             keep[~rows] = True

@@ -1,4 +1,7 @@
-"""Which start and end marker begins at each marker candidate of a flat token-id array.
+"""Marker candidates in a flat token-id array, and which start and end marker begins at each.
+
+``IdFinder`` lists the candidates: the positions of the markers' first tokens (and of other ids
+the caller wants, media placeholders), in few passes over the batch.
 
 A marker is a short token-id sequence. ``MarkerTable`` answers, for each candidate position (a
 token that is the first token of some marker), which is the longest start marker and the longest
@@ -19,7 +22,8 @@ first chunk that has a match wins (markers are ordered longest first).
 
 A marker must end in the candidate's row. Checking that for every candidate costs five array ops;
 ``find`` reads on into the next row unless asked not to, and its caller, which knows where each
-start marker ends, asks again in the rare batch where one ends past its row.
+start marker ends, asks again in the rare batch where one ends past its row (a scanner with end
+markers longer than one token, which nothing checks later, always asks with ``row_ends``).
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ class IdFinder:
         frequent: Sequence[int | None] = (),
     ) -> None:
         self.ids = sorted(set(ids))
-        frequent_ids = [f for f in frequent if f is not None]
+        # A frequent id that is one of ``ids`` is a candidate whatever the compare.
+        frequent_ids = [f for f in frequent if f is not None and f not in self.ids]
         low = [i for i in self.ids if i < special_below]
         high = [i for i in self.ids if special_from is not None and i >= special_from]
         self._below = low[-1] + 1 if low and not any(f <= low[-1] for f in frequent_ids) else None
@@ -164,7 +169,9 @@ class MarkerTable:
         where = at + self._offsets  # [offset, candidate]
         # Clipped into each offset's range with two ufuncs: ``np.clip`` goes through Python
         # wrappers, ~40 us more than these the first time after a collate (cold code).
-        keys = np.maximum(flat.take(where, mode="clip"), self._low)
+        # Past the end of the batch, "wrap" reads row 0: a marker read on past its row is
+        # handled the same way wherever it reads on (and "wrap" is ~3 us faster than "clip").
+        keys = np.maximum(flat.take(where, mode="wrap"), self._low)
         np.minimum(keys, self._high, out=keys)
         keys += self._shift
         if row_ends and self.longest > 1:

@@ -20,16 +20,26 @@ FILLER = range(20, 26)
 ROLES = ("user", "assistant", "system", "tool")
 
 
-def random_marker(rng: random.Random, longest: int = 3) -> tuple[int, ...]:
+def random_marker(
+    rng: random.Random, longest: int = 3, layered: bool = False, end: bool = False
+) -> tuple[int, ...]:
+    """``layered``: as real templates' markers are, start markers begin with 1 or 2, end
+    markers with 3, and their later tokens (4-8) begin none."""
+    if layered:
+        first = 3 if end else rng.randint(1, 2)
+        return (first,) + tuple(rng.randint(4, 8) for _ in range(rng.randint(0, longest - 1)))
     return tuple(rng.choice(MARKER_TOKENS) for _ in range(rng.randint(1, longest)))
 
 
 def random_boundaries(rng: random.Random) -> tuple[RoleBoundary, ...]:
     boundaries = []
     many = rng.random() < 0.1  # more than 16 markers: looked up 16 at a time
+    layered = rng.random() < 0.3
     for _ in range(rng.randint(9, 14) if many else rng.randint(1, 4)):
-        starts = tuple(random_marker(rng, 4) for _ in range(rng.randint(1, 3 if many else 2)))
-        ends = tuple(random_marker(rng, 2) for _ in range(rng.choice((0, 1, 1, 2))))
+        n_starts = rng.randint(1, 3 if many else 2)
+        starts = tuple(random_marker(rng, 4, layered) for _ in range(n_starts))
+        n_ends = rng.choice((0, 1, 1, 2))
+        ends = tuple(random_marker(rng, 2, layered, end=True) for _ in range(n_ends))
         boundaries.append(
             RoleBoundary(
                 rng.choice(ROLES),
