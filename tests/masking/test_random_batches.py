@@ -161,6 +161,7 @@ def check(seed: int) -> None:
         assert turns == expected_turns, where
 
 
+@pytest.mark.filterwarnings("ignore:masking:UserWarning")  # all -100 samples, generation mismatch
 @pytest.mark.parametrize("block", range(8))
 def test_random_batches_match_the_reference(block):
     for seed in range(block * 50, (block + 1) * 50):
