@@ -74,12 +74,16 @@ class LabelMasker:
         attention_mask: torch.Tensor | None = None,
         assistant_mask: torch.Tensor | None = None,
         count: bool = True,
+        labels_match_ids: bool = False,
     ) -> torch.Tensor | None:
         """Masked labels for ``input_ids`` (``labels`` defaults to a copy of them).
 
         Returns a new tensor, or ``labels`` itself when no row has chat markers. ``assistant_mask``
         (from a ``{% generation %}`` template) replaces the scanner's assistant contents and is
         cross-checked against them; ``count`` adds the batch to the all -100 sample count.
+        ``labels_match_ids``: the caller built ``labels`` as the ids with -100 exactly where
+        ``attention_mask`` is 0 (TRL's collator on examples without labels), so comparing them
+        with the ids (one pass over the batch) is skipped; ignored without ``attention_mask``.
         """
         squeeze = input_ids.dim() == 1
         if squeeze:
@@ -109,7 +113,7 @@ class LabelMasker:
         if assistant_mask is not None:
             generation = host_array(assistant_mask).astype(bool)
             keep = self._use_generation_mask(found, generation, attention_mask)
-        if labels is not None:
+        if labels is not None and not (labels_match_ids and attention_mask is not None):
             # Labels that differ from the ids are the caller's -100s (kept, and counted as
             # ignored) or, anywhere else, not a copy of the ids (MLM, pre-shifted): those rows
             # are left alone. The differing tokens are few (padding), so they are listed.

@@ -28,7 +28,7 @@ Batches without chat markers (plain text) are left untouched; see ``autooffload.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -91,8 +91,11 @@ class _MaskingSession:
     def masker(self, source: Any) -> LabelMasker | None:
         return None if source is None else self.cache.get(source)
 
-    def mask_batch(self, batch: Any, source: Any, count: bool = True) -> None:
-        """Replace ``batch["labels"]`` by its masked copy, in place of the mapping's entry."""
+    def mask_batch(
+        self, batch: Any, source: Any, count: bool = True, labels_match_ids: bool = False
+    ) -> None:
+        """Replace ``batch["labels"]`` by its masked copy, in place of the mapping's entry
+        (``labels_match_ids``: see ``LabelMasker.mask``)."""
         if not isinstance(batch, MutableMapping) or source is None:
             return
         labels, input_ids = batch.get("labels"), batch.get("input_ids")
@@ -108,7 +111,13 @@ class _MaskingSession:
             return  # ragged lists: not a padded batch
         attention = batch.get("attention_mask")
         attention_t = None if attention is None else torch.as_tensor(attention)
-        masked = masker.mask(ids_t, labels_t, attention_mask=attention_t, count=count)
+        masked = masker.mask(
+            ids_t,
+            labels_t,
+            attention_mask=attention_t,
+            count=count,
+            labels_match_ids=labels_match_ids,
+        )
         if masked is None or masked is labels_t:
             return
         self.masked_labels.add(masked)
@@ -151,10 +160,14 @@ def install(settings: Any, target: str) -> None:
     elif target == "trl.trainer.sft_trainer":
         from trl.trainer import sft_trainer
 
-        for name in ("DataCollatorForLanguageModeling", "DataCollatorForVisionLanguageModeling"):
+        wrappers = {
+            "DataCollatorForLanguageModeling": _trl_lm_collator_wrapper,
+            "DataCollatorForVisionLanguageModeling": _collator_wrapper,
+        }
+        for name, wrapper in wrappers.items():
             collator = getattr(sft_trainer, name, None)
             if collator is not None:
-                _wrap(collator, "torch_call", _collator_wrapper)
+                _wrap(collator, "torch_call", wrapper)
         if hasattr(sft_trainer, "SFTTrainer"):
             _wrap(sft_trainer.SFTTrainer, "__init__", _sft_trainer_init_wrapper)
 
@@ -250,6 +263,36 @@ def _collator_wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwa
     if session is not None and not getattr(instance, "mlm", False):
         session.mask_batch(batch, session.source_of(instance))
     return batch
+
+
+def _trl_lm_collator_wrapper(
+    wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
+) -> Any:
+    batch = wrapped(*args, **kwargs)
+    session = _session
+    if session is not None:
+        examples = args[0] if args else kwargs.get("examples")
+        match = trl_labels_match_ids(instance, examples)
+        session.mask_batch(batch, session.source_of(instance), labels_match_ids=match)
+    return batch
+
+
+def trl_labels_match_ids(collator: Any, examples: Any) -> bool:
+    """True when TRL's language-modeling collator builds the labels as the ids padded with -100
+    where the attention mask is 0: no example brings labels, or a completion / assistant mask
+    that older TRL versions apply in the collator, and the batch is padded (not padding-free,
+    where sequence starts are -100 too). Checked on the examples, not the batch, so the masker
+    can skip comparing labels with ids."""
+    if getattr(collator, "padding_free", False) or not isinstance(examples, list):
+        return False
+    return all(
+        isinstance(example, Mapping) and not _LABEL_SOURCES.intersection(example)
+        for example in examples
+    )
+
+
+# Example keys from which TRL's collators make labels other than the padded ids.
+_LABEL_SOURCES = frozenset({"labels", "completion_mask", "assistant_masks"})
 
 
 def _sft_trainer_init_wrapper(

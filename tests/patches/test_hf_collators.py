@@ -106,6 +106,42 @@ def test_trl_text_collator_uses_the_sft_trainer_tokenizer():
     ]
 
 
+def test_trl_collator_skips_the_label_compare_only_when_its_labels_are_the_padded_ids():
+    sft = pytest.importorskip("trl.trainer.sft_trainer")
+    from autooffload.patches import hf_collators
+
+    autooffload.enable(device="cpu")
+    tok = tokenizer()
+    collator = sft.DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id)
+    hf_collators._session.bind(collator, tok)
+    features = chat_features(tok, [CHAT, CHAT[:3], CHAT[:2]])
+    assert hf_collators.trl_labels_match_ids(collator, features)
+    original = type(collator).torch_call.__wrapped__
+    unmasked = original(collator, copy.deepcopy(features))
+    masker = hf_collators._session.masker(tok)
+    args = (unmasked["input_ids"], unmasked["labels"], unmasked["attention_mask"])
+    fast = masker.mask(*args, labels_match_ids=True, count=False)
+    slow = masker.mask(*args, count=False)
+    assert torch.equal(fast, slow)
+    assert torch.equal(collator(copy.deepcopy(features))["labels"], slow)
+    assert spans(tok, unmasked["input_ids"][0], slow[0]) == ANSWERS
+    # Examples that bring labels (here shifted ones, not a copy of the ids) take the full path,
+    # which leaves such rows alone; the fast path would have masked them.
+    shifted = [{**f, "labels": f["input_ids"][1:] + [tok.pad_token_id]} for f in features]
+    assert not hf_collators.trl_labels_match_ids(collator, shifted)
+    batch = collator(copy.deepcopy(shifted))
+    expected = original(collator, copy.deepcopy(shifted))["labels"]
+    assert torch.equal(batch["labels"], expected)
+    masked_fast = masker.mask(
+        batch["input_ids"], expected, batch["attention_mask"], labels_match_ids=True, count=False
+    )
+    assert not torch.equal(masked_fast, expected)  # why the check matters
+    padding_free = sft.DataCollatorForLanguageModeling(
+        pad_token_id=tok.pad_token_id, padding_free=True
+    )
+    assert not hf_collators.trl_labels_match_ids(padding_free, features)
+
+
 def test_trl_vision_collator_masks_prompt_and_image_tokens():
     sft = pytest.importorskip("trl.trainer.sft_trainer")
     from PIL import Image
