@@ -156,7 +156,12 @@ class ChunkManager:
 
     def watch_alias(self, index: int, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` out of chunk ``index``'s host bytes before they are next written."""
-        self._aliases.setdefault(index, []).append(weakref.ref(tensor))
+        refs = self._aliases.setdefault(index, [])
+        if len(refs) >= 2 * len(self.chunks[index].slots):
+            # A chunk never written (frozen weights) is never popped: drop the dead references
+            # here, or a state_dict() per step would pile them up.
+            refs[:] = [ref for ref in refs if ref() is not None]
+        refs.append(weakref.ref(tensor))
 
     def before_host_write(self, index: int) -> None:
         """Called before chunk ``index``'s host bytes change: detach live aliases of them."""

@@ -157,6 +157,18 @@ def test_a_held_state_dict_keeps_its_values_through_steps_loads_and_disable() ->
     assert all(not v.any() for v in last.values())
 
 
+def test_state_dicts_of_frozen_chunks_leave_no_growing_bookkeeping() -> None:
+    model = tiny_llama()
+    model.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)  # a trainable model attaches; the rest is frozen
+    runtime = attach(model, n_persist=0)
+    for _ in range(50):
+        model.state_dict()  # dropped at once, as a per-step EMA or logging call would
+    chunks = runtime.layout.chunks
+    watched = {index: len(refs) for index, refs in runtime.manager._aliases.items()}
+    assert all(watched[c.index] <= 2 * len(c.slots) for c in chunks if c.index in watched)
+
+
 def _rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
