@@ -370,9 +370,7 @@ class Scanner:
             if self.options.train_on_inputs:
                 trained = np.repeat(has_chat, shape[1]).reshape(shape)
             else:
-                first = turns.content_start
-                if self._some_start_included:
-                    first = np.where(self._include_start[turns.boundary], turns.start, first)
+                first = self._span_starts(turns)
                 trained_at = role_trained.nonzero()[0]
                 spans = first.take(trained_at), turns.end.take(trained_at)
                 trained = self._paint(*spans, shape, disjoint=self._simple_layout)
@@ -396,9 +394,7 @@ class Scanner:
         if self.options.train_on_inputs:
             trained = np.repeat(has_chat, shape[1]).reshape(shape)
         else:
-            first = turns.content_start
-            if self._some_start_included:
-                first = np.where(self._include_start[turns.boundary], turns.start, first)
+            first = self._span_starts(turns)
             # A turn's contents [first, content_end) and its trained end marker
             # [content_end, end) are adjacent: one span per turn paints both.
             painted = role_trained | eos
@@ -417,6 +413,13 @@ class Scanner:
                 turns.content_end, turns.end, shape
             )
         return found
+
+    def _span_starts(self, turns: Turns) -> np.ndarray:
+        """Where each turn's trained span begins: its start marker where its boundary includes
+        the start, else its contents."""
+        if not self._some_start_included:
+            return turns.content_start
+        return np.where(self._include_start[turns.boundary], turns.start, turns.content_start)
 
     def _paint(
         self,
