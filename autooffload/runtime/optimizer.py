@@ -196,10 +196,7 @@ class CpuOptimizer:
             return
         hyper = self._hyper(chunk, optimizer)
         self.early[chunk.index] = (optimizer, hyper)
-        self.manager.before_host_write(chunk.index)
-        future = self.worker.submit(self._update, chunk, twin, hyper, 1.0)
-        self.manager.host_busy[chunk.index] = future
-        self._hold_staging(chunk.index, future)
+        self._queue_update(chunk, twin, hyper, 1.0)
 
     def _hyper(self, chunk: Chunk, optimizer: torch.optim.Optimizer) -> list[dict]:
         """The user's hyperparameters for ``chunk``'s twin groups, as the twin takes them."""
@@ -462,12 +459,18 @@ class CpuOptimizer:
                         " stepping after optimizer.step() do) or set it to 0"
                     )
                 continue  # updated in the backward
-            args = (chunk, twin, hyper, self.clip_coef)
-            self.manager.before_host_write(chunk.index)
-            future = self.worker.submit(self._update, *args)
-            self.manager.host_busy[chunk.index] = future
-            self._hold_staging(chunk.index, future)
+            self._queue_update(chunk, twin, hyper, self.clip_coef)
         self.clip_coef = 1.0
+
+    def _queue_update(
+        self, chunk: Chunk, twin: torch.optim.Optimizer, hyper: list[dict], clip_coef: float
+    ) -> None:
+        """Queue ``chunk``'s update on the worker: it writes the chunk's host bytes (live
+        state-dict aliases of them are copied out first) and reads its staging."""
+        self.manager.before_host_write(chunk.index)
+        future = self.worker.submit(self._update, chunk, twin, hyper, clip_coef)
+        self.manager.host_busy[chunk.index] = future
+        self._hold_staging(chunk.index, future)
 
     def _update(
         self, chunk: Chunk, twin: torch.optim.Optimizer, hyper: list[dict], clip_coef: float
