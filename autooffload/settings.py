@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from autooffload.errors import SettingsError
+from autooffload.plan.types import CHECKPOINT_INPUTS
 
 ENV_PREFIX = "AUTOOFFLOAD"
 
 ACTIVATION_MODES = ("auto", "keep", "checkpoint", "checkpoint_cpu", "swap", "off")
-CHECKPOINT_INPUTS = ("auto", "gpu", "cpu")
 EOS_MODES = ("turn", "last", "all", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEVICES = ("cuda", "cpu")

@@ -35,7 +35,7 @@ from autooffload.plan.cost import (
 )
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import queued_bytes
-from autooffload.plan.types import GiB, Knobs, Plan
+from autooffload.plan.types import CHECKPOINT_INPUTS, GiB, Knobs, Plan
 
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 _KNOB_ENV = {name: f"AUTOOFFLOAD_{name.upper()}" for name in KNOBS}
@@ -157,8 +157,6 @@ def search_all(
     variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs)
     return _run(variants, hw, budget_bytes, fixed, True, min_persist=min_persist)[1]
 
-
-CHECKPOINT_INPUTS = ("auto", "gpu", "cpu")
 
 
 def _variants(

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 GiB = 1 << 30
 
-BLOCK_POLICIES = ("keep", "checkpoint", "swap")
+# Where checkpointed blocks keep their input (AUTOOFFLOAD_CHECKPOINT_INPUTS; auto: searched).
+CHECKPOINT_INPUTS = ("auto", "gpu", "cpu")
 
 
 @dataclass(frozen=True)
