@@ -158,7 +158,6 @@ def search_all(
     return _run(variants, hw, budget_bytes, fixed, True, min_persist=min_persist)[1]
 
 
-
 def _variants(
     profiles: dict[int, ModelProfile], hw: HardwareProfile, checkpoint_inputs: str
 ) -> list[ModelProfile]:
