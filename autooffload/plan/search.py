@@ -112,7 +112,6 @@ class _Pick:
 
     step_s: float
     peak: int
-    chunk_size: int
     knobs: Knobs
     profile: ModelProfile = field(compare=False, repr=False)
 
@@ -501,7 +500,6 @@ def _better_pick(
     pick = _Pick(
         float(step[k_idx, p_idx, d_idx]),
         int(peak[k_idx, p_idx, d_idx]),
-        profile.chunk_size,
         knobs,
         profile,
     )
@@ -551,7 +549,7 @@ def _infeasible(
     knobs = smallest.knobs
     return PlanError(
         f"no configuration fits the {budget_text}: the smallest predicted peak is {best_peak}"
-        f" (chunk_size={smallest.chunk_size}, n_persist={knobs.n_persist},"
+        f" (chunk_size={smallest.profile.chunk_size}, n_persist={knobs.n_persist},"
         f" n_buffer={knobs.n_buffer}, n_swap={knobs.n_swap}, n_checkpoint={knobs.n_checkpoint});"
         f" set AUTOOFFLOAD_BUDGET >= {smallest.peak} bytes or use a smaller batch"
     )
