@@ -319,8 +319,7 @@ class Settings:
             memory), ``swap``; ``off`` leaves activations to the script.
         checkpoint_inputs: Where checkpointed blocks keep their input: ``gpu``, ``cpu`` (copied
             to pinned host memory in the forward, prefetched back for the recompute), or
-            ``auto``: the plan search tries both on a CUDA device (``gpu`` elsewhere). Default
-            ``gpu`` until ``auto``'s plans are measured on a GPU.
+            ``auto`` (default): the plan search tries both on a CUDA device (``gpu`` elsewhere).
         attach_threshold: Models smaller than this many bytes of parameters are not attached
             automatically (they fit anyway); default 1 GiB.
         force_attach: Attach every trained model whatever its size.
@@ -424,7 +423,7 @@ class Settings:
         "auto, keep, checkpoint, checkpoint_cpu, swap or off",
     )
     checkpoint_inputs: str = _knob(
-        "gpu",
+        "auto",
         "AUTOOFFLOAD_CHECKPOINT_INPUTS",
         _enum(CHECKPOINT_INPUTS),
         "auto, gpu or cpu",

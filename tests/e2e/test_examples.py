@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow
 def run(*args: str, env: dict[str, str] | None = None) -> str:
     """Run ``python *args`` from the repo root, offline; return stdout, failing on a bad exit."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("AUTOOFFLOAD")}
-    base.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # The repo first, then the caller's PYTHONPATH (a pip --target dir, say).
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    base.update(PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     result = subprocess.run(
         [sys.executable, *args],
         capture_output=True,

@@ -62,7 +62,9 @@ def capped_run(script: str, *args: str) -> str:
     """Run ``examples/<script>`` at size 1b under the hard cap, offline, in a fresh process; return
     its stdout after checking it exited 0, attached the model and kept the cap to the end."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOOFFLOAD")}
-    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # The repo first, then the caller's PYTHONPATH (a pip --target dir, say).
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env.update(PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     command = [sys.executable, str(CAPPED_RUN), str(CAP_BYTES), f"examples/{script}"]
     result = subprocess.run(
         [*command, "--size", SIZE, "--lr", LR, *args],
