@@ -148,7 +148,11 @@ def chunk_tables(profile: ModelProfile) -> ChunkTables:
     live_after = np.zeros_like(live)
     live_after[:, :-1] = live[:, 1:]
     fwd_gather = live & ~live_before
-    bwd_gather = live & ~live_after
+    # A backward gathers a chunk where its span ends, if it reads it at all; the post unit's
+    # chunks stay on the device from its forward into the backward, which starts with them.
+    read = np.array([c.backward for c in profile.chunks], dtype=bool)
+    bwd_gather = live & ~live_after & read[:, None]
+    bwd_gather[:, n_units - 1] = False
     lowest = np.zeros_like(live)
     lowest[np.arange(n_chunks), first] = True
     highest_at_or_after = unit_index <= last[:, None]
@@ -416,7 +420,8 @@ def predict_step_time(
         pre_b[u]   = prefetched_bytes(u, room = n_buffer - resident[u], backward)  (of u-1's)
         xfer_b[u]  = transfer_s(pre_b[u] + swap_in[u-1], grad_d2h[u+1])
         w_b[u]     = max(bwd_s[u] + recompute[u], xfer_b[u]) + (bwd_gather[u-1] - pre_b[u])/B_h2d
-        T_bwd      = bwd_gather_bytes[L+1] / B_h2d + sum_u w_b[u] + grad_d2h[0] / B_d2h      (s)
+        T_bwd      = sum_u w_b[u] + grad_d2h[0] / B_d2h                                      (s)
+    (the post unit L+1 gathers nothing: its chunks stay from its forward; ``chunk_tables``)
     step = T_fwd + T_bwd + other_s.
     """
     tables = tables or chunk_tables(profile)
@@ -475,11 +480,9 @@ def predict_step_time(
         exposed = (gather_bytes - prefetched) / hw.h2d_bps
         compute = units[u].bwd_s + recompute
         bwd_windows.append(window(compute, prefetched + swap_in, grads_out, exposed))
-    head_s = float(tables.bwd_gather_bytes[p, n_units - 1]) / hw.h2d_bps
     tail_s = float(tables.grad_d2h_bytes[p, 0]) / hw.d2h_bps
-    stalls["pcie_h2d"] += head_s
     stalls["pcie_d2h"] += tail_s
-    t_bwd = head_s + sum(bwd_windows) + tail_s
+    t_bwd = sum(bwd_windows) + tail_s
     step_s = t_fwd + t_bwd + profile.other_s
 
     swap_bytes = sum(u.act_bytes_keep for u, pol in zip(units, policies) if pol == "swap")

@@ -253,6 +253,7 @@ class StepProfiler:
                 trainable_bytes=c.trainable_bytes,
                 trainable_numel=sum(s.numel for s in c.trainable_slots),
                 units=tuple(sorted({unit_of[g] for g in c.groups})),
+                backward=not set(c.groups) <= runtime.backward_free,
             )
             for c in runtime.layout.chunks
         )

@@ -91,6 +91,9 @@ class ChunkProfile:
     """Number of trainable elements: the optimizer's work and its state size."""
     units: tuple[int, ...] = ()
     """Execution units whose forward/backward use the chunk, ascending (see module docstring)."""
+    backward: bool = True
+    """Whether a backward reads it. False when no group using it has a backward through its
+    weights (a frozen embedding): the runtime neither gathers nor prefetches it there."""
 
 
 @dataclass(frozen=True)

@@ -25,15 +25,16 @@ def prefetch_queue(profile: ModelProfile, n_persist: int, unit: int, forward: bo
     """Offloaded chunks the runtime prefetches next while ``unit`` runs, in its order.
 
     Forward: chunks first needed after ``unit``, by first unit (then index). Backward: chunks last
-    needed before ``unit``, latest first (then highest index first), as the runtime walks groups
-    and their chunks in reverse. It takes them from the front while fewer than ``n_buffer``
-    offloaded chunks are on the device.
+    needed before ``unit`` that a backward reads (``ChunkProfile.backward``), latest first (then
+    highest index first), as the runtime walks groups and their chunks in reverse. It takes them
+    from the front while fewer than ``n_buffer`` offloaded chunks are on the device.
     """
     first, last = chunk_spans(profile)
     chunks = range(n_persist, profile.n_chunks)
     if forward:
         return sorted((c for c in chunks if first[c] > unit), key=lambda c: (first[c], c))
-    return sorted((c for c in chunks if last[c] < unit), key=lambda c: (-last[c], -c))
+    read = [c for c in chunks if last[c] < unit and profile.chunks[c].backward]
+    return sorted(read, key=lambda c: (-last[c], -c))
 
 
 def queued_bytes(
@@ -50,11 +51,13 @@ def queued_bytes(
     """
     first, last = chunk_spans(profile)
     size = np.array([c.bytes for c in profile.chunks], dtype=np.int64)
+    read = np.array([c.backward for c in profile.chunks], dtype=bool)
     units = np.arange(profile.n_units)
     index = np.arange(profile.n_chunks)
+    bwd_order = np.lexsort((-index, -last))
     plans = [
         (np.lexsort((index, first)), first[:, None] <= units, fwd_rooms),
-        (np.lexsort((-index, -last)), last[:, None] >= units, bwd_rooms),
+        (bwd_order[read[bwd_order]], (last[:, None] >= units) & read[:, None], bwd_rooms),
     ]
     results = []
     for order, passed, rooms in plans:

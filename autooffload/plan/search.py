@@ -328,7 +328,6 @@ def _search_layout(
     ready = np.where(ready_numel >= 0, cpu_done + tables.fwd_gather_bytes[persist] / h2d, -np.inf)[
         :, None, :
     ]
-    head = tables.bwd_gather_bytes[persist, n_units - 1] / h2d
     tail = tables.grad_d2h_bytes[persist, 0] / d2h
     start = np.maximum(gpu_optim, first_gather)
 
@@ -364,7 +363,7 @@ def _search_layout(
         bwd_xfer = _transfer(bwd_prefetch + swap_in, grads_out, h2d, d2h, duplex)
         base = np.maximum(bwd_s, bwd_xfer)
         extra = np.maximum(bwd_s + fwd_s, bwd_xfer) - base
-        t_bwd = head[:, None] + tail[:, None] + (base + bwd_exposed).sum(axis=-1)
+        t_bwd = tail[:, None] + (base + bwd_exposed).sum(axis=-1)
         extra_before = np.concatenate([np.zeros((*extra.shape[:2], 1)), extra.cumsum(-1)], -1)
         recompute = extra_before[..., n_swap + 1 + checkpoints] - extra_before[..., [n_swap + 1]]
         step = (t_fwd + t_bwd)[None] + np.moveaxis(recompute, -1, 0) + profile.other_s

@@ -50,6 +50,7 @@ from autooffload.plan.profile import StepProfiler
 from autooffload.plan.search import make_plan
 from autooffload.plan.types import GiB, Plan
 from autooffload.runtime.forward_wrap import install_forward, remove_forward
+from autooffload.runtime.hooks import in_backward
 from autooffload.runtime.planning import (
     REPROFILE_SOURCE,
     budget_bytes,
@@ -100,10 +101,6 @@ class _Replay:
     call: _ForwardCall
     index: int
     scale: list[tuple[str, Any]]
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _requested_bytes(message: str) -> int:
@@ -162,7 +159,7 @@ class OomRetry:
     # ---- forward ----------------------------------------------------------------------------
 
     def _forward(self, state: SimpleNamespace, args: tuple, kwargs: dict) -> Any:
-        if not state.active or _in_backward():
+        if not state.active or in_backward():
             return state.inner_forward(*args, **kwargs)
         call = self._save_call(args, kwargs)
         self.input_numel = sum(
@@ -459,7 +456,7 @@ def run_backward(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     from, and the clean-up of every runtime when it raises (or Ctrl-C)."""
     from autooffload import runtime as rt
 
-    outermost = not _in_backward()
+    outermost = not in_backward()
     replays: list[tuple[OomRetry, _Replay | str]] = []
     if outermost:
         for runtime in rt.runtimes():

@@ -7,8 +7,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
-from torch.utils.hooks import RemovableHandle
 
 from autooffload.errors import AttachError, DetachStateError, PlanError
 from autooffload.log import logger
@@ -25,12 +23,12 @@ from autooffload.runtime.activations import (
     take_over_hf_gradient_checkpointing,
 )
 from autooffload.runtime.adapters import adapter_params
-from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.calibration import calibrate_after_steps, worker_rate
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.distributed import attach_data_parallel
-from autooffload.runtime.manager import ChunkManager, Residency
+from autooffload.runtime.hooks import GroupHooks
+from autooffload.runtime.manager import ChunkManager
 from autooffload.runtime.oom import OomRetry
 from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
@@ -48,11 +46,7 @@ from autooffload.settings import Settings
 RESIDENT_TRAINABLE_SHARE = 0.1
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-class Runtime:
+class Runtime(GroupHooks):
     """Chunked weight offload for one model: hooks gather a group's chunks before it runs,
     prefetch the next group's, release them after, and send offloaded gradients to the CPU."""
 
@@ -115,14 +109,7 @@ class Runtime:
                     module._buffers[name] = buffer.to(device)
         self.cpu_optim = CpuOptimizer(self.manager, settings.master_weights, settings.cpu_threads)
         self.optimizers: list[torch.optim.Optimizer] = []
-        self._handles: list[RemovableHandle] = []
-        self._trace: list[int] = []
-        # Groups whose forward is running now (nested modules owning params), innermost last.
-        self._active: list[int] = []
-        self._last_trace: list[int] = [g.index for g in self.groups]
-        self._position = {g: i for i, g in enumerate(self._last_trace)}
-        self._backward_task: int | None = None
-        self._backward_count = 0
+        self.init_hooks()
         self._steps = 0
         # The step after which the searched plan's measured peak is checked (CUDA only).
         self.calibrate_at_step: int | None = None
@@ -135,7 +122,6 @@ class Runtime:
         self.swapper: ActivationSwapper | None = None
         self.hf_checkpointing_taken = False
         self.profiler: StepProfiler | None = None
-        self._backwards_this_step = 0
         self._pending_profile: tuple[ModelProfile, float | None] | None = None
         # The search behind the profiled plan (``candidates()`` lists its feasible set).
         self.search_request: SearchRequest | None = None
@@ -232,73 +218,6 @@ class Runtime:
                 self.apply_block_policy(group.module, policy)
         self.plan = plan
 
-    def _install_hooks(self) -> None:
-        # Around the whole model: registered first and last so they run before and after the
-        # groups' hooks (the root module may be a group itself).
-        self._handles.append(self.model.register_forward_pre_hook(self._begin_forward))
-        for group in self.groups:
-            module = group.module
-            self._handles.append(
-                module.register_forward_pre_hook(
-                    lambda m, a, k, g=group: self._pre_forward(g, a, k), with_kwargs=True
-                )
-            )
-            self._handles.append(
-                module.register_forward_hook(
-                    lambda m, a, out, g=group: self._post_forward(g, out), always_call=True
-                )
-            )
-        self._handles.append(self.model.register_forward_hook(self._end_forward, always_call=True))
-
-    def _begin_forward(self, module: nn.Module, args: tuple) -> None:
-        if _in_backward():
-            return
-        self.recover_interrupted()
-        if torch.is_grad_enabled():
-            check_params_after_attach(self)
-
-    def _end_forward(self, module: nn.Module, args: tuple, output: object) -> None:
-        if _in_backward():
-            return
-        if output is None:
-            # An exception is on its way out of the model (always_call): this trace is partial.
-            self._trace = []
-        else:
-            # The forward's group order drives this backward's releases and prefetches.
-            self._trace_end()
-        self.recover_interrupted()
-
-    def recover_interrupted(self) -> None:
-        """Clean up after a forward or backward that an exception or Ctrl-C cut short.
-
-        Runs before each forward of the whole model and each optimizer step; does nothing
-        after a complete step. A backward that never reached its end callback left offloaded
-        gradients on the device and chunks resident: the gradients go to the host (plain torch
-        keeps such partial gradients in ``.grad`` too; ``zero_grad`` clears both), and every
-        non-persistent chunk is released, so no stale copy outlives the next CPU update.
-        """
-        stale_backward = self._backward_task is not None and not _in_backward()
-        persistent = self.manager.persistent
-        stray = any(
-            state != Residency.HOST and index not in persistent
-            for index, state in enumerate(self.manager.state)
-        )
-        if not stale_backward and not stray:
-            return
-        if stale_backward:
-            logger.debug("a backward pass was interrupted; offloading its partial gradients")
-            for index in range(len(self.layout.chunks)):
-                self.manager.offload_grads(index)
-            self._backward_task = None
-            self._trace = []
-        self._active.clear()
-        self.manager.release_all()
-        if self.data_parallel is not None:
-            self.data_parallel.discard()
-
-    def _chunks(self, group: Group) -> list[int]:
-        return self.layout.chunks_of_group[group.index]
-
     def position(self, group_index: int) -> int:
         return self._position.get(group_index, len(self._position) + group_index)
 
@@ -311,129 +230,6 @@ class Runtime:
                 if slot.dtype.is_floating_point:
                     sizes[slot.dtype] = sizes.get(slot.dtype, 0) + slot.nbytes
         return max(sizes, key=sizes.__getitem__) if sizes else torch.float32
-
-    def _pre_forward(self, group: Group, args: tuple = (), kwargs: dict | None = None) -> None:
-        if _in_backward():
-            self._ensure_end_callback()
-            for index in self._chunks(group):
-                self.manager.gather(index)
-            return
-        if self._trace and group.index == self._last_trace[0] and group.index in self._trace:
-            # Forwards that bypass the root module: the last trace's first group comes round
-            # again. (Not merely that group: the static first group is not the first to run in
-            # every model; Qwen2-VL embeds tokens before its vision tower, and ending the trace
-            # there left one group in it, so no chunk was ever released in a backward.)
-            self._trace_end()
-        if self._pending_profile is not None:
-            pending, self._pending_profile = self._pending_profile, None
-            self._switch_to_searched_plan(*pending)
-        self._trace.append(group.index)
-        self._active.append(group.index)
-        for index in self._chunks(group):
-            self.manager.gather(index)
-        self._prefetch_after(group.index, forward=True)
-        if isinstance(self.profiler, StepProfiler):
-            self.profiler.on_pre_forward(group, args, kwargs or {})
-
-    def _post_forward(self, group: Group, output: object) -> None:
-        if _in_backward():
-            return
-        if torch.is_grad_enabled():
-            tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads, g=group: self._pre_backward(g), mode="any"
-                )
-        if isinstance(self.profiler, StepProfiler):
-            self.profiler.on_post_forward(group)
-        if group.index in self._active:
-            del self._active[len(self._active) - 1 - self._active[::-1].index(group.index)]
-        position = self._position.get(group.index, len(self._position))
-        for index in self._chunks(group):
-            users = self.layout.chunks[index].groups
-            later = any(self._position.get(user, -1) > position for user in users)
-            # A group whose forward encloses this one (a module owning params that calls
-            # other param-owning modules) still needs the chunks they share.
-            enclosing = any(user in self._active for user in users)
-            if not later and not enclosing:
-                self.manager.release(index)
-
-    def _prefetch_after(self, group_index: int, forward: bool) -> None:
-        order = self._last_trace if forward else list(reversed(self._last_trace))
-        try:
-            start = order.index(group_index) + 1
-        except ValueError:
-            return
-        for next_group in order[start:]:
-            chunks = self.layout.chunks_of_group[next_group]
-            # Backward takes a group's chunks last-first, the order the planner models
-            # (plan/residency.prefetch_queue) when a buffer limit cuts a group's chunks.
-            for index in chunks if forward else reversed(chunks):
-                if (
-                    self.manager.state[index] == Residency.HOST
-                    and index not in self.manager.persistent
-                ):
-                    if not self.manager.prefetch(index):
-                        return
-
-    def _pre_backward(self, group: Group) -> None:
-        self._ensure_end_callback()
-        position = self._position.get(group.index, 0)
-        for index, state in enumerate(self.manager.state):
-            if state == Residency.HOST or index in self.manager.persistent:
-                continue
-            users = self.layout.chunks[index].groups
-            if all(self._position.get(u, -1) > position for u in users):
-                self.manager.offload_grads(index)
-                self.manager.release(index)
-        if self.data_parallel is not None:
-            # Persistent chunks whose backward is complete start their gradient average now.
-            for index in self.manager.persistent:
-                users = self.layout.chunks[index].groups
-                if all(self._position.get(u, -1) > position for u in users):
-                    self.manager.offload_grads(index)
-        for index in self._chunks(group):
-            self.manager.gather(index)
-        if isinstance(self.profiler, StepProfiler):
-            self.profiler.on_pre_backward(group)
-        if self.swapper is not None and group.is_block:
-            order = [g.index for g in self._blocks_in_order()]
-            if group.index in order and order.index(group.index) > 0:
-                self.swapper.prefetch(order.index(group.index) - 1)
-        self._prefetch_after(group.index, forward=False)
-
-    def _ensure_end_callback(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self._backward_task:
-            self._backward_task = task
-            self._backward_count += 1
-            self.manager.begin_backward(self._backward_count)
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _end_backward(self) -> None:
-        for index in range(len(self.layout.chunks)):
-            self.manager.offload_grads(index)
-            self.manager.release(index)
-        if self.data_parallel is not None:
-            # Every trainable param outside chunks: resident ones and any PEFT added later.
-            unchunked = [
-                p for p in self.model.parameters() if p.grad is not None and not self.owns(p)
-            ]
-            self.data_parallel.end_backward(unchunked)
-        self._backward_task = None
-        self._backwards_this_step += 1
-        self._trace_end()
-
-    def _trace_end(self) -> None:
-        """A forward (and its backward) ended: its group order drives the next prefetches."""
-        if self._trace:
-            self._last_trace = list(dict.fromkeys(self._trace))
-            self._position = {g: i for i, g in enumerate(self._last_trace)}
-            self._trace = []
 
     # ---- optimizer integration ------------------------------------------------------------
 

@@ -218,13 +218,15 @@ def test_frozen_chunks_are_gathered_but_send_no_grads(hw):
 def test_a_tied_embedding_stays_on_the_device_from_the_embedding_to_the_head(hw):
     # The runtime releases a chunk only when no later group needs it: the head's use keeps the
     # tied embedding (chunk 0) on the device through every block, and it is gathered once per
-    # pass, not again for the head.
+    # step: not again for the head, and not for the backward, which starts at the head while
+    # the forward's copy is still there.
     tied = make_profile(tied=True)
     tables = chunk_tables(tied)
     head = tied.n_units - 1
     embedding = tied.chunks[0].bytes
     assert tables.fwd_gather_count[0, 0] == 1 and tables.fwd_gather_count[0, head] == 0
-    assert tables.bwd_gather_count[0, head] == 1 and tables.bwd_gather_count[0, 0] == 0
+    # Row p counts chunks >= p, so rows 0 and 1 differ by chunk 0 alone.
+    assert (tables.bwd_gather_count[0] == tables.bwd_gather_count[1]).all()
     held = tables.resident_bytes[0] - tables.resident_bytes[1]
     assert (held == embedding).all()
     assert tables.fwd_gather_count[1].sum() == tables.fwd_gather_count[0].sum() - 1
@@ -262,9 +264,10 @@ def test_an_oversized_chunk_is_counted_once_in_flight_beside_small_buffers():
     persistent = peak_breakdown(profile, hw, Knobs(n_persist=1, n_buffer=2))
     assert persistent["persistent_weights"] == 400 * MiB
     assert persistent["peak"] == 400 * MiB + 560 * MiB
-    # Each gather copies the chunk's own bytes: 1200 MiB each way.
+    # Each gather copies the chunk's own bytes: 1200 MiB in the forward, all but the 400 MiB
+    # head (kept from its forward) in the backward.
     _, breakdown, _ = predict_step_time(profile, hw, Knobs(0, 2))
-    assert breakdown["h2d_bytes"] == 2 * 1200 * MiB
+    assert breakdown["h2d_bytes"] == (1200 + 800) * MiB
 
 
 def test_prefetch_takes_the_next_chunks_in_order_at_their_own_size():
@@ -301,3 +304,43 @@ def test_chunk_buffers_and_activations_are_two_allocator_pools(profile, hw):
     assert memory["pooled"] == static + compute + memory["buffers_max"]
     assert memory["pooled"] > memory["allocated"]
     assert memory["peak"] == hw.cuda_context_bytes + -(-memory["pooled"] * 1.1 // 1)
+
+
+def test_the_post_unit_is_not_gathered_again_for_the_backward(hw):
+    # The runtime keeps the post part's chunks (norm, head) from its forward into the backward
+    # that starts with them, so the backward's H2D is the blocks' and the pre unit's alone.
+    profile = make_profile(edge_bytes=200 * MiB)
+    tables = chunk_tables(profile)
+    post = profile.n_units - 1
+    head_chunks = [c for c in profile.chunks if c.units == (post,)]
+    assert head_chunks and tables.fwd_gather_count[0, post] == len(head_chunks)
+    assert tables.bwd_gather_count[:, post].sum() == 0
+    knobs = _knobs(profile, n_persist=0)
+    _, breakdown, _ = predict_step_time(profile, hw, knobs, tables)
+    both_ways = 2 * sum(c.bytes for c in profile.chunks)
+    head_bytes = sum(c.bytes for c in head_chunks)
+    assert breakdown["h2d_bytes"] == both_ways - head_bytes
+
+
+def test_chunks_no_backward_reads_are_neither_gathered_nor_prefetched_there(hw):
+    # A frozen embedding (a chunk of the pre unit alone) with no backward through it: the
+    # backward neither fetches nor prefetches it, so the step moves its bytes once, and the
+    # backward window that would have prefetched it (block 0's) has nothing left to hide.
+    profile = make_profile(lora=True, edge_bytes=200 * MiB)
+    pre_only = [i for i, c in enumerate(profile.chunks) if c.units == (0,)]
+    assert pre_only
+    chunks = list(profile.chunks)
+    for i in pre_only:
+        chunks[i] = replace(chunks[i], backward=False)
+    frozen_pre = replace(profile, chunks=tuple(chunks))
+    knobs = _knobs(profile, n_persist=0)
+    tables, free_tables = chunk_tables(profile), chunk_tables(frozen_pre)
+    assert tables.bwd_gather_count[0, 0] == len(pre_only)
+    assert free_tables.bwd_gather_count[0, 0] == 0
+    assert not set(pre_only) & set(prefetch_queue(frozen_pre, 0, 1, forward=False))
+    assert set(pre_only) <= set(prefetch_queue(profile, 0, 1, forward=False))
+    _, before, _ = predict_step_time(profile, hw, knobs)
+    _, after, _ = predict_step_time(frozen_pre, hw, knobs)
+    saved = sum(profile.chunks[i].bytes for i in pre_only)
+    assert after["h2d_bytes"] == before["h2d_bytes"] - saved
+    assert after["step_s"] <= before["step_s"]

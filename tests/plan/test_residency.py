@@ -21,9 +21,14 @@ def _scalar(profile, p, rooms, forward):
     return out
 
 
-@pytest.mark.parametrize("kind", ["plain", "tied", "oversized", "shared"])
+@pytest.mark.parametrize("kind", ["plain", "tied", "oversized", "shared", "frozen_pre"])
 def test_queued_bytes_equal_the_prefetch_queue(kind):
-    if kind == "shared":
+    if kind == "frozen_pre":
+        # No backward reads the pre unit's own chunks: they leave the backward queue.
+        profile = make_profile(n_blocks=4, seed=3, edge_bytes=200 * MiB, lora=True)
+        chunks = [replace(c, backward=c.units != (0,)) for c in profile.chunks]
+        profile = replace(profile, chunks=tuple(chunks))
+    elif kind == "shared":
         # A chunk used by the pre unit and block 2 (a shared module): not in execution order.
         profile = make_profile(n_blocks=4, seed=3)
         shared = ChunkProfile(5 * MiB, units=(0, 3))

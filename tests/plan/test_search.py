@@ -65,10 +65,16 @@ def _score_all(profiles, hw):
 def _profiles(seed, **kwargs):
     in_backward = kwargs.pop("update_in_backward", False)
     step_bytes = kwargs.pop("optim_step_bytes_per_param", 0)
+    frozen_pre = kwargs.pop("frozen_pre", False)
     profile = make_profile(seed=seed, **{**SMALL, **kwargs})
     profile = dataclasses.replace(
         profile, update_in_backward=in_backward, optim_step_bytes_per_param=step_bytes
     )
+    if frozen_pre:
+        # No backward reads the pre unit's own chunks (a frozen embedding under LoRA).
+        chunks = [dataclasses.replace(c, backward=c.units != (0,)) for c in profile.chunks]
+        assert not all(c.backward for c in chunks)
+        profile = dataclasses.replace(profile, chunks=tuple(chunks))
     return {profile.chunk_size: profile}
 
 
@@ -90,6 +96,7 @@ def _budgets(profiles, hw):
         (13, {"update_in_backward": True}),
         (14, {"update_in_backward": True, "tied": True}),
         (15, {"optim_step_bytes_per_param": 24}),
+        (16, {"edge_bytes": 3 * SMALL["chunk_size"], "lora": True, "frozen_pre": True}),
     ],
 )
 def test_search_returns_the_brute_force_optimum(seed, kwargs):
@@ -112,8 +119,9 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         {"edge_bytes": 3 * SMALL["chunk_size"]},
         {"update_in_backward": True},
         {"optim_step_bytes_per_param": 24},
+        {"edge_bytes": 3 * SMALL["chunk_size"], "lora": True, "frozen_pre": True},
     ],
-    ids=["tied", "oversized", "update-in-backward", "optimizer-step"],
+    ids=["tied", "oversized", "update-in-backward", "optimizer-step", "frozen-pre"],
 )
 def test_vectorised_rows_equal_the_scalar_model(kwargs):
     hw = make_hardware(h2d_bps=8e9, d2h_bps=10e9, duplex_bps=14e9, cpu_optim_params_per_s=2e9)

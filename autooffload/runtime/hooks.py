@@ -1,0 +1,286 @@
+"""The module hooks that move chunks as a step runs: gather before a group's forward, prefetch
+the next groups', release after it; in the backward, offload finished gradients, release, gather
+and prefetch in reverse order (``Runtime`` is the one class that mixes them in).
+
+The forward's group order (the trace) drives the backward: a chunk is released once every group
+using it lies later in the trace than the group whose backward starts. Two refinements spare
+copies that nothing could overlap: the post part's chunks (after the last block: final norm and
+head) stay on the device from their forward into the backward that starts with them, and a group
+that no backward runs through (no output has a ``grad_fn`` and nothing in it trains, as a frozen
+embedding under LoRA) is neither gathered nor prefetched in the backward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from autooffload.log import logger
+from autooffload.plan.profile import StepProfiler
+from autooffload.runtime.attachable import check_params_after_attach
+from autooffload.runtime.blocks import Group
+from autooffload.runtime.manager import Residency
+
+if TYPE_CHECKING:
+    from autooffload.runtime.activations import ActivationSwapper
+    from autooffload.runtime.chunks import ChunkLayout
+    from autooffload.runtime.distributed import DataParallel
+    from autooffload.runtime.manager import ChunkManager
+
+
+def in_backward() -> bool:
+    """Whether an autograd backward is running on this thread (recomputes included)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class GroupHooks:
+    """Forward and backward hooks over ``groups``; state set up by ``init_hooks``."""
+
+    model: nn.Module
+    groups: list[Group]
+    layout: ChunkLayout
+    manager: ChunkManager
+    swapper: ActivationSwapper | None
+    profiler: StepProfiler | bool | None
+    data_parallel: DataParallel | None
+
+    def init_hooks(self) -> None:
+        """The trace state; the hooks themselves are installed by ``_install_hooks``."""
+        self._handles: list[RemovableHandle] = []
+        self._trace: list[int] = []
+        # Groups whose forward is running now (nested modules owning params), innermost last.
+        self._active: list[int] = []
+        self._last_trace: list[int] = [g.index for g in self.groups]
+        self._position = {g: i for i, g in enumerate(self._last_trace)}
+        # Groups after the last block (final norm, head): their chunks stay on the device from
+        # their forward into the backward, which starts with them (``_kept`` until it does).
+        self._post_groups = self._after_last_block(self._last_trace)
+        self._kept: set[int] = set()
+        # Groups whose backward reads no weights: no backward gather, no backward prefetch.
+        self.backward_free: set[int] = set()
+        self._backward_task: int | None = None
+        self._backward_count = 0
+        self._backwards_this_step = 0
+
+    def _install_hooks(self) -> None:
+        # Around the whole model: registered first and last so they run before and after the
+        # groups' hooks (the root module may be a group itself).
+        self._handles.append(self.model.register_forward_pre_hook(self._begin_forward))
+        for group in self.groups:
+            module = group.module
+            self._handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, a, k, g=group: self._pre_forward(g, a, k), with_kwargs=True
+                )
+            )
+            self._handles.append(
+                module.register_forward_hook(
+                    lambda m, a, out, g=group: self._post_forward(g, out), always_call=True
+                )
+            )
+        self._handles.append(self.model.register_forward_hook(self._end_forward, always_call=True))
+
+    def _begin_forward(self, module: nn.Module, args: tuple) -> None:
+        if in_backward():
+            return
+        self.recover_interrupted()
+        if torch.is_grad_enabled():
+            check_params_after_attach(self)
+
+    def _end_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if in_backward():
+            return
+        if output is None:
+            # An exception is on its way out of the model (always_call): this trace is partial.
+            self._trace = []
+            self._kept.clear()
+        else:
+            # The forward's group order drives this backward's releases and prefetches.
+            self._trace_end()
+        self.recover_interrupted(keep=self._kept)
+
+    def recover_interrupted(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Clean up after a forward or backward that an exception or Ctrl-C cut short.
+
+        Runs before each forward of the whole model and each optimizer step; does nothing
+        after a complete step. A backward that never reached its end callback left offloaded
+        gradients on the device and chunks resident: the gradients go to the host (plain torch
+        keeps such partial gradients in ``.grad`` too; ``zero_grad`` clears both), and every
+        non-persistent chunk is released, so no stale copy outlives the next CPU update. So are
+        the post part's chunks kept for a backward that never came; ``keep``: chunks to leave
+        (at the end of a forward, those kept for its backward).
+        """
+        stale_backward = self._backward_task is not None and not in_backward()
+        persistent = self.manager.persistent
+        stray = any(
+            state != Residency.HOST and index not in persistent and index not in keep
+            for index, state in enumerate(self.manager.state)
+        )
+        if not stale_backward and not stray:
+            return
+        self._kept.clear()
+        if stale_backward:
+            logger.debug("a backward pass was interrupted; offloading its partial gradients")
+            for index in range(len(self.layout.chunks)):
+                self.manager.offload_grads(index)
+            self._backward_task = None
+            self._trace = []
+        self._active.clear()
+        self.manager.release_all()
+        if self.data_parallel is not None:
+            self.data_parallel.discard()
+
+    def _chunks(self, group: Group) -> list[int]:
+        return self.layout.chunks_of_group[group.index]
+
+    def _pre_forward(self, group: Group, args: tuple = (), kwargs: dict | None = None) -> None:
+        if in_backward():
+            self._ensure_end_callback()
+            for index in self._chunks(group):
+                self.manager.gather(index)
+            return
+        if self._trace and group.index == self._last_trace[0] and group.index in self._trace:
+            # Forwards that bypass the root module: the last trace's first group comes round
+            # again. (Not merely that group: the static first group is not the first to run in
+            # every model; Qwen2-VL embeds tokens before its vision tower, and ending the trace
+            # there left one group in it, so no chunk was ever released in a backward.)
+            self._trace_end()
+        if self._pending_profile is not None:
+            pending, self._pending_profile = self._pending_profile, None
+            self._switch_to_searched_plan(*pending)
+        self._trace.append(group.index)
+        self._active.append(group.index)
+        for index in self._chunks(group):
+            self.manager.gather(index)
+        self._prefetch_after(group.index, forward=True)
+        if isinstance(self.profiler, StepProfiler):
+            self.profiler.on_pre_forward(group, args, kwargs or {})
+
+    def _post_forward(self, group: Group, output: object) -> None:
+        if in_backward():
+            return
+        backward = torch.is_grad_enabled() and self._register_backward(group, output)
+        if torch.is_grad_enabled():
+            (self.backward_free.discard if backward else self.backward_free.add)(group.index)
+        if isinstance(self.profiler, StepProfiler):
+            self.profiler.on_post_forward(group)
+        if group.index in self._active:
+            del self._active[len(self._active) - 1 - self._active[::-1].index(group.index)]
+        position = self._position.get(group.index, len(self._position))
+        for index in self._chunks(group):
+            users = self.layout.chunks[index].groups
+            later = any(self._position.get(user, -1) > position for user in users)
+            # A group whose forward encloses this one (a module owning params that calls
+            # other param-owning modules) still needs the chunks they share.
+            enclosing = any(user in self._active for user in users)
+            if later or enclosing:
+                continue
+            if backward and group.index in self._post_groups:
+                self._kept.add(index)
+            else:
+                self.manager.release(index)
+
+    def _register_backward(self, group: Group, output: object) -> bool:
+        """Hook ``_pre_backward`` on the group's outputs if its backward reads its weights: some
+        output has a ``grad_fn``, or a param of the module trains. An output made to require
+        grad after the fact (PEFT's ``enable_input_require_grads`` on a frozen embedding) is a
+        leaf: no backward runs through the group, and its chunks are not fetched for one."""
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not tensors:
+            return False
+        if not any(t.grad_fn is not None for t in tensors) and not any(
+            p.requires_grad for p in group.module.parameters()
+        ):
+            return False
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda grads, g=group: self._pre_backward(g), mode="any"
+        )
+        return True
+
+    def _prefetch_after(self, group_index: int, forward: bool) -> None:
+        order = self._last_trace if forward else list(reversed(self._last_trace))
+        try:
+            start = order.index(group_index) + 1
+        except ValueError:
+            return
+        for next_group in order[start:]:
+            if not forward and next_group in self.backward_free:
+                continue
+            chunks = self.layout.chunks_of_group[next_group]
+            # Backward takes a group's chunks last-first, the order the planner models
+            # (plan/residency.prefetch_queue) when a buffer limit cuts a group's chunks.
+            for index in chunks if forward else reversed(chunks):
+                if (
+                    self.manager.state[index] == Residency.HOST
+                    and index not in self.manager.persistent
+                ):
+                    if not self.manager.prefetch(index):
+                        return
+
+    def _pre_backward(self, group: Group) -> None:
+        self._ensure_end_callback()
+        position = self._position.get(group.index, 0)
+        for index, state in enumerate(self.manager.state):
+            if state == Residency.HOST or index in self.manager.persistent:
+                continue
+            users = self.layout.chunks[index].groups
+            if all(self._position.get(u, -1) > position for u in users):
+                self.manager.offload_grads(index)
+                self.manager.release(index)
+        if self.data_parallel is not None:
+            # Persistent chunks whose backward is complete start their gradient average now.
+            for index in self.manager.persistent:
+                users = self.layout.chunks[index].groups
+                if all(self._position.get(u, -1) > position for u in users):
+                    self.manager.offload_grads(index)
+        for index in self._chunks(group):
+            self.manager.gather(index)
+        if isinstance(self.profiler, StepProfiler):
+            self.profiler.on_pre_backward(group)
+        if self.swapper is not None and group.is_block:
+            order = [g.index for g in self._blocks_in_order()]
+            if group.index in order and order.index(group.index) > 0:
+                self.swapper.prefetch(order.index(group.index) - 1)
+        self._prefetch_after(group.index, forward=False)
+
+    def _ensure_end_callback(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._backward_task:
+            self._backward_task = task
+            self._kept.clear()  # this backward takes them over
+            self._backward_count += 1
+            self.manager.begin_backward(self._backward_count)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        for index in range(len(self.layout.chunks)):
+            self.manager.offload_grads(index)
+            self.manager.release(index)
+        if self.data_parallel is not None:
+            # Every trainable param outside chunks: resident ones and any PEFT added later.
+            unchunked = [
+                p for p in self.model.parameters() if p.grad is not None and not self.owns(p)
+            ]
+            self.data_parallel.end_backward(unchunked)
+        self._backward_task = None
+        self._backwards_this_step += 1
+        self._trace_end()
+
+    def _trace_end(self) -> None:
+        """A forward (and its backward) ended: its group order drives the next prefetches."""
+        if self._trace:
+            self._last_trace = list(dict.fromkeys(self._trace))
+            self._position = {g: i for i, g in enumerate(self._last_trace)}
+            self._post_groups = self._after_last_block(self._last_trace)
+            self._trace = []
+
+    def _after_last_block(self, order: list[int]) -> frozenset[int]:
+        """Groups after the last block in forward ``order`` (none in a model without blocks)."""
+        blocks = [i for i, g in enumerate(order) if self.groups[g].is_block]
+        return frozenset(order[blocks[-1] + 1 :]) if blocks else frozenset()
