@@ -7,7 +7,9 @@ using it lies later in the trace than the group whose backward starts. Two refin
 copies that nothing could overlap: the post part's chunks (after the last block: final norm and
 head) stay on the device from their forward into the backward that starts with them, and a group
 that no backward runs through (no output has a ``grad_fn`` and nothing in it trains, as a frozen
-embedding under LoRA) is neither gathered nor prefetched in the backward.
+embedding under LoRA) is neither gathered nor prefetched in the backward. The first is for
+searched plans only, whose post unit counts its chunks beside the loss's transients; the
+profiling steps release them as before.
 """
 
 from __future__ import annotations
@@ -179,7 +181,10 @@ class GroupHooks:
             enclosing = any(user in self._active for user in users)
             if later or enclosing:
                 continue
-            if backward and group.index in self._post_groups:
+            # Not in profiling steps: their plan is not costed, and the loss's transients
+            # (logits, an fp32 upcast) come on top of the kept chunks (8B QLoRA at 5 GiB ran
+            # out of memory there with a 1 GiB head kept).
+            if backward and group.index in self._post_groups and self.profiler is None:
                 self._kept.add(index)
             else:
                 self.manager.release(index)

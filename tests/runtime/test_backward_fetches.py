@@ -126,3 +126,22 @@ def test_a_frozen_embedding_is_not_fetched_for_the_backward(input_grads):
     assert only_embedding and only_embedding <= set(copies["forward"])
     assert not only_embedding & set(copies["backward"]), copies["backward"]
     torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_a_profiling_step_does_not_keep_the_head():
+    # Its plan is not costed, and the loss's transients come on top of what is kept: the head
+    # goes after its forward and is fetched again, as before; the searched plan keeps it.
+    enable_cpu(n_persist=0, n_buffer=64)
+    model = tiny_llama(tied=False).to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    post = _chunks_of(runtime, "model.norm") | _chunks_of(runtime, "lm_head")
+    copies = _copies_by_phase(runtime)
+    steps = []
+    for ids in batches(3):
+        profiling = runtime.profiler is not None
+        copies["backward"].clear()
+        _step(model, ids, optimizer)
+        steps.append((profiling, bool(post & set(copies["backward"]))))
+    assert steps[0] == (True, True), steps
+    assert steps[-1] == (False, False), steps
