@@ -14,7 +14,6 @@ forward's copy of that chunk to the GPU waits for the update (``ChunkManager.hos
 from __future__ import annotations
 
 import inspect
-import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -22,6 +21,7 @@ import torch
 
 from autooffload.errors import AttachError, UpdateInBackwardError
 from autooffload.runtime.chunks import Chunk, ParamSlot
+from autooffload.runtime.host_grads import HostGradNorms
 from autooffload.runtime.manager import ChunkManager
 
 # torch.optim classes that run on CPU tensors; the fused CPU kernels are the fast path.
@@ -69,7 +69,7 @@ def update_threads(setting: int | None, on_gpu: bool) -> int:
     return max(1, available - 1) if on_gpu and available > 2 else available
 
 
-class CpuOptimizer:
+class CpuOptimizer(HostGradNorms):
     """Masters, host gradients and the CPU twin optimizers of a model's offloaded parameters."""
 
     def __init__(
@@ -317,65 +317,6 @@ class CpuOptimizer:
         self.device_norms.clear()
         self.clip_coef = 1.0
 
-    def host_grads(self) -> list[torch.Tensor]:
-        """The accumulated gradients of offloaded params, pending clipping applied."""
-        self.check_no_early_update("reading the offloaded gradients (GradScaler, clipping)")
-        self.wait()
-        grads = [m.grad for m in self.masters.values() if m.grad is not None]
-        if grads and self.clip_coef != 1.0:
-            torch._foreach_mul_(grads, self.clip_coef)
-            self.device_norms = {k: v * self.clip_coef for k, v in self.device_norms.items()}
-            self.clip_coef = 1.0
-        return grads
-
-    def host_grad_norm(self, norm_type: float, param_ids: set[int]) -> torch.Tensor | None:
-        """Norm of the host gradients of ``param_ids`` (None without any). The 2-norm over all
-        of them comes from the per-param sums of squares taken during accumulation. Sharded,
-        a collective: the norm over every rank's share."""
-        self.check_no_early_update("clip_grad_norm_")
-        if self.sharding is not None:
-            return self._sharded_norm(norm_type, param_ids)
-        return self._local_norm(norm_type, param_ids)
-
-    def _sharded_norm(self, norm_type: float, param_ids: set[int]) -> torch.Tensor | None:
-        assert self.sharding is not None
-        local = self._local_norm(norm_type, param_ids)
-        if not any(pid in param_ids for pid in self.offloaded_ids):
-            return None  # the same answer on every rank: no collective needed
-        value = torch.zeros((), dtype=torch.float32) if local is None else local.float().cpu()
-        if math.isinf(norm_type):
-            return self.sharding.all_reduce_(value, torch.distributed.ReduceOp.MAX)
-        powered = self.sharding.all_reduce_(value.pow(norm_type))
-        return powered.pow(1.0 / norm_type)
-
-    def _local_norm(self, norm_type: float, param_ids: set[int]) -> torch.Tensor | None:
-        self.wait()
-        # In layout order, not the set's (ids are addresses): the sum, hence the clipping
-        # coefficient, must be bit-identical run to run and across data-parallel ranks.
-        present = [
-            pid for pid, m in self.masters.items() if pid in param_ids and m.grad is not None
-        ]
-        if not present:
-            return None
-        if norm_type != 2.0 or not self.covers_all(param_ids):
-            self.host_grads()  # apply any pending coefficient first
-            grads = [self.masters[pid].grad for pid in present]
-            return torch.nn.utils.get_total_norm(grads, norm_type, False, False)
-        parts = []
-        for pid in present:
-            norm = self.device_norms.get(pid)
-            if norm is None or self.accumulations.get(pid, 0) != 1:
-                # Accumulated over several backward passes: only the host sum has the norm.
-                grad = self.masters[pid].grad
-                norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
-                norm = norm.to(next(iter(self.device_norms.values()), norm).device)
-            parts.append(norm)
-        return torch.linalg.vector_norm(torch.stack(parts), 2) * self.clip_coef
-
-    def covers_all(self, param_ids: set[int]) -> bool:
-        """Whether ``param_ids`` includes every offloaded param that has a host gradient."""
-        return all(pid in param_ids for pid, m in self.masters.items() if m.grad is not None)
-
     # ---- optimizer ----------------------------------------------------------------------------
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
@@ -554,25 +495,6 @@ class CpuOptimizer:
                 else:
                     moved[key] = value.to(device, slot.dtype).view(slot.shape)
             optimizer.state[slot.param] = moved
-
-    def clip_(self, coef: float, param_ids: set[int]) -> None:
-        """Scale the host gradients of ``param_ids`` by ``coef`` (gradient clipping). Over all
-        of them it is lazy: the update task applies it (``host_grads`` does for readers)."""
-        if math.isclose(coef, 1.0):
-            return
-        self.check_no_early_update("gradient clipping")
-        if self.covers_all(param_ids):
-            self.clip_coef *= coef
-            return
-        self.host_grads()
-        grads = [
-            m.grad for pid, m in self.masters.items() if pid in param_ids and m.grad is not None
-        ]
-        if grads:
-            torch._foreach_mul_(grads, coef)
-        for pid in param_ids:
-            if pid in self.device_norms:
-                self.device_norms[pid] = self.device_norms[pid] * coef
 
     def shutdown(self) -> None:
         """Join the worker and drop every host tensor this side holds (masters that are views
