@@ -5,15 +5,15 @@ For each chunk layout (one ModelProfile per candidate chunk size) the search enu
 which the cost model predicts no gain, every ``n_swap`` and every ``n_checkpoint`` with
 ``n_swap + n_checkpoint <= n_blocks``. It loops in Python over ``n_swap`` only (n_blocks + 1
 iterations) and evaluates the rest as numpy arrays: the chunk terms come from
-``cost.chunk_tables`` (one row per ``n_persist``), and the step time for every ``n_checkpoint`` is
-a prefix sum of the per-window recompute cost, because one more checkpoint only adds the
-recompute of one more block (``cost.assign_block_policies`` is nested), and the peak for every
-``n_checkpoint`` is read off one running maximum from the front and one from the back (see
-``_split_max``). Chunks on the device per (n_persist, n_buffer, unit) are prefix sums over the
-runtime's prefetch order (``residency.queued_bytes``), each chunk at its own size. Work per layout
-is O(n_blocks * n_chunks * n_buffers * (n_blocks + n_units)) simple array operations, with no
-pruning that could miss the optimum; ``tests/plan/test_search.py`` checks it against a brute force
-over ``cost``'s scalar functions.
+``residency.chunk_tables`` (one row per ``n_persist``), and the step time for every
+``n_checkpoint`` is a prefix sum of the per-window recompute cost, because one more checkpoint
+only adds the recompute of one more block (``cost.assign_block_policies`` is nested), and the
+peak for every ``n_checkpoint`` is read off one running maximum from the front and one from the
+back (see ``_split_max``). Chunks on the device per (n_persist, n_buffer, unit) are prefix sums
+over the runtime's prefetch order (``residency.queued_bytes``), each chunk at its own size. Work
+per layout is O(n_blocks * n_chunks * n_buffers * (n_blocks + n_units)) simple array operations,
+with no pruning that could miss the optimum; ``tests/plan/test_search.py`` checks it against a
+brute force over ``cost``'s scalar functions.
 """
 
 from __future__ import annotations
@@ -24,17 +24,15 @@ import numpy as np
 
 from autooffload.errors import PlanError
 from autooffload.plan.cost import (
-    ChunkTables,
     assign_block_policies,
     backward_update_ready,
-    chunk_tables,
     optimizer_step_bytes,
     peak_breakdown,
     predict_step_time,
     with_checkpoint_inputs_on_cpu,
 )
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
-from autooffload.plan.residency import queued_bytes
+from autooffload.plan.residency import ChunkTables, chunk_tables, queued_bytes
 from autooffload.plan.types import CHECKPOINT_INPUTS, GiB, Knobs, Plan
 
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")

@@ -11,14 +11,13 @@ from autooffload.errors import PlanError
 from autooffload.plan.cost import (
     assign_block_policies,
     calibrate,
-    chunk_tables,
     peak_breakdown,
     predict_peak_bytes,
     predict_step_time,
-    prefetch_queue,
     prefetched_bytes,
 )
 from autooffload.plan.profile_types import ChunkProfile, ModelProfile, UnitProfile
+from autooffload.plan.residency import chunk_tables, prefetch_queue
 from autooffload.plan.types import Knobs
 
 

@@ -14,12 +14,12 @@ from plan_profiles import MiB, layout_chunks, make_hardware, make_profile
 
 from autooffload.errors import PlanError
 from autooffload.plan.cost import (
-    chunk_tables,
     predict_peak_bytes,
     predict_step_time,
     with_checkpoint_inputs_on_cpu,
 )
 from autooffload.plan.profile_types import ModelProfile
+from autooffload.plan.residency import chunk_tables
 from autooffload.plan.search import SearchRequest, make_plan, search, search_all
 from autooffload.plan.types import Knobs
 
