@@ -4,16 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from autooffload.errors import SettingsError
 from autooffload.plan.types import CHECKPOINT_INPUTS
+from autooffload.setting_values import (
+    check_roles,
+    enum_of,
+    parse_bool,
+    parse_boundaries,
+    parse_count,
+    parse_optional_bool,
+    parse_optional_bytes,
+    parse_path,
+    parse_roles,
+    parse_size,
+    parse_size_or_fraction,
+    parse_threads,
+    parse_threshold,
+)
 
 ENV_PREFIX = "AUTOOFFLOAD"
 
@@ -23,262 +35,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEVICES = ("cuda", "cpu")
 DATA_PARALLEL_MODES = ("auto", "off")
 SHARD_OPTIMIZER_MODES = ("auto", "on", "off")
-KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
-BOUNDARY_KEYS = ("role", "start", "end", "include_start", "include_end")
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-_AUTO = ("auto", "none")
-
-# Decimal units are SI (GB = 10**9); binary units and the bare letters are powers of two.
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS |= {unit: 2 ** (10 * power) for power, unit in enumerate("kmgt", start=1)}
-_UNITS |= {unit + "ib": 2 ** (10 * power) for power, unit in enumerate("kmgt", start=1)}
-_SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)$")
-
-_SIZE_TEXT = "a size such as 12GiB, 12GB, 12000MB or 1073741824 (bytes)"
-_FRACTION_TEXT = "a fraction of the device in (0, 1] such as 0.5"
-_BOUNDARIES_TEXT = (
-    "a JSON list of objects with keys role, start, end, include_start, include_end"
-    " (start/end a string or a list of token ids, include_* true/false),"
-    " or the path of a .json/.yaml file holding that list"
-)
-
-
-def _fail(name: str, value: Any, valid: str) -> SettingsError:
-    shown = repr(value)
-    if len(shown) > 200:
-        shown = shown[:197] + "..."
-    return SettingsError(f"{name}={shown} is invalid; valid values: {valid}.")
-
-
-def _parse_bool(value: Any, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-    raise _fail(name, value, "1/0, true/false, yes/no, on/off")
-
-
-def _parse_optional_bool(value: Any, name: str) -> bool | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() in _AUTO):
-        return None
-    try:
-        return _parse_bool(value, name)
-    except SettingsError:
-        raise _fail(name, value, "auto, 1/0, true/false, yes/no, on/off") from None
-
-
-def _parse_size(
-    value: Any, name: str, *, fraction: bool, optional: bool, minimum: int = 1
-) -> int | float | None:
-    valid = _SIZE_TEXT + (f", {_FRACTION_TEXT}" if fraction else "")
-    valid += ", or auto" if optional else ""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool):
-        raise _fail(name, value, valid)
-    if isinstance(value, int):
-        if value >= minimum:
-            return value
-        raise _fail(name, value, valid)
-    if isinstance(value, float):
-        if fraction and 0.0 < value <= 1.0:
-            return value
-        raise _fail(name, value, valid)
-    if not isinstance(value, str):
-        raise _fail(name, value, valid)
-    text = value.strip()
-    if optional and text.lower() in _AUTO:
-        return None
-    match = _SIZE_RE.match(text)
-    if match is None:
-        raise _fail(name, value, valid)
-    number, unit = match.groups()
-    if not unit:
-        if "." in number:
-            if fraction and 0.0 < float(number) <= 1.0:
-                return float(number)
-            raise _fail(name, value, valid)
-        n_bytes = int(number)
-    else:
-        multiplier = _UNITS.get(unit.lower())
-        if multiplier is None:
-            raise _fail(name, value, valid)
-        n_bytes = round(float(number) * multiplier)
-    if n_bytes < minimum:
-        raise _fail(name, value, valid)
-    return n_bytes
-
-
-def _parse_size_or_fraction(value: Any, name: str) -> int | float | None:
-    return _parse_size(value, name, fraction=True, optional=True)
-
-
-def _parse_optional_bytes(value: Any, name: str) -> int | None:
-    return _parse_size(value, name, fraction=False, optional=True)  # type: ignore[return-value]
-
-
-def _parse_threshold(value: Any, name: str) -> int:
-    return _parse_size(value, name, fraction=False, optional=False, minimum=0)  # type: ignore[return-value]
-
-
-def _parse_count(value: Any, name: str) -> int | None:
-    valid = "an integer >= 0, or auto"
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise _fail(name, value, valid)
-    if isinstance(value, int) and value >= 0:
-        return value
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() in _AUTO:
-            return None
-        if text.isdigit():
-            return int(text)
-    raise _fail(name, value, valid)
-
-
-def _parse_threads(value: Any, name: str) -> int | None:
-    count = _parse_count(value, name)
-    if count == 0:
-        raise _fail(name, value, "an integer >= 1, or auto")
-    return count
-
-
-def _enum(choices: tuple[str, ...], optional: bool = False) -> Callable[[Any, str], str | None]:
-    valid = ", ".join(choices) + (", or auto" if optional else "")
-
-    def parse(value: Any, name: str) -> str | None:
-        if value is None and optional:
-            return None
-        if isinstance(value, str):
-            text = value.strip().lower()
-            if optional and text == "auto":
-                return None
-            if text in choices:
-                return text
-        raise _fail(name, value, valid)
-
-    return parse
-
-
-def _parse_roles(value: Any, name: str) -> tuple[str, ...]:
-    valid = f"a comma list or JSON list of role names such as {', '.join(KNOWN_ROLES)}"
-    roles = value
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                roles = json.loads(text)
-            except json.JSONDecodeError:
-                raise _fail(name, value, valid) from None
-        else:
-            roles = [part.strip() for part in text.split(",") if part.strip()]
-    if not isinstance(roles, (list, tuple)) or not roles:
-        raise _fail(name, value, valid)
-    if not all(isinstance(role, str) and role.strip() for role in roles):
-        raise _fail(name, value, valid)
-    return tuple(role.strip() for role in roles)
-
-
-def _is_marker(marker: Any) -> bool:
-    if isinstance(marker, str):
-        return bool(marker)
-    return (
-        isinstance(marker, (list, tuple))
-        and bool(marker)
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in marker)
-    )
-
-
-def _load_boundaries_file(path: Path, value: Any, name: str) -> Any:
-    if not path.is_file():
-        raise _fail(name, value, _BOUNDARIES_TEXT + " (no such file)")
-    text = path.read_text()
-    if path.suffix == ".json":
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            raise _fail(name, value, _BOUNDARIES_TEXT + " (the file is not valid JSON)") from None
-    try:
-        import yaml
-    except ImportError:
-        raise _fail(name, value, "a .json file, or install pyyaml to read .yaml files") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise _fail(name, value, _BOUNDARIES_TEXT + " (the file is not valid YAML)") from None
-
-
-def _parse_boundaries(value: Any, name: str) -> list[dict[str, Any]] | None:
-    if value is None:
-        return None
-    data = value
-    if isinstance(value, os.PathLike):
-        data = _load_boundaries_file(Path(value), value, name)
-    elif isinstance(value, str):
-        text = value.strip()
-        if text.lower() == "none":
-            return None
-        if text.startswith(("[", "{")):
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError:
-                raise _fail(name, value, _BOUNDARIES_TEXT) from None
-        elif text.endswith((".json", ".yaml", ".yml")):
-            data = _load_boundaries_file(Path(text).expanduser(), value, name)
-        else:
-            raise _fail(name, value, _BOUNDARIES_TEXT)
-    if not isinstance(data, (list, tuple)) or not data:
-        raise _fail(name, value, _BOUNDARIES_TEXT)
-    boundaries = []
-    for index, item in enumerate(data):
-        where = f"{name}[{index}]"
-        if not isinstance(item, Mapping) or set(item) != set(BOUNDARY_KEYS):
-            raise _fail(where, item, _BOUNDARIES_TEXT)
-        role = item["role"]
-        if not (isinstance(role, str) and role.strip()):
-            raise _fail(f"{where}.role", role, "a non-empty role name such as assistant")
-        for key in ("start", "end"):
-            if not _is_marker(item[key]):
-                raise _fail(f"{where}.{key}", item[key], "a non-empty string or list of token ids")
-        for key in ("include_start", "include_end"):
-            if not isinstance(item[key], bool):
-                raise _fail(f"{where}.{key}", item[key], "true or false")
-        boundaries.append(
-            {
-                "role": role.strip(),
-                "start": item["start"] if isinstance(item["start"], str) else list(item["start"]),
-                "end": item["end"] if isinstance(item["end"], str) else list(item["end"]),
-                "include_start": item["include_start"],
-                "include_end": item["include_end"],
-            }
-        )
-    return boundaries
-
-
-def _parse_path(value: Any, name: str) -> str:
-    if isinstance(value, (str, os.PathLike)) and str(value).strip():
-        return os.path.expanduser(str(value).strip())
-    raise _fail(name, value, "a directory path")
-
-
-def _check_roles(
-    roles: tuple[str, ...], boundaries: list[dict[str, Any]] | None, name: str
-) -> None:
-    custom = [b["role"] for b in boundaries or () if b["role"] not in KNOWN_ROLES]
-    valid = [*KNOWN_ROLES, *dict.fromkeys(custom)]
-    unknown = [role for role in roles if role not in valid]
-    if unknown:
-        raise _fail(name, ",".join(roles), ", ".join(valid) + " (or a role of role_boundaries)")
 
 
 def _knob(
@@ -382,129 +138,131 @@ class Settings:
             trainable chunk is offloaded; ``off``: every rank keeps and updates all of it.
     """
 
-    enabled: bool = _knob(True, "AUTOOFFLOAD", _parse_bool, "master switch; 0 turns everything off")
+    enabled: bool = _knob(True, "AUTOOFFLOAD", parse_bool, "master switch; 0 turns everything off")
     offload: bool = _knob(
-        True, "AUTOOFFLOAD_OFFLOAD", _parse_bool, "offload weight chunks to pinned CPU memory"
+        True, "AUTOOFFLOAD_OFFLOAD", parse_bool, "offload weight chunks to pinned CPU memory"
     )
     budget: int | float | None = _knob(
         None,
         "AUTOOFFLOAD_BUDGET",
-        _parse_size_or_fraction,
+        parse_size_or_fraction,
         "device memory to use: size (12GiB) or fraction (0.5); auto = free memory minus margin",
     )
     host_budget: int | float | None = _knob(
         None,
         "AUTOOFFLOAD_HOST_BUDGET",
-        _parse_size_or_fraction,
+        parse_size_or_fraction,
         "pinned host memory to use: size or fraction; auto = as needed",
     )
     chunk_size: int | None = _knob(
-        None, "AUTOOFFLOAD_CHUNK_SIZE", _parse_optional_bytes, "bytes per chunk; auto = searched"
+        None, "AUTOOFFLOAD_CHUNK_SIZE", parse_optional_bytes, "bytes per chunk; auto = searched"
     )
     n_persist: int | None = _knob(
-        None, "AUTOOFFLOAD_N_PERSIST", _parse_count, "chunks resident on device; auto = searched"
+        None, "AUTOOFFLOAD_N_PERSIST", parse_count, "chunks resident on device; auto = searched"
     )
     n_buffer: int | None = _knob(
-        None, "AUTOOFFLOAD_N_BUFFER", _parse_count, "device chunk buffers; auto = searched"
+        None, "AUTOOFFLOAD_N_BUFFER", parse_count, "device chunk buffers; auto = searched"
     )
     n_swap: int | None = _knob(
-        None, "AUTOOFFLOAD_N_SWAP", _parse_count, "blocks with swapped activations; auto = searched"
+        None, "AUTOOFFLOAD_N_SWAP", parse_count, "blocks with swapped activations; auto = searched"
     )
     n_checkpoint: int | None = _knob(
         None,
         "AUTOOFFLOAD_N_CHECKPOINT",
-        _parse_count,
+        parse_count,
         "blocks with recomputed activations; auto = searched",
     )
     activation_mode: str = _knob(
         "auto",
         "AUTOOFFLOAD_ACTIVATION_MODE",
-        _enum(ACTIVATION_MODES),
+        enum_of(ACTIVATION_MODES),
         "auto, keep, checkpoint, checkpoint_cpu, swap or off",
     )
     checkpoint_inputs: str = _knob(
         "auto",
         "AUTOOFFLOAD_CHECKPOINT_INPUTS",
-        _enum(CHECKPOINT_INPUTS),
+        enum_of(CHECKPOINT_INPUTS),
         "auto, gpu or cpu",
     )
     attach_threshold: int = _knob(
         1 << 30,
         "AUTOOFFLOAD_ATTACH_THRESHOLD",
-        _parse_threshold,
+        parse_threshold,
         "smaller models are not attached automatically",
     )
     force_attach: bool = _knob(
-        False, "AUTOOFFLOAD_FORCE_ATTACH", _parse_bool, "attach whatever the model size"
+        False, "AUTOOFFLOAD_FORCE_ATTACH", parse_bool, "attach whatever the model size"
     )
     master_weights: bool = _knob(
-        False, "AUTOOFFLOAD_MASTER_WEIGHTS", _parse_bool, "fp32 masters for offloaded bf16 params"
+        False, "AUTOOFFLOAD_MASTER_WEIGHTS", parse_bool, "fp32 masters for offloaded bf16 params"
     )
     update_in_backward: bool = _knob(
         False,
         "AUTOOFFLOAD_UPDATE_IN_BACKWARD",
-        _parse_bool,
+        parse_bool,
         "update offloaded chunks during backward (no clipping/accumulation/scaler)",
     )
     cpu_threads: int | None = _knob(
         None,
         "AUTOOFFLOAD_CPU_THREADS",
-        _parse_threads,
+        parse_threads,
         "CPU optimizer threads; auto = intra-op threads - 1 on a GPU",
     )
     expandable_segments: bool | None = _knob(
         None,
         "AUTOOFFLOAD_EXPANDABLE_SEGMENTS",
-        _parse_optional_bool,
+        parse_optional_bool,
         "CUDA allocator expandable segments while attached; auto = on unless"
         " PYTORCH_CUDA_ALLOC_CONF sets them",
     )
     chunked_loss: bool = _knob(
         True,
         "AUTOOFFLOAD_CHUNKED_LOSS",
-        _parse_bool,
+        parse_bool,
         "causal-LM loss over row chunks, no fp32 copy of all the logits",
     )
     device: str | None = _knob(
         None,
         "AUTOOFFLOAD_DEVICE",
-        _enum(DEVICES, optional=True),
+        enum_of(DEVICES, optional=True),
         "cuda or cpu (CPU simulation); auto = cuda if available",
     )
-    mask: bool = _knob(True, "AUTOOFFLOAD_MASK", _parse_bool, "assistant-only loss masking")
+    mask: bool = _knob(True, "AUTOOFFLOAD_MASK", parse_bool, "assistant-only loss masking")
     train_on_inputs: bool = _knob(
-        False, "AUTOOFFLOAD_TRAIN_ON_INPUTS", _parse_bool, "also train on prompt tokens"
+        False, "AUTOOFFLOAD_TRAIN_ON_INPUTS", parse_bool, "also train on prompt tokens"
     )
     roles_to_train: tuple[str, ...] = _knob(
         ("assistant",),
         "AUTOOFFLOAD_ROLES_TO_TRAIN",
-        _parse_roles,
+        parse_roles,
         "roles whose turns are trained (comma list or JSON list)",
     )
     train_on_eos: str = _knob(
-        "turn", "AUTOOFFLOAD_TRAIN_ON_EOS", _enum(EOS_MODES), "turn, last, all or none"
+        "turn", "AUTOOFFLOAD_TRAIN_ON_EOS", enum_of(EOS_MODES), "turn, last, all or none"
     )
     role_boundaries: list[dict[str, Any]] | None = _knob(
         None,
         "AUTOOFFLOAD_ROLE_BOUNDARIES",
-        _parse_boundaries,
+        parse_boundaries,
         "custom role markers: JSON list or path to a .json/.yaml file",
         shown="none (detected from the chat template)",
     )
-    log: str = _knob("info", "AUTOOFFLOAD_LOG", _enum(LOG_LEVELS), "debug, info, warning or error")
+    log: str = _knob(
+        "info", "AUTOOFFLOAD_LOG", enum_of(LOG_LEVELS), "debug, info, warning or error"
+    )
     cache_dir: str = _knob(
-        "~/.cache/autooffload", "AUTOOFFLOAD_CACHE_DIR", _parse_path, "hardware measurement cache"
+        "~/.cache/autooffload", "AUTOOFFLOAD_CACHE_DIR", parse_path, "hardware measurement cache"
     )
     reprofile: bool = _knob(
-        False, "AUTOOFFLOAD_REPROFILE", _parse_bool, "ignore the hardware cache, measure again"
+        False, "AUTOOFFLOAD_REPROFILE", parse_bool, "ignore the hardware cache, measure again"
     )
     print_plan: bool = _knob(
-        False, "AUTOOFFLOAD_PRINT_PLAN", _parse_bool, "print the plan summary to stdout"
+        False, "AUTOOFFLOAD_PRINT_PLAN", parse_bool, "print the plan summary to stdout"
     )
     oom_retry: bool | None = _knob(
         None,
         "AUTOOFFLOAD_OOM_RETRY",
-        _parse_optional_bool,
+        parse_optional_bool,
         "retry a step once under a smaller plan after a device OOM; auto = on unless"
         " AUTOOFFLOAD_UPDATE_IN_BACKWARD=1",
     )
@@ -517,20 +275,20 @@ class Settings:
     data_parallel: str = _knob(
         "auto",
         "AUTOOFFLOAD_DATA_PARALLEL",
-        _enum(DATA_PARALLEL_MODES),
+        enum_of(DATA_PARALLEL_MODES),
         "auto (average gradients across torch.distributed ranks) or off",
     )
     shard_optimizer: str = _knob(
         "auto",
         "AUTOOFFLOAD_SHARD_OPTIMIZER",
-        _enum(SHARD_OPTIMIZER_MODES),
+        enum_of(SHARD_OPTIMIZER_MODES),
         "auto/on (each data-parallel rank owns 1/N of the CPU optimizer state) or off",
     )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, f.metadata["parser"](getattr(self, f.name), f.name))
-        _check_roles(self.roles_to_train, self.role_boundaries, "roles_to_train")
+        check_roles(self.roles_to_train, self.role_boundaries, "roles_to_train")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:
@@ -565,7 +323,7 @@ class Settings:
                 continue
             values[name] = f.metadata["parser"](raw, sources[name])
         if "roles_to_train" in values:
-            _check_roles(
+            check_roles(
                 values["roles_to_train"],
                 values.get("role_boundaries"),
                 sources["roles_to_train"],
@@ -575,7 +333,7 @@ class Settings:
     @staticmethod
     def resolve_bytes(value: int | float | str | None, total_bytes: int) -> int | None:
         """Turn a size or a fraction (of ``total_bytes``) into bytes; ``None`` stays ``None``."""
-        parsed = _parse_size(value, "value", fraction=True, optional=True)
+        parsed = parse_size(value, "value", fraction=True, optional=True)
         if parsed is None:
             return None
         if isinstance(parsed, float):

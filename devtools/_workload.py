@@ -9,7 +9,7 @@ import torch
 import autooffload
 from autooffload.bench.models import accepted_batch, build_model, make_batch
 from autooffload.bench.workloads import get_workload
-from autooffload.settings import _parse_size_or_fraction
+from autooffload.setting_values import parse_size_or_fraction
 
 
 def capped_workload(
@@ -18,7 +18,7 @@ def capped_workload(
     """Cap this process's device memory at ``cap_text`` (``set_per_process_memory_fraction``),
     enable autooffload with the workload's defaults and ``settings``, and build the workload's
     model (attached by its move to the GPU), an AdamW over its trainable params and its batch."""
-    cap = _parse_size_or_fraction(cap_text, "cap")
+    cap = parse_size_or_fraction(cap_text, "cap")
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(cap / total)
     workload = get_workload(name)

@@ -14,14 +14,14 @@ import torch
 from _workload import capped_workload
 
 import autooffload
-from autooffload.settings import _parse_size_or_fraction
+from autooffload.setting_values import parse_size_or_fraction
 
 GiB = 1 << 30
 name, cap_text = sys.argv[1], sys.argv[2]
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 4
 torch.cuda.memory._record_memory_history(max_entries=200_000)
 model, optimizer, batch = capped_workload(
-    name, cap_text, budget=_parse_size_or_fraction(cap_text, "cap")
+    name, cap_text, budget=parse_size_or_fraction(cap_text, "cap")
 )
 INTERESTING = ("autooffload", "transformers", "peft", "torch/utils/checkpoint", "torch/optim")
 
