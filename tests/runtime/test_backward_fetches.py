@@ -44,18 +44,27 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Opti
     return loss.item()
 
 
-def test_the_head_is_copied_in_once_per_step_and_training_is_unchanged():
-    base, data = tiny_llama(tied=False), batches(3)
+def _plain_and_attached() -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer]:
+    """Plain training's losses on ``batches(3)``, and an untied tiny Llama attached under a fixed
+    plan (nothing persistent, activations kept) with its optimizer, not yet stepped."""
+    base = tiny_llama(tied=False)
     plain = copy.deepcopy(base)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    plain_losses = [_step(plain, ids, plain_opt) for ids in data]
-
+    plain_losses = [_step(plain, ids, plain_opt) for ids in batches(3)]
     enable_cpu(n_persist=0, n_buffer=64, activation_mode="keep")
     model = base.to("cpu")
-    runtime = rt.runtime_of(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    # The post part: the final norm (whose chunk it shares with the last block) and the head.
-    post = _chunks_of(runtime, "model.norm") | _chunks_of(runtime, "lm_head")
+    return plain_losses, model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _post_chunks(runtime: rt.Runtime) -> set[int]:
+    """The post part's chunks: the final norm (sharing a chunk with the last block), the head."""
+    return _chunks_of(runtime, "model.norm") | _chunks_of(runtime, "lm_head")
+
+
+def test_the_head_is_copied_in_once_per_step_and_training_is_unchanged():
+    plain_losses, model, optimizer = _plain_and_attached()
+    runtime, data = rt.runtime_of(model), batches(3)
+    post = _post_chunks(runtime)
     blocks = set().union(*(_chunks_of(runtime, f"layers.{i}") for i in range(3))) - post
     losses = [_step(model, data[0], optimizer)]  # the first forward traces the group order
     copies = _copies_by_phase(runtime)
@@ -69,17 +78,10 @@ def test_the_head_is_copied_in_once_per_step_and_training_is_unchanged():
 
 
 def test_a_forward_without_backward_does_not_leave_the_head_on_the_device():
-    base, data = tiny_llama(tied=False), batches(3)
-    plain = copy.deepcopy(base)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    plain_losses = [_step(plain, ids, plain_opt) for ids in data]
-
-    enable_cpu(n_persist=0, n_buffer=64, activation_mode="keep")
-    model = base.to("cpu")
-    runtime = rt.runtime_of(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plain_losses, model, optimizer = _plain_and_attached()
+    runtime, data = rt.runtime_of(model), batches(3)
     losses = [_step(model, data[0], optimizer)]
-    post = _chunks_of(runtime, "model.norm") | _chunks_of(runtime, "lm_head")
+    post = _post_chunks(runtime)
     model(input_ids=data[1])  # grad enabled, no backward: norm and head are kept for one...
     kept = {i for i, s in enumerate(runtime.manager.state) if s != Residency.HOST}
     assert kept == post, kept
@@ -135,7 +137,7 @@ def test_a_profiling_step_does_not_keep_the_head():
     model = tiny_llama(tied=False).to("cpu")
     runtime = rt.runtime_of(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    post = _chunks_of(runtime, "model.norm") | _chunks_of(runtime, "lm_head")
+    post = _post_chunks(runtime)
     copies = _copies_by_phase(runtime)
     steps = []
     for ids in batches(3):
