@@ -171,6 +171,12 @@ class AutoOffloadTrainee(Trainee):
         out["plan"] = {k: _safe(lambda k=k: getattr(plan, k)) for k in PLAN_FIELDS}
         out["plan"]["bottleneck"] = getattr(plan, "bottleneck", None)
         out["plan"]["source"] = getattr(plan, "source", None)
+        # The plan's predicted breakdown (times, stalls, memory terms), and what the model ran
+        # on: re-running ``plan.cost`` on these offline shows where a prediction went wrong.
+        out["predicted_breakdown"] = dict(getattr(plan, "breakdown", None) or {}) or None
+        runtime = _safe(lambda: _runtime_of(self.model))
+        out["model_profile"] = _safe(lambda: _planned_profile(runtime, plan).to_dict())
+        out["hardware"] = _safe(lambda: runtime.search_request.hw.to_dict())
         out["expandable_segments"] = _safe(lambda: _runtime_of(self.model).expandable_segments)
         out["profiling_peak_bytes"] = _safe(lambda: _runtime_of(self.model).profiling_peak_bytes)
         stats = self._stats()
@@ -189,6 +195,16 @@ class AutoOffloadTrainee(Trainee):
         disable = getattr(autooffload, "disable", None)
         if callable(disable):
             _safe(disable)
+
+
+def _planned_profile(runtime: Any, plan: Any) -> Any:
+    """The profile the plan's predictions were made on: the runtime's, in the layout variant
+    with checkpointed blocks' inputs in host memory when the plan chose it."""
+    from autooffload.plan.cost import with_checkpoint_inputs_on_cpu
+
+    if "checkpoint_cpu" in plan.block_policies:
+        return with_checkpoint_inputs_on_cpu(runtime.profile, runtime.search_request.hw)
+    return runtime.profile
 
 
 def _per_step_breakdown(

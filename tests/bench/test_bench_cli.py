@@ -5,11 +5,22 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import autooffload
 from autooffload.bench.__main__ import main
+from autooffload.bench.peers import _planned_profile
+from autooffload.plan.cost import (
+    predict_peak_bytes,
+    predict_step_time,
+    with_checkpoint_inputs_on_cpu,
+)
+from autooffload.plan.profile_types import HardwareProfile, ModelProfile
+from autooffload.plan.search import make_plan
+from autooffload.plan.types import Knobs
+from tests.plan.plan_profiles import make_hardware, make_profile
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RUN_KEYS = {
@@ -109,6 +120,16 @@ def test_autooffload_peer_ok_once_runtime_landed(tiny_run: tuple[dict, str, Path
         assert summary["count"] >= len(summary["frontier"]) >= 1, summary
         assert summary["chosen_on_frontier"] is True
         assert summary["chosen"][2:] == [run["plan"][k] for k in summary["columns"][2:]]
+        # What the plan was searched on: the cost model re-run offline on the JSON's profile
+        # and hardware gives the plan's predictions back.
+        profile = ModelProfile.from_dict(run["model_profile"])
+        hw = HardwareProfile.from_dict(run["hardware"])
+        names = ("n_persist", "n_buffer", "n_swap", "n_checkpoint")
+        knobs = Knobs(*(run["plan"][k] for k in names))
+        step_s, breakdown, _ = predict_step_time(profile, hw, knobs)
+        assert step_s == pytest.approx(run["predicted_step_s"], rel=1e-9)
+        assert predict_peak_bytes(profile, hw, knobs) == run["predicted_peak_bytes"]
+        assert run["predicted_breakdown"]["h2d_bytes"] == pytest.approx(breakdown["h2d_bytes"])
     else:
         assert run["status"] in ("error", "skipped")
         assert "autooffload" in run["reason"]
@@ -221,3 +242,17 @@ def test_runs_after_the_deadline_are_recorded_as_skipped(tmp_path: Path) -> None
     assert len(payload["runs"]) == 4
     assert {r["status"] for r in payload["runs"]} == {"skipped"}
     assert all("--deadline" in r["reason"] for r in payload["runs"])
+
+
+def test_the_recorded_profile_is_the_planned_layout_variant() -> None:
+    # A plan with checkpointed inputs in host memory was costed on the variant profile: the JSON
+    # records that one, so the offline re-run above holds for such plans too.
+    profile, hw = make_profile(), make_hardware()
+    runtime = SimpleNamespace(profile=profile, search_request=SimpleNamespace(hw=hw))
+    knobs = Knobs(0, 2, 0, 2)
+    assert _planned_profile(runtime, make_plan(profile, hw, knobs, None)) is profile
+    on_cpu = make_plan(with_checkpoint_inputs_on_cpu(profile, hw), hw, knobs, None)
+    assert "checkpoint_cpu" in on_cpu.block_policies
+    recorded = _planned_profile(runtime, on_cpu)
+    assert recorded.checkpoint_inputs_on_cpu
+    assert predict_step_time(recorded, hw, knobs)[0] == pytest.approx(on_cpu.predicted_step_s)
