@@ -112,10 +112,17 @@ class GroupHooks:
         after a complete step. A backward that never reached its end callback left offloaded
         gradients on the device and chunks resident: the gradients go to the host (plain torch
         keeps such partial gradients in ``.grad`` too; ``zero_grad`` clears both), and every
-        non-persistent chunk is released, so no stale copy outlives the next CPU update. So are
-        the post part's chunks kept for a backward that never came; ``keep``: chunks to leave
-        (at the end of a forward, those kept for its backward).
+        non-persistent chunk is released, so no stale copy outlives the next CPU update. The
+        post part's chunks kept for a backward that never came are released alone (no recovery:
+        nothing was interrupted); ``keep``: chunks to leave (at the end of a forward, those kept
+        for its backward).
         """
+        if self._kept and not keep:
+            # Kept for a backward that never came (a forward under grad, then none): nothing
+            # was interrupted, so only they go; pending gradient reductions are left alone.
+            for index in self._kept:
+                self.manager.release(index)
+            self._kept.clear()
         stale_backward = self._backward_task is not None and not in_backward()
         persistent = self.manager.persistent
         stray = any(
