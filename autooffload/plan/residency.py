@@ -99,7 +99,8 @@ class ChunkTables:
     """Offloaded chunks first needed at u in forward (gathered H2D before u)."""
     fwd_gather_bytes: np.ndarray
     bwd_gather_count: np.ndarray
-    """Offloaded chunks first needed at u in backward order (gathered H2D before u's backward)."""
+    """Offloaded chunks gathered H2D before u's backward: those whose span ends at u, if a
+    backward reads them; none at the post unit, whose chunks stay from its forward."""
     bwd_gather_bytes: np.ndarray
     grad_d2h_bytes: np.ndarray
     """Grad bytes copied D2H after u's backward (offloaded trainable chunks with lowest unit u)."""
