@@ -118,6 +118,10 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["breakdown"] = {
             k: _median([(r.get("breakdown") or {}).get(k) for r in ok]) for k in breakdown_keys
         }
+        row["predicted_terms"] = {
+            k: _median([(r.get("predicted_breakdown") or {}).get(k) for r in ok])
+            for k, _ in PREDICTED_TERMS
+        }
         row["nproc"] = max([r.get("nproc") or 1 for r in runs])
         rows.append(row)
     _scaling(rows)
@@ -142,6 +146,37 @@ def _prediction_errors(row: dict[str, Any]) -> None:
     row["peak_err_pct"] = _error_pct(row["predicted_peak_gib"], row["measured_peak_gib"])
     row["alloc_err_pct"] = _error_pct(row["predicted_allocated_gib"], row["measured_allocated_gib"])
     row["step_err_pct"] = _error_pct(row["predicted_step_s"], row["step_s_median"])
+
+
+# The plan's predicted step, term by term (``cost.predict_step_time``'s breakdown): compute and
+# recompute, then the stalls each resource adds on top; with labels for the report.
+PREDICTED_TERMS = (
+    ("fwd_compute_s", "fwd compute"),
+    ("bwd_compute_s", "bwd compute"),
+    ("recompute_s", "recompute"),
+    ("h2d_stall_s", "H2D stall"),
+    ("d2h_stall_s", "D2H stall"),
+    ("cpu_optim_stall_s", "CPU-update stall"),
+    ("other_s", "other"),
+)
+
+
+def _predicted_step_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Where each planned run's predicted step goes, next to its measured step."""
+    lines = []
+    for row in rows:
+        terms = row.get("predicted_terms") or {}
+        if row.get("predicted_step_s") is None or not any(v is not None for v in terms.values()):
+            continue
+        parts = [f"{label} {terms[key] * 1e3:.0f}" for key, label in PREDICTED_TERMS if terms[key]]
+        measured = _fmt(row.get("step_s_median"), ".0f", 1e3)
+        lines.append(
+            f"- {row['workload']} / {row['cap']} / {row['peer_label']}: predicted"
+            f" {row['predicted_step_s'] * 1e3:.0f} ms ({', '.join(parts)}); measured {measured} ms"
+        )
+    if not lines:
+        return []
+    return ["", "Where the predicted step goes (ms; stalls are time beyond compute):", *lines]
 
 
 # Issue 13's targets for the planned runs: |peak error| and |step-time error| at most these.
@@ -261,6 +296,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             for r in scaled
         ]
     lines += _prediction_notes(rows)
+    lines += _predicted_step_lines(rows)
     if notes:
         lines += ["", "Notes:", *notes]
     return "\n".join(lines)

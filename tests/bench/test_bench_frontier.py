@@ -216,3 +216,24 @@ def test_from_json_keeps_one_workload_at_two_shapes_apart(tmp_path: Path) -> Non
     assert len(names) == 2 and all("seq8192" in n or "seq16384" in n for n in names)
     same_name = report.build_payload_from_files([parts[0], parts[0]])
     assert {r["workload"] for r in same_name["summary"]} == {runs[0]["workload"]}
+
+
+def test_the_report_says_where_the_predicted_step_goes() -> None:
+    terms = {
+        "fwd_compute_s": 0.2,
+        "bwd_compute_s": 0.4,
+        "recompute_s": 0.15,
+        "h2d_stall_s": 0.05,
+        "d2h_stall_s": 0.0,
+        "cpu_optim_stall_s": 0.1,
+        "other_s": 0.01,
+    }
+    run = planned_run(12.0, 0)
+    run.update(predicted_step_s=0.91, step_s_median=1.0, predicted_breakdown=terms)
+    older = {**planned_run(16.0, 1), "predicted_breakdown": None}  # a JSON from before
+    text = report.format_table(report.summarise([run, older]))
+    lines = text.split("Where the predicted step goes")[1].splitlines()[1:]
+    assert lines == [
+        "- w / 12GiB / autooffload: predicted 910 ms (fwd compute 200, bwd compute 400,"
+        " recompute 150, H2D stall 50, CPU-update stall 100, other 10); measured 1000 ms"
+    ], lines
