@@ -82,13 +82,15 @@ class Plan:
                 f"{_block_ranges(self.block_policies, 'swap')}"
             )
         if self.predicted_peak_bytes is not None:
-            budget = "unbounded" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.2f}"
+            budget = (
+                "unbounded" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.2f} GiB"
+            )
             streamed = self.breakdown.get("mem_buffers_max")
             in_flight = (
                 f" (streamed chunks: up to {streamed / GiB:.2f} GiB at once)" if streamed else ""
             )
             lines.append(
-                f"  predicted peak {self.predicted_peak_bytes / GiB:.2f} GiB vs budget {budget} GiB"
+                f"  predicted peak {self.predicted_peak_bytes / GiB:.2f} GiB vs budget {budget}"
                 + in_flight
             )
         if self.predicted_step_s is not None:
