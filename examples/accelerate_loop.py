@@ -20,43 +20,15 @@ import tempfile
 from pathlib import Path
 
 import torch
+from _shared import CHAT_SIZES, chat_model, dump_logits
 from accelerate import Accelerator
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, get_scheduler
+from transformers import AutoTokenizer, get_scheduler
 
 import autooffload
 
 autooffload.enable()
 
 REPO = Path(__file__).resolve().parents[1]
-SIZES = {
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    # TinyLlama-1.1B (with the tokenizer's vocabulary)
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    ),
-    # Llama-3.2-3B (with the tokenizer's vocabulary)
-    "3b": dict(
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=28,
-        num_attention_heads=24,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-    ),
-}
 
 
 class Progress:
@@ -84,19 +56,9 @@ def collate(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def dump_logits(model: torch.nn.Module, input_ids: list[int], path: str) -> None:
-    """Save the model's logits on one fixed sequence (under bf16 autocast on a GPU, as every
-    example does), to compare with a plain model loaded from the saved checkpoint."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    ids = torch.tensor([input_ids], device=device)
-    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-        logits = model(input_ids=ids).logits
-    torch.save({"input_ids": ids.cpu(), "logits": logits.float().cpu()}, path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--size", choices=sorted(CHAT_SIZES), default="tiny")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps in all")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--grad-accum", type=int, default=2)
@@ -130,17 +92,7 @@ def main() -> None:
         collate_fn=lambda batch: collate(batch, tokenizer.pad_token_id),
     )
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=2048,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **SIZES[args.size],
-    )
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.bfloat16 if use_cuda else torch.float32
-    )
+    model = chat_model(tokenizer, args.size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = get_scheduler(
         "linear", optimizer, num_warmup_steps=0, num_training_steps=args.steps

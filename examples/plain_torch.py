@@ -13,57 +13,23 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _shared import CHAT_SIZES, dump_logits
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import autooffload
 
 autooffload.enable()
 
+# The chat examples' shapes with their own vocabularies (TinyLlama's, Llama 3's): no tokenizer
+# here, random token ids.
 SIZES = {
-    "tiny": dict(
-        vocab_size=1024,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    ),
-    # TinyLlama-1.1B
-    "1b": dict(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    ),
-    # Llama-3.2-3B
-    "3b": dict(
-        vocab_size=128256,
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=28,
-        num_attention_heads=24,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    ),
+    name: {**CHAT_SIZES[name], **extra}
+    for name, extra in {
+        "tiny": dict(vocab_size=1024, max_position_embeddings=512),
+        "1b": dict(vocab_size=32000, max_position_embeddings=2048),
+        "3b": dict(vocab_size=128256, max_position_embeddings=8192),
+    }.items()
 }
-
-
-def dump_logits(model: torch.nn.Module, input_ids: list[int], path: str) -> None:
-    """Save the model's logits on one fixed sequence (under bf16 autocast on a GPU, as every
-    example does), to compare with a plain model loaded from the saved checkpoint."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    ids = torch.tensor([input_ids], device=device)
-    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-        logits = model(input_ids=ids).logits
-    torch.save({"input_ids": ids.cpu(), "logits": logits.float().cpu()}, path)
 
 
 def main() -> None:

@@ -14,9 +14,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
+from sft_runs import assert_last_checkpoint_reloads, cpu_sft_config
 from test_examples import run, trainer_losses
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-from trl import SFTConfig, SFTTrainer
+from trl import SFTTrainer
 
 import autooffload
 from autooffload import runtime as rt
@@ -71,24 +72,7 @@ def test_sft_trainer_learns_attached_and_its_checkpoint_reloads_into_a_plain_mod
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
-    args = SFTConfig(
-        output_dir=str(tmp_path),
-        max_steps=SFT_STEPS,
-        per_device_train_batch_size=8,
-        learning_rate=3e-3,
-        max_grad_norm=1.0,
-        max_length=128,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=3,
-        report_to=[],
-        use_cpu=True,
-        # TRL defaults to bf16, which autocasts the forward even on CPU: fp32 keeps the logits
-        # of the trained model comparable bit for bit with a plain model's.
-        bf16=False,
-        seed=0,
-        disable_tqdm=True,
-    )
+    args = cpu_sft_config(tmp_path, SFT_STEPS, per_device_train_batch_size=8, max_length=128)
     trainer = SFTTrainer(
         model=LlamaForCausalLM(config),
         args=args,
@@ -108,23 +92,7 @@ def test_sft_trainer_learns_attached_and_its_checkpoint_reloads_into_a_plain_mod
     assert losses[-1] < losses[0] - 0.2, losses
 
     ids = tokenizer("What is the capital of France?", return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        attached_logits = model(input_ids=ids).logits
-    attached_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    autooffload.disable()
-    checkpoint = tmp_path / f"checkpoint-{SFT_STEPS}"
-    assert (tmp_path / "checkpoint-3").is_dir() and checkpoint.is_dir()
-    plain = LlamaForCausalLM.from_pretrained(checkpoint)
-    assert rt.runtime_of(plain) is None
-    plain_weights = plain.state_dict()
-    assert plain_weights.keys() == attached_weights.keys()
-    for name, value in attached_weights.items():
-        assert torch.equal(plain_weights[name], value), name
-    with torch.no_grad():
-        plain_logits = plain(input_ids=ids).logits
-    # The same weights through the same kernels: identical logits.
-    torch.testing.assert_close(plain_logits, attached_logits, rtol=0, atol=0)
+    assert_last_checkpoint_reloads(model, tmp_path, SFT_STEPS, LlamaForCausalLM, {"input_ids": ids})
 
 
 def test_trl_sft_example_through_the_launcher_attached_in_cpu_simulation() -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 from PIL import Image
+from sft_runs import assert_last_checkpoint_reloads, cpu_sft_config
 from tokenizer_data import tokenizer_dir
 from transformers import (
     AutoTokenizer,
@@ -20,7 +21,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 from transformers.models.gemma3 import Gemma3ImageProcessorPil, Gemma3Processor
-from trl import SFTConfig, SFTTrainer
+from trl import SFTTrainer
 
 import autooffload
 from autooffload import runtime as rt
@@ -152,23 +153,7 @@ def test_sft_trainer_trains_a_vision_language_model_attached_and_its_checkpoint_
     model = tiny_gemma3(tokenizer)
     initial_tower = {k: v.clone() for k, v in model.model.vision_tower.state_dict().items()}
     rows = [conversation(colour) for colour in COLOURS]
-    args = SFTConfig(
-        output_dir=str(tmp_path),
-        max_steps=SFT_STEPS,
-        per_device_train_batch_size=len(rows),
-        learning_rate=3e-3,
-        max_grad_norm=1.0,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=3,
-        report_to=[],
-        use_cpu=True,
-        # TRL defaults to bf16, which autocasts the forward even on CPU: fp32 keeps the logits
-        # of the trained model comparable bit for bit with a plain model's.
-        bf16=False,
-        seed=0,
-        disable_tqdm=True,
-    )
+    args = cpu_sft_config(tmp_path, SFT_STEPS, per_device_train_batch_size=len(rows))
     trainer = SFTTrainer(
         model=model,
         args=args,
@@ -220,24 +205,9 @@ def test_sft_trainer_trains_a_vision_language_model_attached_and_its_checkpoint_
     assert any(not torch.equal(trained_tower[k], v) for k, v in initial_tower.items())
 
     inputs = probe_inputs(processor)
-    model.eval()
-    with torch.no_grad():
-        attached_logits = model(**inputs).logits
-    attached_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    autooffload.disable()
-    checkpoint = tmp_path / f"checkpoint-{SFT_STEPS}"
-    assert (tmp_path / "checkpoint-3").is_dir() and checkpoint.is_dir()
-    plain = Gemma3ForConditionalGeneration.from_pretrained(checkpoint)
-    assert rt.runtime_of(plain) is None
-    plain_weights = plain.state_dict()
-    assert plain_weights.keys() == attached_weights.keys()
-    for name, value in attached_weights.items():
-        assert torch.equal(plain_weights[name], value), name
-    with torch.no_grad():
-        plain_logits = plain(**inputs).logits
-    # The same fp32 weights through the same kernels: identical logits (rtol = atol = 0).
-    torch.testing.assert_close(plain_logits, attached_logits, rtol=0, atol=0)
+    plain, plain_logits = assert_last_checkpoint_reloads(
+        model, tmp_path, SFT_STEPS, Gemma3ForConditionalGeneration, inputs
+    )
     # ... and the image is part of what they compare: another image gives other logits.
     with torch.no_grad():
         blank = plain(**{**inputs, "pixel_values": torch.zeros_like(inputs["pixel_values"])})
