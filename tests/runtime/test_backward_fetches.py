@@ -153,3 +153,22 @@ def test_a_profiling_step_does_not_keep_the_head():
         steps.append((profiling, bool(post & set(copies["backward"]))))
     assert steps[0] == (True, True), steps
     assert steps[-1] == (False, False), steps
+
+
+def test_the_profile_marks_the_frozen_embedding_no_backward_reads():
+    # The planner costs what the runtime does: the profiled chunk of the frozen embedding has
+    # backward=False (no backward gather, not in the backward prefetch queue); block chunks not.
+    enable_cpu(chunk_size=8_000)  # searched plan: the profiling steps build the profile
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = get_peft_model(tiny_llama(tied=False), config)
+    model.enable_input_require_grads()
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for ids in batches(3):
+        _step(model, ids, optimizer)
+    assert runtime.profile is not None
+    embedding = _chunks_of(runtime, "embed_tokens")
+    flags = [chunk.backward for chunk in runtime.profile.chunks]
+    assert embedding and not any(flags[i] for i in embedding), flags
+    assert all(flags[i] for i in range(len(flags)) if i not in embedding), flags
