@@ -160,7 +160,8 @@ class AutoOffloadTrainee(Trainee):
     def report(self, timed_steps: int) -> dict[str, Any]:
         import autooffload
 
-        out: dict[str, Any] = {"attached": _safe(lambda: _runtime_of(self.model) is not None)}
+        runtime = _safe(lambda: _runtime_of(self.model))
+        out: dict[str, Any] = {"attached": runtime is not None}
         plan = _safe(lambda: autooffload.last_plan())
         out["plan_summary"] = _safe(plan.summary) if plan is not None else None
         out["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
@@ -174,16 +175,14 @@ class AutoOffloadTrainee(Trainee):
         # The plan's predicted breakdown (times, stalls, memory terms), and what the model ran
         # on: re-running ``plan.cost`` on these offline shows where a prediction went wrong.
         out["predicted_breakdown"] = dict(getattr(plan, "breakdown", None) or {}) or None
-        runtime = _safe(lambda: _runtime_of(self.model))
         out["model_profile"] = _safe(lambda: _planned_profile(runtime, plan).to_dict())
         out["hardware"] = _safe(lambda: runtime.search_request.hw.to_dict())
-        out["expandable_segments"] = _safe(lambda: _runtime_of(self.model).expandable_segments)
-        out["profiling_peak_bytes"] = _safe(lambda: _runtime_of(self.model).profiling_peak_bytes)
+        out["expandable_segments"] = getattr(runtime, "expandable_segments", None)
+        out["profiling_peak_bytes"] = getattr(runtime, "profiling_peak_bytes", None)
         stats = self._stats()
         out["stats"] = stats
         out["breakdown"] = _per_step_breakdown(self.stats_at_start, stats, timed_steps)
         try:
-            runtime = _runtime_of(self.model)
             out["candidates"] = candidates_of(runtime, plan, self.tokens_per_step)
         except Exception as exc:  # the run's numbers stay valid without the summary
             out["candidates"] = {"error": f"{type(exc).__name__}: {exc}"}

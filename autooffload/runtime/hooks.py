@@ -172,9 +172,13 @@ class GroupHooks:
     def _post_forward(self, group: Group, output: object) -> None:
         if in_backward():
             return
-        backward = torch.is_grad_enabled() and self._register_backward(group, output)
+        backward = False
         if torch.is_grad_enabled():
-            (self.backward_free.discard if backward else self.backward_free.add)(group.index)
+            backward = self._register_backward(group, output)
+            if backward:
+                self.backward_free.discard(group.index)
+            else:
+                self.backward_free.add(group.index)
         if isinstance(self.profiler, StepProfiler):
             self.profiler.on_post_forward(group)
         if group.index in self._active:
