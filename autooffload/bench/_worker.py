@@ -109,6 +109,11 @@ def _train(
     warmup, steps = spec["warmup"], spec["steps"]
     step_s: list[float] = []
     losses: list[float] = []
+    # The allocator's retries per step (it freed its cache and synchronised to fit a request).
+    retries = (
+        (lambda: torch.cuda.memory_stats().get("num_alloc_retries", 0)) if cuda else (lambda: 0)
+    )
+    step_retries: list[int] = []
     for index in range(warmup + steps):
         result["_step_index"] = index  # where a failure happened (0-based, warm-up included)
         if index == warmup:
@@ -118,11 +123,13 @@ def _train(
                 result["_peaks_before_timing"] = _cuda_peaks()
                 torch.cuda.reset_peak_memory_stats()
         sync()
+        before = retries()
         start = time.perf_counter()
         batch = {k: v.to(device) for k, v in batch_cpu.items()}
         loss = trainee.step(batch)
         sync()
         step_s.append(time.perf_counter() - start)
+        step_retries.append(retries() - before)
         losses.append(float(loss))
     timed = step_s[warmup:]
     median = statistics.median(timed)
@@ -132,6 +139,7 @@ def _train(
         result["peak_timed_allocated_gib"], result["peak_timed_reserved_gib"] = _cuda_peaks()
     return {
         "step_s": step_s,
+        "step_alloc_retries": step_retries,
         "losses": losses,
         "step_s_median": median,
         # Every rank trains its own batch of the workload's shape: global throughput.

@@ -227,3 +227,30 @@ def test_disable_leaves_no_pinned_memory_or_threads():
     assert all(p.is_cuda and not p.is_pinned() for p in second.parameters())
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
     assert second(input_ids=ids, labels=ids).loss.isfinite()
+
+
+# ---- allocator pools ----------------------------------------------------------------------
+
+
+def test_streamed_chunks_share_the_compute_streams_pool():
+    """Chunk storage comes from the compute stream's pool, never from the copy stream's: memory
+    freed in one stream's pool cannot serve the other until the cache is emptied, so two pools
+    would hold the sum of their peaks and, under a cap, force an empty-and-synchronise retry."""
+    model = tiny_bf16_llama(tied=False)
+    autooffload.enable(force_attach=True, chunk_size=1 << 20, n_persist=0, mask=False)
+    model.to("cuda")
+    runtime = rt.runtime_of(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    torch.cuda.empty_cache()
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.cuda.synchronize()
+    assert runtime.manager.stats["h2d_bytes"] > 0, "nothing was streamed: the check is moot"
+    copy_stream = runtime.manager.h2d_stream.cuda_stream
+    segments = torch.cuda.memory_snapshot()
+    assert segments, "the allocator reported no segment"
+    on_copy_stream = [s["total_size"] for s in segments if s["stream"] == copy_stream]
+    assert not on_copy_stream, f"{sum(on_copy_stream)} bytes reserved in the copy stream's pool"
