@@ -132,6 +132,10 @@ class GroupHooks:
         if not stale_backward and not stray:
             return
         self._kept.clear()
+        if self.manager.is_cuda:
+            # No copy may still be writing memory that the clean-up below frees (and an OOM
+            # retry's empty_cache unmaps); an interruption is rare, the wait is cheap.
+            torch.cuda.synchronize(self.device)
         if stale_backward:
             logger.debug("a backward pass was interrupted; offloading its partial gradients")
             for index in range(len(self.layout.chunks)):
@@ -140,6 +144,8 @@ class GroupHooks:
             self._trace = []
         self._active.clear()
         self.manager.release_all()
+        if self.swapper is not None:
+            self.swapper.forget()
         if self.data_parallel is not None:
             self.data_parallel.discard()
 

@@ -231,6 +231,9 @@ class OomRetry:
             raise self._error("again after the retry", message)
         runtime._trace = []
         runtime.recover_interrupted()
+        if runtime.swapper is not None:
+            # Even when no chunk was left resident (an OOM in the loss, after the last block).
+            runtime.swapper.forget()
         if runtime.data_parallel is not None:
             # One rank re-planning alone would issue other collectives than the rest: hang.
             raise self._error(

@@ -224,6 +224,21 @@ class ActivationSwapper:
             event, _ = self._in_flight.pop(index)
             torch.cuda.current_stream(self.device).wait_event(event)
 
+    def forget(self) -> None:
+        """After an interrupted forward or backward: drop the index of swapped tensors.
+
+        A forward cut short by an exception leaves its partial graph, and so its swapped
+        tensors, alive as long as the traceback is: an OOM retry runs inside the handler. Left
+        indexed, the next backward would prefetch them beside its own (512 MiB per attention
+        matrix in the OOM test on a GPU). A graph still alive unpacks its tensors on demand.
+        """
+        self.release_in_flight()
+        self._records.clear()
+        self._saved.clear()
+        self._in_backward = False
+        self._last_forward_index = -1
+        self._unpacking_index = None
+
     def prefetch(self, block_index: int) -> None:
         """Start bringing block ``block_index``'s swapped tensors back (no-op if none)."""
         self._enter_backward()
@@ -330,6 +345,9 @@ class ActivationSwapper:
             self.h2d_stream.wait_event(record.d2h_event)
             with torch.cuda.stream(self.h2d_stream):
                 device_copy.copy_(record.host, non_blocking=True)
+            # A backward cut short never waits for this copy: its memory must not be reused,
+            # nor unmapped by an empty_cache (an illegal address), before the copy is done.
+            device_copy.record_stream(self.h2d_stream)
             record.h2d_event = self.h2d_stream.record_event()
             record.buffer.ready = record.h2d_event
             record.device_copy = device_copy

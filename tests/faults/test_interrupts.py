@@ -199,3 +199,27 @@ def test_disable_frees_the_host_store_without_waiting_for_gc(where, kind):
         assert all(ref.expired() for ref in stores), "host store alive after disable()"
     finally:
         gc.enable()
+
+
+def test_a_failed_forwards_swapped_tensors_are_not_brought_back_by_the_next_backward():
+    """The partial graph of a forward that raised lives on in the traceback (an OOM retry runs
+    inside the handler); the next backward brings back its own swapped tensors only."""
+    model = tiny_llama()
+    enable_cpu(n_persist=1, activation_mode="swap")
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    swapper = runtime.swapper
+    swapper.min_swap_bytes = 0  # the tiny model's activations are all small
+    fault = Fault(model.model.layers[2].mlp, "forward", Boom)
+    ids = batches(1)[0]
+    fault.armed = True
+    try:
+        model(input_ids=ids, labels=ids)
+    except Boom as error:
+        failed = error  # keeps the traceback, and with it the partial graph, alive
+    swapper.reset_stats()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert failed.__traceback__ is not None
+    counters = swapper.stats()
+    assert counters["d2h_bytes"] > 0, "nothing was swapped: the check is moot"
+    assert counters["h2d_bytes"] == counters["d2h_bytes"], counters
