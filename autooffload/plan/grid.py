@@ -117,8 +117,8 @@ def search_layout(
     grads = tables.offload_grad_bytes[persist]
     if not profile.grad_accumulation:
         grads = grads + tables.persist_grad_bytes[persist]
-    # Two allocator pools (``cost.peak_breakdown``): the chunk buffers' peak over the step, and
-    # the compute stream's (activations, plus the gradients in the backward).
+    # ``cost.peak_breakdown``'s ``pooled``: the chunk buffers' peak over the step, plus the rest's
+    # (activations, plus the gradients in the backward).
     chunk_pool = np.maximum((live + fwd_window).max(-1), (live + bwd_window).max(-1))
     fwd_extra = np.zeros((1, 1, n_units), dtype=np.int64)
     bwd_extra = grads[:, None, :]
