@@ -15,6 +15,9 @@ from autooffload.errors import SettingsError
 
 BOUNDARY_KEYS = ("role", "start", "end", "include_start", "include_end")
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
+# ``Settings.chunk_pool``: the CUDA stream whose allocator pool holds chunk storage
+# (runtime/manager.py).
+CHUNK_POOLS = ("compute", "copy")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _AUTO = ("auto", "none")

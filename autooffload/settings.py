@@ -12,6 +12,7 @@ from typing import Any
 from autooffload.errors import SettingsError
 from autooffload.plan.types import CHECKPOINT_INPUTS
 from autooffload.setting_values import (
+    CHUNK_POOLS,
     check_roles,
     enum_of,
     parse_bool,
@@ -99,6 +100,12 @@ class Settings:
             unless ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` sets
             ``expandable_segments`` (then the user's value stands); ``False``: leave the
             allocator alone. The planner's fragmentation prior follows (1.03 vs 1.10).
+        chunk_pool: Which CUDA stream's allocator pool holds the streamed chunks' device
+            storage: ``compute`` (default; one pool with the activations, a freed buffer is
+            reused at once and the copy waits for the compute queued before it) or ``copy``
+            (the copy stream's own pool, as before 2026-11-23: copies start without waiting, but
+            under a tight cap the two pools' peaks add up and the allocator empties its cache;
+            see docs/planner.md, "Pools").
         chunked_loss: Compute transformers' causal-LM loss (``ForCausalLMLoss``, what every HF
             ``*ForCausalLM`` uses when given ``labels``) over chunks of rows, upcasting one chunk
             at a time instead of copying all the logits to fp32: same loss and gradients (fp32
@@ -214,6 +221,12 @@ class Settings:
         parse_optional_bool,
         "CUDA allocator expandable segments while attached; auto = on unless"
         " PYTORCH_CUDA_ALLOC_CONF sets them",
+    )
+    chunk_pool: str = _knob(
+        "compute",
+        "AUTOOFFLOAD_CHUNK_POOL",
+        enum_of(CHUNK_POOLS),
+        "compute or copy: the stream whose allocator pool holds streamed chunks",
     )
     chunked_loss: bool = _knob(
         True,

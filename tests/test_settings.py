@@ -113,6 +113,14 @@ def test_bool_env_values(monkeypatch, text, expected):
     assert Settings.from_env().mask is expected
 
 
+def test_chunk_pool_is_compute_or_copy(monkeypatch):
+    assert Settings.from_env().chunk_pool == "compute"
+    monkeypatch.setenv("AUTOOFFLOAD_CHUNK_POOL", "copy")
+    assert Settings.from_env().chunk_pool == "copy"
+    monkeypatch.setenv("AUTOOFFLOAD_CHUNK_POOL", "h2d")
+    expect_error(["AUTOOFFLOAD_CHUNK_POOL", "'h2d'", "compute", "copy"])
+
+
 @pytest.mark.parametrize(
     ("text", "expected"), [("auto", None), ("AUTO", None), ("1", True), ("off", False)]
 )

@@ -11,7 +11,8 @@ its ``ready`` event, which the compute stream waits on before the chunk's block 
 CPU optimizer thread waits on.
 
 A chunk's device storage is allocated on the compute stream, not on the copy stream, and the
-copy stream waits for the compute work queued before the allocation. The caching allocator keeps
+copy stream waits for the compute work queued before the allocation (``chunk_pool="compute"``,
+the default; ``"copy"`` keeps the older behaviour, for comparison). The caching allocator keeps
 one pool per stream (one expandable segment each), and memory freed in one pool cannot serve
 another until the cache is emptied: with chunks in the copy stream's pool and activations in the
 compute stream's, the reserved total was the sum of the two pools' peaks, not the peak of their
@@ -68,8 +69,10 @@ class ChunkManager:
         n_buffer: int,
         pin_memory: bool,
         sharding: Sharding | None = None,
+        chunk_pool: str = "compute",
     ) -> None:
         self.layout = layout
+        self.chunk_pool = chunk_pool
         self.chunks = layout.chunks
         self.device = device
         self.is_cuda = device.type == "cuda"
@@ -257,11 +260,14 @@ class ChunkManager:
         if local:
             self._wait(self.host_busy, index)
         if self.is_cuda:
-            # Allocated in the compute stream's pool (see the module docstring): the copy may
-            # write only once the compute queued so far is done with whatever memory it reuses.
-            flat.untyped_storage().resize_(chunk.nbytes)
-            self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+            if self.chunk_pool == "compute":
+                # Allocated in the compute stream's pool (see the module docstring): the copy
+                # may write only once the compute queued so far is done with the memory.
+                flat.untyped_storage().resize_(chunk.nbytes)
+                self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.h2d_stream):
+                if self.chunk_pool == "copy":
+                    flat.untyped_storage().resize_(chunk.nbytes)
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self.h2d_stream)
                 if local:
@@ -323,13 +329,16 @@ class ChunkManager:
         flat = self.gpu_flat[index]
         if self.is_cuda:
             current = torch.cuda.current_stream(self.device)
-            if self.state[index] == Residency.IN_FLIGHT and self.ready_events[index] is not None:
+            in_flight = self.state[index] == Residency.IN_FLIGHT
+            if in_flight and self.ready_events[index] is not None and self.chunk_pool == "compute":
                 # Freed into the compute stream's pool: work queued next there may reuse the
                 # memory, so it waits for the copy still writing it.
                 current.wait_event(self.ready_events[index])
-            # A no-op on the stream that allocated it (the compute stream); another stream's
-            # use (a user's side stream) delays reuse until that stream is done.
-            flat.record_stream(current)
+            if not in_flight:
+                # A no-op on the stream that allocated it (the compute stream's pool); from the
+                # copy stream's pool, or after a user's side stream read it, reuse waits until
+                # the compute that read it is done.
+                flat.record_stream(current)
         flat.untyped_storage().resize_(0)
         self.ready_events[index] = None
         self.state[index] = Residency.HOST

@@ -97,6 +97,7 @@ class Runtime(GroupHooks):
             n_buffer=self.plan.n_buffer,
             pin_memory=True,
             sharding=Sharding.create(settings, self.data_parallel, self.layout),
+            chunk_pool=settings.chunk_pool,
         )
         self.manager.data_parallel = self.data_parallel
         self.manager.adopt_params()

@@ -232,12 +232,16 @@ def test_disable_leaves_no_pinned_memory_or_threads():
 # ---- allocator pools ----------------------------------------------------------------------
 
 
-def test_streamed_chunks_share_the_compute_streams_pool():
-    """Chunk storage comes from the compute stream's pool, never from the copy stream's: memory
-    freed in one stream's pool cannot serve the other until the cache is emptied, so two pools
-    would hold the sum of their peaks and, under a cap, force an empty-and-synchronise retry."""
+@pytest.mark.parametrize("pool", ["compute", "copy"])
+def test_streamed_chunks_come_from_the_chosen_streams_pool(pool):
+    """By default chunk storage comes from the compute stream's pool, never from the copy
+    stream's: memory freed in one stream's pool cannot serve the other until the cache is
+    emptied, so two pools would hold the sum of their peaks and, under a cap, force an
+    empty-and-synchronise retry. ``chunk_pool="copy"`` keeps the older behaviour."""
     model = tiny_bf16_llama(tied=False)
-    autooffload.enable(force_attach=True, chunk_size=1 << 20, n_persist=0, mask=False)
+    autooffload.enable(
+        force_attach=True, chunk_size=1 << 20, n_persist=0, mask=False, chunk_pool=pool
+    )
     model.to("cuda")
     runtime = rt.runtime_of(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -252,5 +256,9 @@ def test_streamed_chunks_share_the_compute_streams_pool():
     copy_stream = runtime.manager.h2d_stream.cuda_stream
     segments = torch.cuda.memory_snapshot()
     assert segments, "the allocator reported no segment"
-    on_copy_stream = [s["total_size"] for s in segments if s["stream"] == copy_stream]
-    assert not on_copy_stream, f"{sum(on_copy_stream)} bytes reserved in the copy stream's pool"
+    on_copy_stream = sum(s["total_size"] for s in segments if s["stream"] == copy_stream)
+    if pool == "compute":
+        assert on_copy_stream == 0, f"{on_copy_stream} bytes reserved in the copy stream's pool"
+    else:
+        largest = max(chunk.nbytes for chunk in runtime.layout.chunks)
+        assert on_copy_stream >= largest, "chunks did not come from the copy stream's pool"
