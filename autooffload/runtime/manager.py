@@ -19,8 +19,10 @@ compute stream's, the reserved total was the sum of the two pools' peaks, not th
 sum, and under a tight cap the allocator emptied its cache (a device synchronisation and a
 remap) several times per step: 3.4 per step at 8B LoRA under 8 GiB. In one pool, a chunk freed
 after its block is reused at once by the next chunk or by activations, in stream order, with no
-``record_stream`` delay. The wait costs no overlap: a prefetch is queued before the block it
-overlaps, so it waits only for the blocks before that one, whose buffers it reuses anyway.
+``record_stream`` delay. In steady state the wait should cost no overlap (a prefetch is queued
+before the block it overlaps, so it waits only for the blocks before that one, whose buffers it
+reuses anyway), but an earlier one-pool experiment measured 13-21% slower steps for full
+fine-tuning and Qwen2-VL LoRA, not re-measured since (docs/planner.md, "Pools").
 """
 
 from __future__ import annotations
