@@ -122,10 +122,20 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             k: _median([(r.get("predicted_breakdown") or {}).get(k) for r in ok])
             for k, _ in PREDICTED_TERMS
         }
+        row["timed_alloc_retries"] = _median([_timed_retries(r) for r in ok])
         row["nproc"] = max([r.get("nproc") or 1 for r in runs])
         rows.append(row)
     _scaling(rows)
     return rows
+
+
+def _timed_retries(run: dict[str, Any]) -> int | None:
+    """The allocator's retries (cache emptied and device synchronised to fit a request) in the
+    timed steps; None for runs recorded before the bench counted them."""
+    per_step = run.get("step_alloc_retries")
+    if per_step is None:
+        return None
+    return sum(per_step[run.get("warmup", 0) :])
 
 
 def _error_pct(predicted: float | None, measured: float | None) -> float | None:
@@ -205,6 +215,15 @@ def _prediction_notes(rows: list[dict[str, Any]]) -> list[str]:
             inside = sum(abs(r[key]) <= target for r in known)
             line += f"; within +-{target:g}%: {inside} of {len(known)}"
         lines.append(line)
+    retried = [r for r in rows if r.get("timed_alloc_retries")]
+    if retried:
+        lines.append(
+            "- allocator retries in the timed steps (each empties the cache and synchronises): "
+            + "; ".join(
+                f"{r['workload']} / {r['cap']} / {r['peer_label']}: {r['timed_alloc_retries']:g}"
+                for r in retried
+            )
+        )
     failed = [r for r in planned if r["status"] not in ("ok", "skipped")]
     lines.append(
         f"- failed runs (OOM, nothing fits, errors): {len(failed)} of {len(planned)}"

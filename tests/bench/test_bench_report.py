@@ -127,3 +127,19 @@ def test_sweep_and_bar_plots_are_pngs(tmp_path: Path) -> None:
     report.plot([r for r in rows if r["cap"] == "8GiB"], bars)
     for path in (sweep, bars):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timed_allocator_retries_are_summed_past_the_warm_up_and_reported() -> None:
+    retried = _ok("autooffload", "8GiB", 600.0, 7.9, 10.0, 8.0)
+    retried.update(warmup=2, step_alloc_retries=[5, 4, 1, 0, 2])
+    clean = _ok("autooffload[chunk_pool=copy]", "8GiB", 500.0, 7.9, 10.0, 8.0)
+    clean.update(warmup=2, step_alloc_retries=[3, 0, 0, 0, 0])
+    old = _ok("vanilla", "none", 1000.0, 20.0, 10.0, 8.0)  # recorded before the count existed
+    rows = report.summarise([old, retried, clean])
+    by_label = {row["peer_label"]: row for row in rows}
+    assert by_label["autooffload"]["timed_alloc_retries"] == 3
+    assert by_label["autooffload[chunk_pool=copy]"]["timed_alloc_retries"] == 0
+    assert by_label["vanilla"]["timed_alloc_retries"] is None
+    lines = [line for line in report.format_table(rows).splitlines() if "allocator" in line]
+    assert len(lines) == 1 and "w / 8GiB / autooffload: 3" in lines[0], lines
+    assert "chunk_pool=copy" not in lines[0]
