@@ -280,8 +280,20 @@ class DistributedTrainee(Trainee):
 
 
 def _setup_fsdp2(ctx: PeerContext) -> Trainee:
-    if ctx.workload.mode == "qlora":
-        raise PeerUnavailable("FSDP2 cannot shard bitsandbytes 4-bit (Params4bit) weights")
+    """FSDP2-offload tuned: the CPU optimizer is torch's fused AdamW (~5 Gparam/s on 16 cores)."""
+    return _fsdp2_trainee(ctx, fused=True)
+
+
+def _setup_fsdp2_default(ctx: PeerContext) -> Trainee:
+    """FSDP2-offload as a script writes it: ``AdamW(params, lr=...)``. Torch picks neither fused
+    nor foreach for CPU DTensor params, so the update is the per-param for-loop."""
+    return _fsdp2_trainee(ctx, fused=None)
+
+
+def _fsdp2_trainee(ctx: PeerContext, fused: bool | None) -> Trainee:
+    reason = _fsdp2_unavailable(ctx.workload, ctx.device)
+    if reason:
+        raise PeerUnavailable(reason)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -305,9 +317,13 @@ def _setup_fsdp2(ctx: PeerContext) -> Trainee:
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
-    # Sharded params live on the CPU, so the optimizer runs there (fused CPU AdamW).
-    trainee = DistributedTrainee(model, _adamw(model, ctx, fused=True))
-    return trainee
+    # Sharded params live on the CPU, so the optimizer runs there.
+    if fused:
+        optimizer = _adamw(model, ctx, fused=True)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=ctx.workload.lr, weight_decay=0.0)
+    return DistributedTrainee(model, optimizer)
 
 
 # --- DeepSpeed ZeRO-3 with param + optimizer offload -------------------------------------------
@@ -380,6 +396,12 @@ def _setup_crash(ctx: PeerContext) -> Trainee:
     os._exit(7)
 
 
+def _fsdp2_unavailable(workload: Workload, device: str) -> str | None:
+    if workload.mode == "qlora":
+        return "FSDP2 cannot shard bitsandbytes 4-bit (Params4bit) weights"
+    return None
+
+
 @dataclass(frozen=True)
 class PeerDef:
     """A peer: its setup function, a pre-flight availability check, and a one-line description."""
@@ -395,12 +417,15 @@ PEERS: dict[str, PeerDef] = {
     "vanilla": PeerDef(_setup_vanilla, "plain PyTorch/HF/PEFT: model.to(device), fused AdamW"),
     "fsdp2_offload": PeerDef(
         _setup_fsdp2,
-        "FSDP2 fully_shard per block + root, CPUOffloadPolicy(pin_memory=True), 1 GPU",
-        unavailable=lambda w, d: (
-            "FSDP2 cannot shard bitsandbytes 4-bit (Params4bit) weights"
-            if w.mode == "qlora"
-            else None
-        ),
+        "FSDP2 fully_shard per block + root, CPUOffloadPolicy(pin_memory=True), 1 GPU,"
+        " fused CPU AdamW",
+        unavailable=_fsdp2_unavailable,
+    ),
+    "fsdp2_offload_default": PeerDef(
+        _setup_fsdp2_default,
+        "fsdp2_offload with AdamW(params, lr) at torch's defaults, as a script writes it"
+        " (the per-param for-loop on CPU)",
+        unavailable=_fsdp2_unavailable,
     ),
     "deepspeed_offload": PeerDef(
         _setup_deepspeed,
