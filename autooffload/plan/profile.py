@@ -10,6 +10,8 @@ After the step, one block of each block class is re-run once with its activation
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,6 +39,30 @@ def _tensor_bytes(values: Any) -> int:
             seen.add(t.untyped_storage().data_ptr())
             total += t.untyped_storage().nbytes()
     return total
+
+
+@functools.cache
+def _first_input_name(cls: type) -> str | None:
+    """The name of the first parameter of ``cls.forward`` (the block's hidden states)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
+    named = [p for p in params[1:] if p.kind in kinds]
+    return named[0].name if named else None
+
+
+def primary_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a block call with the block's first input positional: some blocks
+    are called with keywords only (Llama-3.2-Vision's vision layers: ``hidden_state=``)."""
+    if args:
+        return args, kwargs
+    name = _first_input_name(type(module))
+    if name is None or not isinstance(kwargs.get(name), torch.Tensor):
+        return args, kwargs
+    rest = dict(kwargs)
+    return (rest.pop(name),), rest
 
 
 class _Clock:
@@ -103,6 +129,7 @@ class StepProfiler:
 
     def on_pre_forward(self, group: Group, args: tuple, kwargs: dict) -> None:
         if group.is_block:
+            args, kwargs = primary_input(group.module, args, kwargs)
             self.input_bytes.setdefault(group.index, _tensor_bytes(args[:1]))
             cls = type(group.module)
             if cls not in self.block_inputs:
@@ -155,9 +182,12 @@ class StepProfiler:
             # timings are the best of PROBE_RUNS, the memory figures those of the last run.
             best = (float("inf"), float("inf"))
             for _ in range(PROBE_RUNS):
-                x = args[0].detach().requires_grad_(args[0].is_floating_point())
+                inputs = args
+                if args and isinstance(args[0], torch.Tensor):
+                    x = args[0].detach().requires_grad_(args[0].is_floating_point())
+                    inputs = (x, *args[1:])
                 saved[0] = 0
-                measured = self._probe_once(block, (x, *args[1:]), kwargs, params, saved)
+                measured = self._probe_once(block, inputs, kwargs, params, saved)
                 fwd_s, bwd_s, kept, fwd_peak, bwd_peak = measured
                 best = (min(best[0], fwd_s), min(best[1], bwd_s))
             fwd_s, bwd_s = best
@@ -179,7 +209,7 @@ class StepProfiler:
     def _probe_once(
         self, block: nn.Module, inputs: tuple, kwargs: dict, params: list, saved: list[int]
     ) -> tuple[float, float, int, int, int]:
-        x = inputs[0]
+        x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             if not isinstance(t, nn.Parameter):
@@ -199,7 +229,7 @@ class StepProfiler:
         else:
             kept = saved[0]
         fwd_peak = self.clock.peak() - base
-        grad_inputs = [x] + params if x.requires_grad else params
+        grad_inputs = [x] + params if x is not None and x.requires_grad else params
         self.clock.reset_peak()
         before_bwd = self.clock.allocated()
         bstart = self.clock.mark()
@@ -257,10 +287,12 @@ class StepProfiler:
             )
             for c in runtime.layout.chunks
         )
+        # Tokens per step: those of the block class that ran last (a VLM's decoder, not its
+        # vision tower's patches).
         tokens = 1
-        if self.block_inputs:
-            _, args, _ = next(iter(self.block_inputs.values()))
-            tokens = max(1, args[0].shape[:-1].numel())
+        firsts = [a[0] for _, a, _ in self.block_inputs.values() if a]
+        if firsts and isinstance(firsts[-1], torch.Tensor):
+            tokens = max(1, firsts[-1].shape[:-1].numel())
         return ModelProfile(
             chunk_size=runtime.layout.chunk_size,
             chunks=chunk_profiles,

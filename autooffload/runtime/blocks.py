@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -22,14 +23,30 @@ class Group:
     block_index: int | None = None
 
 
+def _hf_layer_class() -> type | None:
+    """transformers' ``GradientCheckpointingLayer`` (the base of its decoder and encoder layers),
+    when transformers is already imported; None otherwise (never imports it)."""
+    module = sys.modules.get("transformers.modeling_layers")
+    return getattr(module, "GradientCheckpointingLayer", None)
+
+
+def _is_block_list(module_list: nn.ModuleList, hf_layer: type | None) -> bool:
+    """Same-class modules, or HF layers of several classes (Llama-3.2-Vision interleaves
+    self- and cross-attention decoder layers in one list)."""
+    if len({type(m) for m in module_list}) == 1:
+        return True
+    return hf_layer is not None and all(isinstance(m, hf_layer) for m in module_list)
+
+
 def _block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """ModuleLists of >= 2 same-class modules holding parameters (HF ``layers``, ``blocks``)."""
+    """ModuleLists of >= 2 modules holding parameters, all of one class or all HF layers
+    (HF ``layers``, ``blocks``)."""
+    hf_layer = _hf_layer_class()
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
-        classes = {type(m) for m in module}
-        if len(classes) != 1:
+        if not _is_block_list(module, hf_layer):
             continue
         if sum(p.numel() for p in module.parameters()) == 0:
             continue
