@@ -197,13 +197,10 @@ class AutoOffloadTrainee(Trainee):
 
 
 def _planned_profile(runtime: Any, plan: Any) -> Any:
-    """The profile the plan's predictions were made on: the runtime's, in the layout variant
-    with checkpointed blocks' inputs in host memory when the plan chose it."""
-    from autooffload.plan.cost import with_checkpoint_inputs_on_cpu
+    """The profile the plan's predictions were made on."""
+    from autooffload.runtime.planning import profile_for_plan
 
-    if "checkpoint_cpu" in plan.block_policies:
-        return with_checkpoint_inputs_on_cpu(runtime.profile, runtime.search_request.hw)
-    return runtime.profile
+    return profile_for_plan(runtime.profile, plan, runtime.search_request.hw)
 
 
 def _per_step_breakdown(

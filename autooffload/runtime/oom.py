@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 from autooffload.errors import AutoOffloadError, PlanError
 from autooffload.log import logger
 from autooffload.plan.profile import StepProfiler
+from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import make_plan
 from autooffload.plan.types import GiB, Plan
 from autooffload.runtime.forward_wrap import install_forward, remove_forward
@@ -56,6 +57,7 @@ from autooffload.runtime.planning import (
     budget_bytes,
     hardware_profile,
     plan_from_profile,
+    profile_for_plan,
 )
 
 if TYPE_CHECKING:
@@ -297,22 +299,7 @@ class OomRetry:
             return self._reprofiling_plan()
         if ratio > 1.0:
             profile = profile.with_batch_scaled(ratio)
-        hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
-        # What the current plan needs for this batch, the budget it had, and (on a GPU) what
-        # is available now: another process may have taken memory since the plan was made.
-        needed = make_plan(profile, hw, current.knobs, None).predicted_peak_bytes
-        limits = [current.budget_bytes]
-        if runtime.manager.is_cuda:
-            limits.append(budget_bytes(runtime.settings, runtime.device))
-        available = min((b for b in limits if b), default=None)
-        if available is not None and needed > available:
-            # The batch outgrew the plan and the scaled profile says by how much: what is
-            # available, less the cut as a margin, holds the new plan.
-            budget = available - int(OOM_BUDGET_CUT * available)
-        else:
-            # The model thought the plan fitted: its prediction was short by at least the
-            # failed allocation; plan for less than it predicted by that much.
-            budget = needed - max(requested_bytes, int(OOM_BUDGET_CUT * needed))
+        budget = self.retry_budget(profile, requested_bytes)
         try:
             plan = plan_from_profile(
                 runtime, profile, budget=budget, pinned={"n_persist": current.n_persist}
@@ -323,6 +310,29 @@ class OomRetry:
         if plan.configures_like(current):
             return None
         return replace(plan, chunk_size=runtime.layout.chunk_size, source="OOM retry")
+
+    def retry_budget(self, profile: ModelProfile, requested_bytes: int) -> int:
+        """The budget the retry plans for, from the current plan's predicted peak on
+        ``profile`` (the failing batch's) and the memory available."""
+        runtime = self.runtime
+        current = runtime.plan
+        hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
+        # What the current plan needs for this batch (predicted on the profile variant it was
+        # searched on), the budget it had, and (on a GPU) what is available now: another
+        # process may have taken memory since the plan was made.
+        planned = profile_for_plan(profile, current, hw)
+        needed = make_plan(planned, hw, current.knobs, None).predicted_peak_bytes
+        limits = [current.budget_bytes]
+        if runtime.manager.is_cuda:
+            limits.append(budget_bytes(runtime.settings, runtime.device))
+        available = min((b for b in limits if b), default=None)
+        if available is not None and needed > available:
+            # The batch outgrew the plan and the scaled profile says by how much: what is
+            # available, less the cut as a margin, holds the new plan.
+            return available - int(OOM_BUDGET_CUT * available)
+        # The model thought the plan fitted: its prediction was short by at least the failed
+        # allocation; plan for less than it predicted by that much.
+        return needed - max(requested_bytes, int(OOM_BUDGET_CUT * needed))
 
     def _reprofiling_plan(self) -> Plan:
         """The conservative plan of a profiling step, keeping the persistent chunks: every block

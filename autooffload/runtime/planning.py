@@ -9,6 +9,7 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger, warn_once
+from autooffload.plan.cost import with_checkpoint_inputs_on_cpu
 from autooffload.plan.hardware import measure_hardware
 from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
@@ -283,6 +284,14 @@ def _checkpoint_inputs(runtime: Runtime) -> str:
         return "gpu"
     chosen = runtime.settings.checkpoint_inputs
     return "gpu" if chosen == "auto" and runtime.device.type != "cuda" else chosen
+
+
+def profile_for_plan(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> ModelProfile:
+    """``profile`` in the variant ``plan`` was predicted on: checkpointed blocks' inputs in host
+    memory when the plan chose that (``checkpoint_cpu``), the measured profile otherwise."""
+    if "checkpoint_cpu" in plan.block_policies:
+        return with_checkpoint_inputs_on_cpu(profile, hw)
+    return profile
 
 
 def plan_from_profile(

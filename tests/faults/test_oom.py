@@ -31,7 +31,7 @@ from autooffload.runtime.oom import (
     REPROFILE_SOURCE,
     OutOfMemoryRetryError,
 )
-from autooffload.runtime.planning import hardware_profile
+from autooffload.runtime.planning import hardware_profile, profile_for_plan
 
 STEPS = 6
 # Long enough that activations weigh as much as the weights: a smaller plan exists.
@@ -327,3 +327,36 @@ def test_a_batch_that_outgrew_the_budget_is_replanned_under_that_budget_less_the
     assert plan.budget_bytes == available - int(OOM_BUDGET_CUT * available)
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert plan.n_persist == runtime.plan.n_persist
+
+
+def test_a_checkpoint_cpu_plans_oom_is_measured_against_its_own_predicted_peak():
+    """A plan keeping checkpointed blocks' inputs in host memory predicts a different peak than
+    the same knobs with the inputs on the device (lower when the saved inputs outweigh the
+    staging copies; higher on this 3-layer model). The OOM retry compares what is available
+    with the plan's own prediction, so the budget it replans for follows from that one."""
+    model = tiny_llama()
+    enable_cpu(oom_retry=True, activation_mode="checkpoint_cpu")
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for ids in long_batches(4):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert "checkpoint_cpu" in runtime.plan.block_policies
+    guard = runtime.oom
+    guard.input_numel = guard.profiled_numel
+    hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
+    knobs = runtime.plan.knobs
+    on_device = make_plan(runtime.profile, hw, knobs, None).predicted_peak_bytes
+    planned = profile_for_plan(runtime.profile, runtime.plan, hw)
+    own = make_plan(planned, hw, knobs, None).predicted_peak_bytes
+    assert own != on_device
+    available = (own + on_device) // 2  # between the two predictions
+    runtime.plan = replace(runtime.plan, budget_bytes=available)
+    requested = 1
+    if own > available:  # the batch outgrew what is available: plan for it less the cut
+        expected = available - int(OOM_BUDGET_CUT * available)
+    else:  # the plan was predicted to fit: plan for less than its prediction
+        expected = own - max(requested, int(OOM_BUDGET_CUT * own))
+    assert guard.retry_budget(runtime.profile, requested) == expected
