@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch.optim.optimizer import _default_to_fused_or_foreach
@@ -10,6 +13,17 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 from autooffload.bench.models import make_batch
 from autooffload.bench.peers import PEERS, PeerContext, PeerUnavailable, public_peers
 from autooffload.bench.workloads import get_workload
+
+
+@pytest.fixture(autouse=True)
+def _process_env() -> Iterator[None]:
+    """The peers run in this process here (in the bench, in a worker): the single-process group
+    env they set (RANK, WORLD_SIZE, ...) must not outlive the test, or HF Trainer and accelerate
+    in later tests see a distributed launch."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _trainee(name: str, workload: str = "llama-tiny"):
