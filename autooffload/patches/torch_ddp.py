@@ -11,6 +11,10 @@ start-up broadcast cannot handle. Wrapping such a model (by the script, ``accele
   ``no_sync()`` keeps working (it pauses autooffload's persistent-gradient averaging), and
   ``.module`` is the model, as scripts and ``accelerate.unwrap_model`` expect;
 * broadcasts rank 0's weights and buffers into every rank's replica, as DDP does at start-up.
+
+With one rank (``torchrun --nproc-per-node 1``, which HF Trainer and accelerate still wrap in
+DDP) the same pass-through applies, with nothing to average. Under several ranks a model
+attached with ``AUTOOFFLOAD_DATA_PARALLEL=off`` cannot be wrapped: a clear error says so.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from autooffload.errors import AttachError
 from autooffload.log import logger
 from autooffload.patches import _registry
 from autooffload.settings import Settings
@@ -28,10 +33,21 @@ TARGETS = ("torch.nn.parallel.distributed",)
 
 
 def _runtimes(module: nn.Module) -> list[Any]:
+    """The runtimes attached inside ``module``, each once (sync_replica broadcasts the whole
+    model per runtime). Under a group of several ranks each must average its gradients."""
     from autooffload import runtime as rt
+    from autooffload.runtime.distributed import world
 
-    # Each once: sync_replica broadcasts the whole model per runtime.
-    return [r for r in rt.runtimes_in(module) if r.data_parallel is not None]
+    runtimes = rt.runtimes_in(module)
+    _, size = world()
+    if size > 1 and any(r.data_parallel is None for r in runtimes):
+        raise AttachError(
+            "DistributedDataParallel over a model attached with AUTOOFFLOAD_DATA_PARALLEL=off:"
+            " DDP cannot reduce or broadcast offloaded parameters (they have no device storage"
+            " between uses). Set AUTOOFFLOAD_DATA_PARALLEL=auto (autooffload averages the"
+            " gradients, DDP becomes a pass-through), or do not wrap the model in DDP"
+        )
+    return runtimes
 
 
 def _init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -44,8 +60,11 @@ def _init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         for name, param in module.named_parameters(remove_duplicate=False)
         if any(r.manages(param) for r in runtimes)
     }
+    # One rank (``torchrun --nproc-per-node 1``): nothing to average or broadcast, but DDP's
+    # own start-up broadcast would still read offloaded params.
     for runtime in runtimes:
-        runtime.data_parallel.sync_replica(runtime)
+        if runtime.data_parallel is not None:
+            runtime.data_parallel.sync_replica(runtime)
     rest = [p for n, p in module.named_parameters() if n not in managed and p.requires_grad]
     if rest:
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | managed
@@ -68,7 +87,8 @@ def _forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return wrapped(*args, **kwargs)
     # DDP decides at forward time whether the coming backward synchronises (no_sync()).
     for runtime in runtimes:
-        runtime.data_parallel.sync = instance.require_backward_grad_sync
+        if runtime.data_parallel is not None:
+            runtime.data_parallel.sync = instance.require_backward_grad_sync
     return instance.module(*args, **kwargs)
 
 

@@ -26,3 +26,18 @@ def test_trainer_ddp_over_an_attached_model_matches_plain_trainer_ddp(tmp_path):
         plain_count, attached_count = report["saved_state_params"]
         assert attached_count == plain_count > 0
         assert report["saved_state_max_diff"] < 1e-5
+
+
+@pytest.mark.slow
+def test_trainer_and_accelerate_under_torchrun_with_one_process(tmp_path):
+    """``torchrun --nproc-per-node 1``: Trainer and accelerate still wrap the model in DDP (a
+    group of one rank). DDP's start-up broadcast read the offloaded params' released storage
+    and segfaulted; the wrapper is now a pass-through with nothing to average."""
+    (report,) = launch(WORKER, tmp_path, nproc=1)
+    assert report["attached"] and not report["data_parallel"]
+    assert report["wrapper"] == "DistributedDataParallel" and report["pass_through"]
+    assert report["max_diff_vs_plain_ddp"] < 1e-5
+    assert report["accelerate_max_diff_vs_plain"] < 1e-5
+    plain_count, attached_count = report["saved_state_params"]
+    assert attached_count == plain_count > 0
+    assert report["saved_state_max_diff"] < 1e-5

@@ -304,3 +304,16 @@ def test_disable_restores_every_patched_torch_entry_point():
     model = tiny_llama()
     model.to("cpu")
     assert rt.runtime_of(model) is None
+
+
+def test_ddp_over_a_model_attached_with_data_parallel_off_under_several_ranks_raises(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Several ranks and ``data_parallel=off``: DDP would reduce and broadcast offloaded params
+    (no device storage between uses); the wrap raises, naming the setting and its fix."""
+    enable_cpu(force_attach=True, data_parallel="off")
+    model = tiny_llama().to("cpu")
+    assert rt.runtime_of(model).data_parallel is None
+    monkeypatch.setattr("autooffload.runtime.distributed.world", lambda: (0, 2))
+    with pytest.raises(AttachError, match="AUTOOFFLOAD_DATA_PARALLEL=auto"):
+        nn.parallel.DistributedDataParallel(model)
