@@ -204,6 +204,26 @@ def _param_repr_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
         return wrapped(*args, **kwargs)
 
 
+def _refuse_attached(model: Any) -> None:
+    from autooffload import runtime as rt
+    from autooffload.runtime.attachable import COMPILE_UNSUPPORTED
+
+    if isinstance(model, nn.Module) and rt.runtimes_in(model):
+        raise AttachError(COMPILE_UNSUPPORTED)
+
+
+def _compile_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.compile(model)`` of an attached model: a clear error now, not an assertion deep
+    in dynamo at the first forward."""
+    _refuse_attached(kwargs.get("model", args[0] if args else None))
+    return wrapped(*args, **kwargs)
+
+
+def _module_compile_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    _refuse_attached(instance)
+    return wrapped(*args, **kwargs)
+
+
 def install(settings: Settings, target: str) -> None:
     _registry.wrap(nn.Module, "to", _to_wrapper, __name__)
     _registry.wrap(nn.Module, "cuda", _cuda_wrapper, __name__)
@@ -211,6 +231,8 @@ def install(settings: Settings, target: str) -> None:
     _registry.wrap(nn.Module, "_apply", _apply_wrapper, __name__)
     _registry.wrap(nn.Module, "zero_grad", _zero_grad_wrapper, __name__)
     _registry.wrap(nn.Parameter, "__repr__", _param_repr_wrapper, __name__)
+    _registry.wrap(torch, "compile", _compile_wrapper, __name__)
+    _registry.wrap(nn.Module, "compile", _module_compile_wrapper, __name__)
 
 
 def uninstall() -> None:

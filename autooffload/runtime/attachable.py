@@ -12,8 +12,25 @@ if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
 
 
+COMPILE_UNSUPPORTED = (
+    "torch.compile of a model attached by autooffload is not supported: its offload hooks and"
+    " per-block activation checkpoints do not trace. Train without compiling the model (HF"
+    " Trainer: torch_compile=False), compile only submodules autooffload does not manage, or"
+    " set AUTOOFFLOAD_OFFLOAD=0"
+)
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """``torch.compile(model)``'s wrapper, or a module compiled in place (``model.compile()``)."""
+    compiled = type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
+    return compiled or getattr(model, "_compiled_call_impl", None) is not None
+
+
 def check_attachable(model: nn.Module) -> None:
-    """Refuse models autooffload must not manage (already sharded, dispatched, or meta)."""
+    """Refuse models autooffload must not manage (already sharded, dispatched, meta or
+    compiled)."""
+    if any(is_compiled(m) for m in model.modules()):
+        raise AttachError(COMPILE_UNSUPPORTED)
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         raise AttachError(
             "model is dispatched across devices with device_map; autooffload's weight offload"

@@ -276,6 +276,8 @@ def test_disable_restores_every_patched_torch_entry_point():
         "Module.cuda": nn.Module.__dict__["cuda"],
         "Module.zero_grad": nn.Module.__dict__["zero_grad"],
         "Parameter.__repr__": nn.Parameter.__dict__["__repr__"],
+        "torch.compile": torch.__dict__["compile"],
+        "Module.compile": nn.Module.__dict__["compile"],
         "Optimizer.__init__": torch.optim.Optimizer.__dict__["__init__"],
         "Optimizer.zero_grad": torch.optim.Optimizer.__dict__["zero_grad"],
         "utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
@@ -287,12 +289,15 @@ def test_disable_restores_every_patched_torch_entry_point():
     assert nn.Module.__dict__["to"] is not originals["Module.to"]
     assert len(optimizer_module._global_optimizer_post_hooks) == len(post_hooks) + 1
     assert torch.nn.utils.clip_grad_norm_ is not originals["utils.clip_grad_norm_"]
+    assert torch.__dict__["compile"] is not originals["torch.compile"]
     autooffload.disable()
     restored = {
         "Module.to": nn.Module.__dict__["to"],
         "Module.cuda": nn.Module.__dict__["cuda"],
         "Module.zero_grad": nn.Module.__dict__["zero_grad"],
         "Parameter.__repr__": nn.Parameter.__dict__["__repr__"],
+        "torch.compile": torch.__dict__["compile"],
+        "Module.compile": nn.Module.__dict__["compile"],
         "Optimizer.__init__": torch.optim.Optimizer.__dict__["__init__"],
         "Optimizer.zero_grad": torch.optim.Optimizer.__dict__["zero_grad"],
         "utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
@@ -317,3 +322,33 @@ def test_ddp_over_a_model_attached_with_data_parallel_off_under_several_ranks_ra
     monkeypatch.setattr("autooffload.runtime.distributed.world", lambda: (0, 2))
     with pytest.raises(AttachError, match="AUTOOFFLOAD_DATA_PARALLEL=auto"):
         nn.parallel.DistributedDataParallel(model)
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+def test_compiling_an_attached_model_raises_a_clear_error(how: str):
+    """Dynamo cannot trace the offload hooks; without the check the first forward failed deep in
+    torch.utils.checkpoint with an assertion about ``context_fn``."""
+    enable_cpu(force_attach=True)
+    model = tiny_llama().to("cpu")
+    assert rt.runtime_of(model) is not None
+    with pytest.raises(AttachError, match="torch.compile.*AUTOOFFLOAD_OFFLOAD=0"):
+        if how == "torch.compile":
+            torch.compile(model)
+        else:
+            model.compile()
+    with pytest.raises(AttachError, match="torch.compile"):
+        torch.compile(model.model.layers[0])  # a managed submodule
+    assert callable(torch.compile(lambda x: x + 1))  # functions are not affected
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+def test_moving_a_compiled_model_to_the_device_refuses_to_attach(how: str):
+    enable_cpu(force_attach=True)
+    model = tiny_llama()
+    if how == "torch.compile":
+        model = torch.compile(model)
+    else:
+        model.compile()
+    with pytest.raises(AttachError, match="torch.compile"):
+        model.to("cpu")
+    assert not rt.runtimes()
