@@ -134,13 +134,7 @@ def vision_tower(model: nn.Module) -> nn.Module:
     """The vision tower of a (PEFT-wrapped or not) VLM built by ``tiny_vlm``."""
     get_base = getattr(model, "get_base_model", None)
     base = get_base() if callable(get_base) else model
-    arch = {
-        "qwen2_vl": "qwen2_vl",
-        "qwen2_5_vl": "qwen2_5_vl",
-        "mllama": "mllama",
-        "gemma3": "gemma3",
-    }[base.config.model_type]
-    return getattr(base.model, TOWER[arch])
+    return getattr(base.model, TOWER[base.config.model_type])  # ARCHS are the model types
 
 
 def _ids(n_image: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
