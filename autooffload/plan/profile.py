@@ -128,6 +128,8 @@ class StepProfiler:
         self.marks.append(_Mark(group.index, phase, self.clock.allocated(), self.clock.mark()))
 
     def on_pre_forward(self, group: Group, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return  # an evaluation forward (no_grad, inference_mode): not the training step's
         if group.is_block:
             args, kwargs = primary_input(group.module, args, kwargs)
             self.input_bytes.setdefault(group.index, _tensor_bytes(args[:1]))
@@ -138,6 +140,8 @@ class StepProfiler:
         self._mark(group, "fwd")
 
     def on_post_forward(self, group: Group) -> None:
+        if not torch.is_grad_enabled():
+            return
         if group.is_block and self._is_last_block(group):
             self.clock.reset_peak()
         self._mark(group, "fwd_end")
@@ -247,9 +251,12 @@ class StepProfiler:
         """The ``ModelProfile`` of this step (runs the probes)."""
         runtime = self.runtime
         probes: dict[type, UnitProfile] = {}
-        for cls, (group_index, args, kwargs) in self.block_inputs.items():
-            module = runtime.groups[group_index].module
-            probes[cls] = self._probe(module, group_index, args, kwargs)
+        # The probes run blocks in train mode (dropout): the user's RNG streams must not move.
+        devices = [runtime.device] if runtime.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for cls, (group_index, args, kwargs) in self.block_inputs.items():
+                module = runtime.groups[group_index].module
+                probes[cls] = self._probe(module, group_index, args, kwargs)
         order = sorted(runtime.groups, key=lambda g: runtime.position(g.index))
         block_groups = [g for g in order if g.is_block]
         unit_of: dict[int, int] = {}

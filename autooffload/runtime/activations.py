@@ -71,19 +71,28 @@ def recomputing_module() -> nn.Module | None:
     return getattr(_recompute_state, "module", None)
 
 
-@contextlib.contextmanager
-def recomputing(
-    module: nn.Module, on_start: Callable[[nn.Module], None] | None = None
-) -> Iterator[None]:
-    """Mark this thread as recomputing ``module``'s forward (calls ``on_start(module)`` first)."""
-    if on_start is not None:
-        on_start(module)
-    previous = getattr(_recompute_state, "module", None)
-    _recompute_state.module = module
-    try:
-        yield
-    finally:
-        _recompute_state.module = previous
+class recomputing:  # noqa: N801 - used like the context-manager function it replaced
+    """Mark this thread as recomputing ``module``'s forward (calls ``on_start(module)`` first).
+
+    Re-enterable: torch's checkpoint builds its recompute context once per forward and enters
+    it at every recompute, and a graph kept with ``retain_graph=True`` is recomputed once per
+    backward through it."""
+
+    def __init__(
+        self, module: nn.Module, on_start: Callable[[nn.Module], None] | None = None
+    ) -> None:
+        self.module = module
+        self.on_start = on_start
+        self._previous: list[nn.Module | None] = []
+
+    def __enter__(self) -> None:
+        if self.on_start is not None:
+            self.on_start(self.module)
+        self._previous.append(getattr(_recompute_state, "module", None))
+        _recompute_state.module = self.module
+
+    def __exit__(self, *exc: object) -> None:
+        _recompute_state.module = self._previous.pop()
 
 
 # --------------------------------------------------------------------------- block policies

@@ -1,0 +1,93 @@
+"""Training-loop patterns from user scripts, attached vs plain (CPU simulation): dropout with the
+default plan (the profiler's probes must not move the user's RNG), two backwards through one
+retained graph over checkpointed blocks, and an ``inference_mode`` eval in the profiling steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autooffload
+from tests.runtime.runtime_models import batches, enable_cpu, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _dropout_llama() -> torch.nn.Module:
+    model = tiny_llama(tied=False)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.2
+    return model
+
+
+def test_dropout_trains_like_plain_and_the_rng_stays_where_plain_leaves_it():
+    """The profiling step re-runs one block per class in train mode (its probe); with dropout
+    that drew from the global RNG, so every later step (and the data order of a DataLoader
+    seeded from it) differed from plain training."""
+    base = _dropout_llama()
+    runs = []
+    for attached in (False, True):
+        model = copy.deepcopy(base)
+        if attached:
+            enable_cpu(n_persist=0)
+            model.to("cpu")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(123)
+        seen = []
+        for ids in batches(5):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seen += [loss.item(), torch.rand(1).item()]
+        autooffload.disable()
+        runs.append(seen)
+    assert runs[1] == pytest.approx(runs[0], rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize("mode", [None, "checkpoint", "checkpoint_cpu", "swap", "keep"])
+def test_two_backwards_through_one_retained_graph(mode: str | None):
+    """``l1.backward(retain_graph=True); l2.backward()``: a checkpointed block is recomputed in
+    each backward, entering its recompute context twice (it failed the second time)."""
+    base = tiny_llama(tied=False)
+    runs = []
+    for attached in (False, True):
+        model = copy.deepcopy(base)
+        if attached:
+            enable_cpu(n_persist=0, **({"activation_mode": mode} if mode else {}))
+            model.to("cpu")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for ids in batches(4):
+            out = model(input_ids=ids, labels=ids)
+            extra = out.logits.float().pow(2).mean() * 0.01
+            out.loss.backward(retain_graph=True)
+            extra.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append((out.loss + extra).item())
+        autooffload.disable()
+        runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+    (plain_losses, plain_weights), (losses, weights) = runs
+    assert losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-6)
+    for name, weight in plain_weights.items():
+        torch.testing.assert_close(weights[name], weight, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_an_inference_mode_eval_in_the_profiling_steps_is_not_profiled():
+    """The profiler kept the last forward's block inputs, an inference tensor from the eval,
+    and its probe then failed at ``optimizer.step()`` (requires_grad on an inference tensor)."""
+    enable_cpu(n_persist=0)
+    model = tiny_llama(tied=False).to("cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for ids in batches(4):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.inference_mode():
+            model(input_ids=ids[:1, :5])
+    runtime = autooffload.runtime.runtime_of(model)
+    assert "search" in runtime.plan.source
+    assert runtime.profile.batch_tokens == ids.numel()  # the training batch's, not the eval's
