@@ -19,6 +19,7 @@ from torch import nn
 from autooffload.errors import AttachError
 from autooffload.patches import _registry
 from autooffload.patches.torch_module import attach_suppressed
+from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.settings import Settings
 
 TARGETS = ("peft",)
@@ -97,12 +98,15 @@ def _without_runtime_hooks(module: nn.Module, runtime: Any) -> Iterator[None]:
                 saved.append((hooks, dict(hooks)))
                 for key in hook_ids & hooks.keys():
                     del hooks[key]
+    # The deepcopy guard too: with the bytes on the device and no hooks, this copy is safe.
+    remove_copy_guard(module)
     try:
         yield
     finally:
         for hooks, snapshot in saved:
             hooks.clear()
             hooks.update(snapshot)
+        install_copy_guard(module)
 
 
 def _modules_to_save_update_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -57,6 +57,16 @@ def _init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     return result
 
 
+def _add_param_group_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """A group added to a bound optimizer: its offloaded params get CPU twins too (they were
+    never updated otherwise). ``Optimizer.__init__`` adds its groups before it is bound."""
+    result = wrapped(*args, **kwargs)
+    # Not bound yet (in ``__init__``, or built before attach): bound whole at its first step.
+    for runtime in _runtimes_of_optimizer(instance):
+        runtime.rebind_optimizer(instance)
+    return result
+
+
 def _bound_runtimes(optimizer: torch.optim.Optimizer) -> list:
     """The runtimes ``optimizer`` is bound to, binding it first if it was built before attach."""
     if not _runtimes_of_optimizer(optimizer):
@@ -162,8 +172,12 @@ def _maybe_opt_step_with_host(wrapped: Any, instance: Any, args: tuple, kwargs: 
 def _zero_grad_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
     set_to_none = kwargs.get("set_to_none", args[0] if args else True)
-    for runtime in _runtimes_of_optimizer(instance):
-        runtime.zero_grad(set_to_none)
+    runtimes = _runtimes_of_optimizer(instance)
+    if runtimes:
+        # Its own params only, as torch's: a param outside it keeps accumulating.
+        ids = {id(p) for group in instance.param_groups for p in group["params"]}
+        for runtime in runtimes:
+            runtime.zero_grad(set_to_none, ids)
     return result
 
 
@@ -203,7 +217,7 @@ def clip_grad_norm_with_host(
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if device_grads:
-        torch.nn.utils.clip_grads_with_norm_(
+        torch.nn.utils.clip_grad._clip_grads_with_norm_(
             [p for p in params if p.grad is not None], max_norm, total, foreach
         )
     coef_value = float(coef)
@@ -214,6 +228,63 @@ def clip_grad_norm_with_host(
 
 def _clip_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return clip_grad_norm_with_host(wrapped, *args, **kwargs)
+
+
+def _offloaded_owners(params: list[torch.Tensor]) -> list:
+    from autooffload import runtime as rt
+
+    return [r for r in rt.runtimes() if any(r.is_offloaded(p) for p in params)]
+
+
+def clip_grad_value_with_host(
+    wrapped: Any,
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    clip_value: float,
+    foreach: bool | None = None,
+) -> None:
+    """``clip_grad_value_`` that clamps the host gradients of offloaded parameters too."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owners = _offloaded_owners(params)
+    if not owners:
+        return wrapped(params, clip_value, foreach)
+    on_device = [p for p in params if p.grad is not None]
+    if on_device:  # torch's kernel refuses an empty list
+        wrapped(on_device, clip_value, foreach)
+    ids = {id(p) for p in params}
+    for runtime in owners:
+        runtime.cpu_optim.clamp_(float(clip_value), ids)
+    return None
+
+
+def _clip_value_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    return clip_grad_value_with_host(wrapped, *args, **kwargs)
+
+
+def clip_grads_with_norm_with_host(
+    wrapped: Any,
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None = None,
+) -> None:
+    """``clip_grads_with_norm_`` (the second half of ``clip_grad_norm_``) scaling the host
+    gradients of offloaded parameters by the same coefficient."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owners = _offloaded_owners(params)
+    if not owners:
+        return wrapped(params, max_norm, total_norm, foreach)
+    on_device = [p for p in params if p.grad is not None]
+    if on_device:
+        wrapped(on_device, max_norm, total_norm, foreach)
+    coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
+    ids = {id(p) for p in params}
+    for runtime in owners:
+        runtime.cpu_optim.clip_(coef, ids)
+    return None
+
+
+def _clip_with_norm_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    return clip_grads_with_norm_with_host(wrapped, *args, **kwargs)
 
 
 def _state_dict_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -230,7 +301,9 @@ def _load_state_dict_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     """``Optimizer.load_state_dict`` that gives offloaded params' state to the CPU twins."""
     from autooffload.runtime.state import load_offloaded_state, split_offloaded_state
 
-    runtimes = _runtimes_of_optimizer(instance)
+    # Bound first (an optimizer built before attach is bound at its first step otherwise):
+    # torch would put the offloaded params' state on their device.
+    runtimes = _bound_runtimes(instance)
     if not runtimes:
         return wrapped(*args, **kwargs)
     state_dict = kwargs.pop("state_dict") if "state_dict" in kwargs else args[0]
@@ -249,8 +322,13 @@ def install(settings: Settings, target: str) -> None:
     group = __name__
     _registry.wrap(torch.optim.Optimizer, "__init__", _init_wrapper, group)
     _registry.wrap(torch.optim.Optimizer, "zero_grad", _zero_grad_wrapper, group)
+    _registry.wrap(torch.optim.Optimizer, "add_param_group", _add_param_group_wrapper, group)
     _registry.wrap(torch.nn.utils.clip_grad, "clip_grad_norm_", _clip_wrapper, group)
     _registry.wrap(torch.nn.utils, "clip_grad_norm_", _clip_wrapper, group)
+    for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
+        _registry.wrap(owner, "clip_grad_value_", _clip_value_wrapper, group)
+    # The public name only: torch's own clip_grad_norm_ (and ours) call the private one.
+    _registry.wrap(torch.nn.utils, "clip_grads_with_norm_", _clip_with_norm_wrapper, group)
     _registry.wrap(torch.optim.Optimizer, "state_dict", _state_dict_wrapper, group)
     _registry.wrap(torch.optim.Optimizer, "load_state_dict", _load_state_dict_wrapper, group)
     _registry.wrap(torch.autograd, "backward", _backward_wrapper, group)

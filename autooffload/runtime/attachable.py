@@ -81,3 +81,29 @@ def check_params_after_attach(runtime: Runtime) -> None:
                 " optimizer state; unfreeze it before moving the model to the device,"
                 " detach first (model.cpu()), or set AUTOOFFLOAD_OFFLOAD=0"
             )
+
+
+DEEPCOPY_UNSUPPORTED = (
+    "copy.deepcopy of a model attached by autooffload is not supported: its offloaded"
+    " parameters have no device storage between uses, and its hooks hold the runtime. For a"
+    " reference or EMA copy, copy the model before moving it to the device, or build a new"
+    " model and load_state_dict(model.state_dict()) into it"
+)
+_COPY_GUARD = "__deepcopy__"
+
+
+def _refuse_deepcopy(memo: dict) -> None:
+    raise AttachError(DEEPCOPY_UNSUPPORTED)
+
+
+def install_copy_guard(model: nn.Module) -> None:
+    """``copy.deepcopy`` of the attached model or any module in it raises a clear error (it
+    read released storage and crashed the process, or failed pickling a lock)."""
+    for module in model.modules():
+        module.__dict__[_COPY_GUARD] = _refuse_deepcopy
+
+
+def remove_copy_guard(model: nn.Module) -> None:
+    for module in model.modules():
+        if module.__dict__.get(_COPY_GUARD) is _refuse_deepcopy:
+            del module.__dict__[_COPY_GUARD]

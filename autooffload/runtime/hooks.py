@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from autooffload.log import logger
 from autooffload.plan.profile import StepProfiler
+from autooffload.runtime.activations import take_over_hf_gradient_checkpointing
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
 from autooffload.runtime.manager import Residency
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from autooffload.runtime.chunks import ChunkLayout
     from autooffload.runtime.distributed import DataParallel
     from autooffload.runtime.manager import ChunkManager
+    from autooffload.settings import Settings
 
 
 def in_backward() -> bool:
@@ -49,6 +51,8 @@ class GroupHooks:
     swapper: ActivationSwapper | None
     profiler: StepProfiler | bool | None
     data_parallel: DataParallel | None
+    settings: Settings
+    hf_checkpointing_taken: bool
 
     def init_hooks(self) -> None:
         """The trace state; the hooks themselves are installed by ``_install_hooks``."""
@@ -92,6 +96,22 @@ class GroupHooks:
         self.recover_interrupted()
         if torch.is_grad_enabled():
             check_params_after_attach(self)
+            self._take_over_late_hf_checkpointing()
+
+    def _take_over_late_hf_checkpointing(self) -> None:
+        """HF gradient checkpointing turned on after attach (HF ``Trainer`` does it in
+        ``train()``, after its move): the block policies take it over, as at attach. Left on,
+        HF's reentrant checkpoint would wrap the policies and break the profiling probe."""
+        if self.settings.activation_mode == "off":
+            return  # HF's checkpointing stays in charge, as at attach
+        if any(
+            getattr(g.module, "gradient_checkpointing", None) is True
+            for g in self.groups
+            if g.is_block
+        ) and take_over_hf_gradient_checkpointing(self.model):
+            if not self.hf_checkpointing_taken:
+                logger.info("activation management takes over HF gradient checkpointing per block")
+            self.hf_checkpointing_taken = True
 
     def _end_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if in_backward():

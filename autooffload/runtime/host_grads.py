@@ -112,3 +112,16 @@ class HostGradNorms:
         for pid in param_ids:
             if pid in self.device_norms:
                 self.device_norms[pid] = self.device_norms[pid] * coef
+
+    def clamp_(self, clip_value: float, param_ids: set[int]) -> None:
+        """Clamp the host gradients of ``param_ids`` to ``[-clip_value, clip_value]``
+        (``clip_grad_value_``); their norms taken on the device no longer hold."""
+        self.check_no_early_update("clip_grad_value_")
+        self.host_grads()  # a pending clipping coefficient first
+        grads = [
+            m.grad for pid, m in self.masters.items() if pid in param_ids and m.grad is not None
+        ]
+        for grad in grads:
+            grad.clamp_(-clip_value, clip_value)
+        for pid in param_ids:
+            self.device_norms.pop(pid, None)

@@ -291,8 +291,11 @@ class CpuOptimizer(HostGradNorms):
         """Block until every queued accumulation and update is done."""
         self.worker.submit(lambda: None).result()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, param_ids: set[int] | None = None) -> None:
         """Forget the accumulated host gradients (the user's ``zero_grad``); returns at once.
+
+        ``param_ids``: only those params' (an optimizer's ``zero_grad`` clears its own params,
+        as torch's does); None: every offloaded param's (``model.zero_grad()``).
 
         The clearing is queued on the worker behind the updates still running, so the next
         forward overlaps them: waiting here (as ``step(); zero_grad()`` loops call it right
@@ -300,6 +303,9 @@ class CpuOptimizer(HostGradNorms):
         per step). Everything that reads host gradients waits for the worker first."""
 
         self.check_no_early_update("zero_grad() without optimizer.step()")
+        if param_ids is not None and not self.covers_all(param_ids):
+            self._zero_some(set_to_none, param_ids)
+            return
 
         def clear() -> None:
             for master in self.masters.values():
@@ -316,6 +322,27 @@ class CpuOptimizer(HostGradNorms):
         self.accumulations.clear()
         self.device_norms.clear()
         self.clip_coef = 1.0
+
+    def _zero_some(self, set_to_none: bool, param_ids: set[int]) -> None:
+        """``zero_grad`` of part of the offloaded params: the others keep accumulating."""
+        self.host_grads()  # a pending clipping coefficient applies to the kept ones too
+        for chunk in self.manager.chunks:
+            # The kept gradients must not be the staging the next backward writes into.
+            if chunk.index in self.aliased:
+                self._before_staging_write(chunk.index)
+        cleared = [m for pid, m in self.masters.items() if pid in param_ids]
+
+        def clear() -> None:
+            for master in cleared:
+                if set_to_none:
+                    master.grad = None
+                elif master.grad is not None:
+                    master.grad.zero_()
+
+        self.worker.submit(clear)
+        for pid in param_ids:
+            self.accumulations.pop(pid, None)
+            self.device_norms.pop(pid, None)
 
     # ---- optimizer ----------------------------------------------------------------------------
 

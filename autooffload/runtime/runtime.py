@@ -23,6 +23,7 @@ from autooffload.runtime.activations import (
     take_over_hf_gradient_checkpointing,
 )
 from autooffload.runtime.adapters import adapter_params
+from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.calibration import calibrate_after_steps, worker_rate
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
@@ -39,7 +40,12 @@ from autooffload.runtime.planning import (
 )
 from autooffload.runtime.quantized import QuantizedParams
 from autooffload.runtime.sharding import Sharding, refresh_hosts
-from autooffload.runtime.state import ModelStateHooks
+from autooffload.runtime.state import (
+    ModelStateHooks,
+    adopt_existing_state,
+    load_offloaded_state,
+    twin_states,
+)
 from autooffload.settings import Settings
 
 # Below this share of the model's bytes, trainable params stay resident (see Runtime).
@@ -128,6 +134,7 @@ class Runtime(GroupHooks):
         self.search_request: SearchRequest | None = None
         self._setup_activations()
         self._install_hooks()
+        install_copy_guard(model)
         # state_dict / load_state_dict see and set the weights wherever they live (removed on
         # detach with the other hooks).
         self._handles.extend(ModelStateHooks(self).install())
@@ -259,6 +266,15 @@ class Runtime(GroupHooks):
             return
         self.optimizers.append(optimizer)
         self.cpu_optim.bind(optimizer)
+        adopt_existing_state(self, optimizer)
+
+    def rebind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` changed its param groups (``add_param_group``): mirror them again,
+        keeping the state the twins hold."""
+        states = twin_states(self, optimizer)
+        self.cpu_optim.bind(optimizer)
+        load_offloaded_state(self, optimizer, states, replace=False)
+        adopt_existing_state(self, optimizer)
 
     def after_step(self, optimizer: torch.optim.Optimizer, apply_update: bool = True) -> None:
         """The user's optimizer stepped the GPU params; queue the CPU update of the rest
@@ -314,9 +330,10 @@ class Runtime(GroupHooks):
         profile and budget), or None before that plan; re-runs the search, no profiling."""
         return self.search_request.candidates() if self.search_request is not None else None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, param_ids: set[int] | None = None) -> None:
+        """Clear the host gradients of ``param_ids`` (None: every offloaded param)."""
         self.recover_interrupted()
-        self.cpu_optim.zero_grad(set_to_none)
+        self.cpu_optim.zero_grad(set_to_none, param_ids)
 
     def host_grads(self) -> list[torch.Tensor]:
         self.cpu_optim.wait()
@@ -361,6 +378,7 @@ class Runtime(GroupHooks):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        remove_copy_guard(self.model)
         if self.oom is not None:
             self.oom.remove()
         for group in self.groups:

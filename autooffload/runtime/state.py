@@ -245,11 +245,48 @@ def split_offloaded_state(
     return {**state_dict, "state": kept}, offloaded
 
 
+def adopt_existing_state(runtime: Runtime, optimizer: torch.optim.Optimizer) -> None:
+    """Move the state ``optimizer`` already holds for offloaded params to the CPU twins: it
+    stepped before the model was attached (or re-attached after ``disable()``), or a state dict
+    was loaded into it before it was bound. The twins would otherwise start from zero (Adam's
+    step count and moments) where plain torch goes on."""
+    owned = _offloaded_owned(runtime, optimizer)
+    states = {
+        id(p): optimizer.state.pop(p)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if id(p) in owned and optimizer.state.get(p)
+    }
+    if states:
+        load_offloaded_state(runtime, optimizer, states, replace=False)
+
+
+def twin_states(runtime: Runtime, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """The state ``optimizer``'s CPU twins hold, per offloaded param id."""
+    cpu_optim = runtime.cpu_optim
+    cpu_optim.wait()
+    states: dict[int, dict] = {}
+    for chunk in runtime.layout.chunks:
+        twin = cpu_optim.twins.get((chunk.index, id(optimizer)))
+        if twin is None:
+            continue
+        for slot in chunk.trainable_slots:
+            master = cpu_optim.masters.get(id(slot.param))
+            state = twin.state.get(master) if master is not None else None
+            if state:
+                states[id(slot.param)] = state
+    return states
+
+
 def load_offloaded_state(
-    runtime: Runtime, optimizer: torch.optim.Optimizer, states: dict[int, dict]
+    runtime: Runtime,
+    optimizer: torch.optim.Optimizer,
+    states: dict[int, dict],
+    replace: bool = True,
 ) -> None:
-    """Give the twins of ``optimizer`` the loaded state of its offloaded params (replacing what
-    they held, as torch does); twins are built for chunks that get state."""
+    """Give the twins of ``optimizer`` the loaded state of its offloaded params; twins are built
+    for chunks that get state. ``replace``: params without state in ``states`` lose theirs, as
+    torch's ``load_state_dict`` does."""
     cpu_optim = runtime.cpu_optim
     # Sharded: each rank keeps the state of the chunks it owns (masters exist only there).
     owned = {
@@ -275,7 +312,8 @@ def load_offloaded_state(
             master = cpu_optim.masters[pid]
             state = states.get(pid)
             if state is None:
-                twin.state.pop(master, None)
+                if replace:
+                    twin.state.pop(master, None)
             else:
                 twin.state[master] = {k: _to_twin(k, v, master) for k, v in state.items()}
 

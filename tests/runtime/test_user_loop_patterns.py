@@ -91,3 +91,48 @@ def test_an_inference_mode_eval_in_the_profiling_steps_is_not_profiled():
     runtime = autooffload.runtime.runtime_of(model)
     assert "search" in runtime.plan.source
     assert runtime.profile.batch_tokens == ids.numel()  # the training batch's, not the eval's
+
+
+def test_deepcopy_of_an_attached_model_raises_a_clear_error_and_works_after_detach():
+    """It read released storage (a segfault) or failed pickling the runtime's lock."""
+    enable_cpu(n_persist=0)
+    model = tiny_llama(tied=False).to("cpu")
+    for target in (model, model.model.layers[1]):
+        with pytest.raises(autooffload.AttachError, match="deepcopy.*load_state_dict"):
+            copy.deepcopy(target)
+    autooffload.disable()
+    twin = copy.deepcopy(model)
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_hf_gradient_checkpointing_turned_on_after_attach_is_taken_over(reentrant: bool):
+    """HF ``Trainer`` turns it on in ``train()``, after its move attached the model. Left on,
+    HF's reentrant checkpoint wrapped the block policies and the profiling probe failed
+    (``torch.autograd.grad`` through a reentrant checkpoint)."""
+    base = tiny_llama(tied=False)
+    runs = []
+    for attached in (False, True):
+        model = copy.deepcopy(base)
+        if attached:
+            enable_cpu(n_persist=0)
+            model.to("cpu")
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for ids in batches(4):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        if attached:
+            layers = model.model.layers
+            assert not any(layer.gradient_checkpointing for layer in layers)  # taken over
+        autooffload.disable()
+        runs.append(losses)
+    assert runs[1] == pytest.approx(runs[0], rel=1e-6, abs=1e-6)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)  # restored
