@@ -174,7 +174,8 @@ class LabelMasker:
                 f"masking-generation-{self.family}",
                 f"masking: the {self.family} chat template's {{% generation %}} mask disagrees "
                 f"with the {self.family} role boundaries on {int(disagree.sum())} tokens; the "
-                "template's mask is used — check the template or set role_boundaries",
+                "template's mask is used for assistant contents, role markers follow "
+                "train_on_eos — check the template or set role_boundaries",
             )
         if "assistant" not in self.scanner.options.roles_to_train:
             return found.trained
