@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from autooffload.log import logger
+from autooffload.log import logger, warn_once
 from autooffload.plan.profile import StepProfiler
 from autooffload.runtime.activations import take_over_hf_gradient_checkpointing
 from autooffload.runtime.attachable import check_params_after_attach
@@ -53,6 +53,7 @@ class GroupHooks:
     data_parallel: DataParallel | None
     settings: Settings
     hf_checkpointing_taken: bool
+    cleared_since_step: bool
 
     def init_hooks(self) -> None:
         """The trace state; the hooks themselves are installed by ``_install_hooks``."""
@@ -295,6 +296,14 @@ class GroupHooks:
         task = torch._C._current_graph_task_id()
         if task != self._backward_task:
             self._backward_task = task
+            if not self.cleared_since_step:
+                warn_once(
+                    "backward-without-zero-grad",
+                    "autooffload: a backward after optimizer.step() with no zero_grad() since:"
+                    " offloaded params' gradients (kept on the host, not in .grad) accumulate"
+                    " across steps; clear them with optimizer.zero_grad() or model.zero_grad(),"
+                    " not by setting p.grad = None",
+                )
             self._kept.clear()  # this backward takes them over
             self._backward_count += 1
             self.manager.begin_backward(self._backward_count)

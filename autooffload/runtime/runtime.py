@@ -118,6 +118,8 @@ class Runtime(GroupHooks):
         self.optimizers: list[torch.optim.Optimizer] = []
         self.init_hooks()
         self._steps = 0
+        # zero_grad() since the last optimizer step (a backward without one is warned once).
+        self.cleared_since_step = True
         # The step after which the searched plan's measured peak is checked (CUDA only).
         self.calibrate_at_step: int | None = None
         # Device bytes the allocator held in the profiling steps (CUDA only, once measured).
@@ -296,6 +298,7 @@ class Runtime(GroupHooks):
                 self.cpu_optim.wait()
                 self.cpu_mark = self.cpu_optim.mark()
         self._steps += 1
+        self.cleared_since_step = False
         sharding = self.manager.sharding
         if apply_update and sharding is not None:
             sharding.dirty.update(i for i in sharding.trainable if self.manager.is_sharded(i))
@@ -334,6 +337,7 @@ class Runtime(GroupHooks):
         """Clear the host gradients of ``param_ids`` (None: every offloaded param)."""
         self.recover_interrupted()
         self.cpu_optim.zero_grad(set_to_none, param_ids)
+        self.cleared_since_step = True
 
     def host_grads(self) -> list[torch.Tensor]:
         self.cpu_optim.wait()

@@ -5,6 +5,7 @@ retained graph over checkpointed blocks, and an ``inference_mode`` eval in the p
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -136,3 +137,27 @@ def test_hf_gradient_checkpointing_turned_on_after_attach_is_taken_over(reentran
         runs.append(losses)
     assert runs[1] == pytest.approx(runs[0], rel=1e-6, abs=1e-6)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)  # restored
+
+
+@pytest.mark.parametrize("clear", ["zero_grad", "by_hand"])
+def test_a_backward_after_a_step_without_zero_grad_is_warned_once(clear: str):
+    """Offloaded params keep their gradients on the host, not in ``.grad``: a loop clearing
+    ``p.grad = None`` by hand left them accumulating across steps, silently."""
+    from autooffload.log import reset_warnings
+
+    reset_warnings()
+    enable_cpu(n_persist=0)
+    model = tiny_llama(tied=False).to("cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for ids in batches(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            if clear == "zero_grad":
+                optimizer.zero_grad()
+            else:
+                for param in model.parameters():
+                    param.grad = None
+    hits = [w for w in caught if "no zero_grad() since" in str(w.message)]
+    assert len(hits) == (1 if clear == "by_hand" else 0), [str(w.message) for w in caught]
