@@ -89,21 +89,35 @@ DEEPCOPY_UNSUPPORTED = (
     " reference or EMA copy, copy the model before moving it to the device, or build a new"
     " model and load_state_dict(model.state_dict()) into it"
 )
-_COPY_GUARD = "__deepcopy__"
+PICKLE_UNSUPPORTED = (
+    "pickling a model attached by autooffload (torch.save(model), multiprocessing) is not"
+    " supported: its hooks hold the runtime. Save model.state_dict() (or save_pretrained), which"
+    " reads every weight wherever it lives"
+)
 
 
 def _refuse_deepcopy(memo: dict) -> None:
     raise AttachError(DEEPCOPY_UNSUPPORTED)
 
 
+def _refuse_pickle(protocol: int) -> None:
+    raise AttachError(PICKLE_UNSUPPORTED)
+
+
+# Instance attributes: copy.deepcopy and pickle look them up on the object.
+_GUARDS = {"__deepcopy__": _refuse_deepcopy, "__reduce_ex__": _refuse_pickle}
+
+
 def install_copy_guard(model: nn.Module) -> None:
-    """``copy.deepcopy`` of the attached model or any module in it raises a clear error (it
-    read released storage and crashed the process, or failed pickling a lock)."""
+    """``copy.deepcopy`` or pickling of the attached model or any module in it raises a clear
+    error (a deepcopy read released storage and crashed the process; pickling failed on a
+    hook's lambda or the runtime's lock)."""
     for module in model.modules():
-        module.__dict__[_COPY_GUARD] = _refuse_deepcopy
+        module.__dict__.update(_GUARDS)
 
 
 def remove_copy_guard(model: nn.Module) -> None:
     for module in model.modules():
-        if module.__dict__.get(_COPY_GUARD) is _refuse_deepcopy:
-            del module.__dict__[_COPY_GUARD]
+        for name, guard in _GUARDS.items():
+            if module.__dict__.get(name) is guard:
+                del module.__dict__[name]

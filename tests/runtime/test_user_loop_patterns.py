@@ -5,6 +5,7 @@ retained graph over checkpointed blocks, and an ``inference_mode`` eval in the p
 from __future__ import annotations
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -94,14 +95,18 @@ def test_an_inference_mode_eval_in_the_profiling_steps_is_not_profiled():
     assert runtime.profile.batch_tokens == ids.numel()  # the training batch's, not the eval's
 
 
-def test_deepcopy_of_an_attached_model_raises_a_clear_error_and_works_after_detach():
-    """It read released storage (a segfault) or failed pickling the runtime's lock."""
+def test_deepcopy_or_pickling_an_attached_model_raises_a_clear_error_and_works_after_detach():
+    """A deepcopy read released storage (a segfault) or failed pickling the runtime's lock;
+    ``torch.save(model)`` failed on a hook's lambda."""
     enable_cpu(n_persist=0)
     model = tiny_llama(tied=False).to("cpu")
     for target in (model, model.model.layers[1]):
         with pytest.raises(autooffload.AttachError, match="deepcopy.*load_state_dict"):
             copy.deepcopy(target)
+    with pytest.raises(autooffload.AttachError, match="state_dict"):
+        torch.save(model, io.BytesIO())
     autooffload.disable()
+    torch.save(model, io.BytesIO())
     twin = copy.deepcopy(model)
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
