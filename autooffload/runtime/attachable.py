@@ -90,7 +90,7 @@ DEEPCOPY_UNSUPPORTED = (
     " model and load_state_dict(model.state_dict()) into it"
 )
 PICKLE_UNSUPPORTED = (
-    "pickling a model attached by autooffload (torch.save(model), multiprocessing) is not"
+    "pickling or copy.copy of a model attached by autooffload (torch.save(model)) is not"
     " supported: its hooks hold the runtime. Save model.state_dict() (or save_pretrained), which"
     " reads every weight wherever it lives"
 )
