@@ -174,8 +174,10 @@ def parse_roles(value: Any, name: str) -> tuple[str, ...]:
                 raise fail(name, value, valid) from None
         else:
             roles = [part.strip() for part in text.split(",") if part.strip()]
-    if not isinstance(roles, (list, tuple)) or not roles:
+    if not isinstance(roles, (list, tuple)):
         raise fail(name, value, valid)
+    if not roles and isinstance(value, str) and not value.strip().startswith("["):
+        raise fail(name, value, valid + ", or [] (JSON) to mask every role")
     if not all(isinstance(role, str) and role.strip() for role in roles):
         raise fail(name, value, valid)
     return tuple(role.strip() for role in roles)
@@ -239,9 +241,14 @@ def parse_boundaries(value: Any, name: str) -> list[dict[str, Any]] | None:
         role = item["role"]
         if not (isinstance(role, str) and role.strip()):
             raise fail(f"{where}.role", role, "a non-empty role name such as assistant")
-        for key in ("start", "end"):
-            if not is_marker(item[key]):
-                raise fail(f"{where}.{key}", item[key], "a non-empty string or list of token ids")
+        if not is_marker(item["start"]):
+            raise fail(f"{where}.start", item["start"], "a non-empty string or list of token ids")
+        if item["end"] is not None and not is_marker(item["end"]):
+            raise fail(
+                f"{where}.end",
+                item["end"],
+                "a non-empty string, a list of token ids, or null (the turn runs to the next start)",
+            )
         for key in ("include_start", "include_end"):
             if not isinstance(item[key], bool):
                 raise fail(f"{where}.{key}", item[key], "true or false")
@@ -249,7 +256,8 @@ def parse_boundaries(value: Any, name: str) -> list[dict[str, Any]] | None:
             {
                 "role": role.strip(),
                 "start": item["start"] if isinstance(item["start"], str) else list(item["start"]),
-                "end": item["end"] if isinstance(item["end"], str) else list(item["end"]),
+                "end": item["end"] if item["end"] is None or isinstance(item["end"], str)
+                else list(item["end"]),
                 "include_start": item["include_start"],
                 "include_end": item["include_end"],
             }

@@ -190,9 +190,25 @@ def test_unknown_role_names_var_value_and_known_roles(monkeypatch):
     expect_error(["roles_to_train=", "wizard", "assistant"], roles_to_train=["wizard"])
 
 
-@pytest.mark.parametrize("bad", ["", "[]", "[1, 2]", "[not json"])
+@pytest.mark.parametrize("bad", ["", " , ", "[1, 2]", "[not json"])
 def test_malformed_roles(bad):
     expect_error(["roles_to_train=", "role names"], roles_to_train=bad)
+
+
+@pytest.mark.parametrize("empty", [[], (), "[]"])
+def test_no_roles_to_train_masks_every_role(monkeypatch, empty):
+    """docs/masking.md: ``[]`` masks every role (it was refused as malformed)."""
+    assert Settings.from_env(roles_to_train=empty).roles_to_train == ()
+    monkeypatch.setenv("AUTOOFFLOAD_ROLES_TO_TRAIN", "[]")
+    assert Settings.from_env().roles_to_train == ()
+
+
+def test_role_boundary_end_may_be_null(monkeypatch):
+    """docs/masking.md: ``end`` null means the turn runs to the next start (it was refused)."""
+    open_ended = {**BOUNDARY, "end": None}
+    assert Settings.from_env(role_boundaries=[open_ended]).role_boundaries == [open_ended]
+    monkeypatch.setenv("AUTOOFFLOAD_ROLE_BOUNDARIES", json.dumps([open_ended]))
+    assert Settings.from_env().role_boundaries == [open_ended]
 
 
 def test_custom_role_allowed_when_boundaries_define_it():
