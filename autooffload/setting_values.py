@@ -247,7 +247,8 @@ def parse_boundaries(value: Any, name: str) -> list[dict[str, Any]] | None:
             raise fail(
                 f"{where}.end",
                 item["end"],
-                "a non-empty string, a list of token ids, or null (the turn runs to the next start)",
+                "a non-empty string, a list of token ids, or null (the turn runs to the next"
+                " start)",
             )
         for key in ("include_start", "include_end"):
             if not isinstance(item[key], bool):
@@ -256,7 +257,8 @@ def parse_boundaries(value: Any, name: str) -> list[dict[str, Any]] | None:
             {
                 "role": role.strip(),
                 "start": item["start"] if isinstance(item["start"], str) else list(item["start"]),
-                "end": item["end"] if item["end"] is None or isinstance(item["end"], str)
+                "end": item["end"]
+                if item["end"] is None or isinstance(item["end"], str)
                 else list(item["end"]),
                 "include_start": item["include_start"],
                 "include_end": item["include_end"],

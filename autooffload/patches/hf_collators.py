@@ -92,10 +92,19 @@ class _MaskingSession:
         return None if source is None else self.cache.get(source)
 
     def mask_batch(
-        self, batch: Any, source: Any, count: bool = True, labels_match_ids: bool = False
+        self,
+        batch: Any,
+        source: Any,
+        count: bool = True,
+        labels_match_ids: bool = False,
+        pads_by_attention: bool = False,
     ) -> None:
         """Replace ``batch["labels"]`` by its masked copy, in place of the mapping's entry
-        (``labels_match_ids``: see ``LabelMasker.mask``)."""
+        (``labels_match_ids``: see ``LabelMasker.mask``). ``pads_by_attention``: the collator
+        made the labels as the ids with every pad id -100 (transformers' causal-LM collator),
+        which with pad = eos drops every end marker; chat rows are masked from the ids with
+        pads taken from the attention mask instead, so trained end markers keep their labels.
+        Rows without chat keep the collator's labels."""
         if not isinstance(batch, MutableMapping) or source is None:
             return
         labels, input_ids = batch.get("labels"), batch.get("input_ids")
@@ -111,6 +120,10 @@ class _MaskingSession:
             return  # ragged lists: not a padded batch
         attention = batch.get("attention_mask")
         attention_t = None if attention is None else torch.as_tensor(attention)
+        collated = labels_t
+        if pads_by_attention and attention_t is not None and attention_t.shape == ids_t.shape:
+            labels_t = ids_t.masked_fill(attention_t == 0, -100)
+            labels_match_ids = True
         masked = masker.mask(
             ids_t,
             labels_t,
@@ -120,6 +133,9 @@ class _MaskingSession:
         )
         if masked is None or masked is labels_t:
             return
+        if labels_t is not collated and masked.dim() == 2:
+            chat_rows = (masked != labels_t).any(dim=1, keepdim=True)
+            masked = torch.where(chat_rows, masked, collated)
         self.masked_labels.add(masked)
         batch["labels"] = masked.numpy() if as_numpy else masked
 
@@ -261,7 +277,9 @@ def _collator_wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwa
     batch = wrapped(*args, **kwargs)
     session = _session
     if session is not None and not getattr(instance, "mlm", False):
-        session.mask_batch(batch, session.source_of(instance))
+        # transformers' causal-LM collator labels ids with pad ids -100 (every eos, pad = eos)
+        lm = type(instance).__name__ == "DataCollatorForLanguageModeling"
+        session.mask_batch(batch, session.source_of(instance), pads_by_attention=lm)
     return batch
 
 

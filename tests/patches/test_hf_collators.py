@@ -66,6 +66,34 @@ def test_transformers_lm_collator_masks_and_disable_restores():
     assert torch.equal(plain["labels"][0], plain["input_ids"][0])
 
 
+@pytest.mark.parametrize("return_tensors", ["pt", "np"])
+def test_transformers_lm_collator_with_pad_eos_trains_the_end_markers(return_tensors):
+    """Llama 3 with ``pad_token = eos_token``: the collator makes every ``<|eot_id|>`` -100 as a
+    pad, so no turn end trained (the model never learnt to stop). Chat rows are masked from the
+    ids with pads from the attention mask; a plain-text row keeps the collator's labels."""
+    from transformers import AutoTokenizer, DataCollatorForLanguageModeling
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama3.1"))
+    tok.pad_token = tok.eos_token
+    chat = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "More?"},
+        {"role": "assistant", "content": "Sure."},
+    ]
+    ids = list(tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"])
+    plain = tok("Just some text<|eot_id|>", add_special_tokens=False)["input_ids"]
+    collator = DataCollatorForLanguageModeling(tok, mlm=False, return_tensors=return_tensors)
+    unmasked = collator([{"input_ids": ids}, {"input_ids": plain}])
+    autooffload.enable(device="cpu")
+    batch = collator([{"input_ids": ids}, {"input_ids": plain}])
+    autooffload.disable()
+    input_ids, labels = torch.as_tensor(batch["input_ids"]), torch.as_tensor(batch["labels"])
+    assert spans(tok, input_ids[0], labels[0]) == ["Hello!<|eot_id|>", "Sure.<|eot_id|>"]
+    assert torch.equal(labels[1], torch.as_tensor(unmasked["labels"][1]))  # plain row untouched
+    assert (labels[1][torch.as_tensor(batch["attention_mask"][1]) == 0] == IGNORE_INDEX).all()
+
+
 def test_seq2seq_collator_keeps_prebuilt_masks_and_masks_the_rest():
     from transformers import DataCollatorForSeq2Seq
 
