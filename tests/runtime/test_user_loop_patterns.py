@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import io
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +17,27 @@ import autooffload
 from tests.runtime.runtime_models import batches, enable_cpu, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _plain_then_attached(
+    base: torch.nn.Module,
+    train: Callable[[torch.nn.Module, bool], Any],
+    before_train: Callable[[torch.nn.Module], None] | None = None,
+    **settings: Any,
+) -> list[Any]:
+    """``train(model, attached)`` on a copy of ``base``, plain, then attached (every chunk
+    offloaded, ``settings``); ``before_train`` runs on each model after the move."""
+    results = []
+    for attached in (False, True):
+        model = copy.deepcopy(base)
+        if attached:
+            enable_cpu(n_persist=0, **settings)
+            model.to("cpu")
+        if before_train is not None:
+            before_train(model)
+        results.append(train(model, attached))
+        autooffload.disable()
+    return results
 
 
 def _dropout_llama() -> torch.nn.Module:
@@ -28,13 +51,8 @@ def test_dropout_trains_like_plain_and_the_rng_stays_where_plain_leaves_it():
     """The profiling step re-runs one block per class in train mode (its probe); with dropout
     that drew from the global RNG, so every later step (and the data order of a DataLoader
     seeded from it) differed from plain training."""
-    base = _dropout_llama()
-    runs = []
-    for attached in (False, True):
-        model = copy.deepcopy(base)
-        if attached:
-            enable_cpu(n_persist=0)
-            model.to("cpu")
+
+    def train(model: torch.nn.Module, attached: bool) -> list[float]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         torch.manual_seed(123)
         seen = []
@@ -44,8 +62,9 @@ def test_dropout_trains_like_plain_and_the_rng_stays_where_plain_leaves_it():
             optimizer.step()
             optimizer.zero_grad()
             seen += [loss.item(), torch.rand(1).item()]
-        autooffload.disable()
-        runs.append(seen)
+        return seen
+
+    runs = _plain_then_attached(_dropout_llama(), train)
     assert runs[1] == pytest.approx(runs[0], rel=1e-6, abs=1e-7)
 
 
@@ -53,13 +72,8 @@ def test_dropout_trains_like_plain_and_the_rng_stays_where_plain_leaves_it():
 def test_two_backwards_through_one_retained_graph(mode: str | None):
     """``l1.backward(retain_graph=True); l2.backward()``: a checkpointed block is recomputed in
     each backward, entering its recompute context twice (it failed the second time)."""
-    base = tiny_llama(tied=False)
-    runs = []
-    for attached in (False, True):
-        model = copy.deepcopy(base)
-        if attached:
-            enable_cpu(n_persist=0, **({"activation_mode": mode} if mode else {}))
-            model.to("cpu")
+
+    def train(model: torch.nn.Module, attached: bool) -> tuple[list[float], dict]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for ids in batches(4):
@@ -70,8 +84,11 @@ def test_two_backwards_through_one_retained_graph(mode: str | None):
             optimizer.step()
             optimizer.zero_grad()
             losses.append((out.loss + extra).item())
-        autooffload.disable()
-        runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+        return losses, model
+
+    settings = {"activation_mode": mode} if mode else {}
+    runs = _plain_then_attached(tiny_llama(tied=False), train, **settings)
+    runs = [(losses, {k: v.clone() for k, v in m.state_dict().items()}) for losses, m in runs]
     (plain_losses, plain_weights), (losses, weights) = runs
     assert losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-6)
     for name, weight in plain_weights.items():
@@ -117,16 +134,12 @@ def test_hf_gradient_checkpointing_turned_on_after_attach_is_taken_over(reentran
     """HF ``Trainer`` turns it on in ``train()``, after its move attached the model. Left on,
     HF's reentrant checkpoint wrapped the block policies and the profiling probe failed
     (``torch.autograd.grad`` through a reentrant checkpoint)."""
-    base = tiny_llama(tied=False)
-    runs = []
-    for attached in (False, True):
-        model = copy.deepcopy(base)
-        if attached:
-            enable_cpu(n_persist=0)
-            model.to("cpu")
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
-        )
+
+    def enable_gc(model: torch.nn.Module) -> None:
+        kwargs = {"use_reentrant": reentrant}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    def train(model: torch.nn.Module, attached: bool) -> list[float]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for ids in batches(4):
@@ -136,10 +149,11 @@ def test_hf_gradient_checkpointing_turned_on_after_attach_is_taken_over(reentran
             optimizer.zero_grad()
             losses.append(loss.item())
         if attached:
-            layers = model.model.layers
-            assert not any(layer.gradient_checkpointing for layer in layers)  # taken over
-        autooffload.disable()
-        runs.append(losses)
+            assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+        return losses
+
+    model = tiny_llama(tied=False)
+    runs = _plain_then_attached(model, train, before_train=enable_gc)
     assert runs[1] == pytest.approx(runs[0], rel=1e-6, abs=1e-6)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)  # restored
 
