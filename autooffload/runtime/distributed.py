@@ -273,6 +273,7 @@ def attach_data_parallel(runtime: Runtime, settings: Settings) -> DataParallel |
                     "activation_mode",
                     "master_weights",
                     "budget",
+                    "shard_optimizer",
                 )
             },
         }

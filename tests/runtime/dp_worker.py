@@ -229,9 +229,9 @@ def case_no_sync(device, dtype, rank, world):
     return result
 
 
-def case_mismatch(device, dtype, rank, world):
+def case_mismatch(device, dtype, rank, world, **per_rank):
     """Ranks with different settings: the same clear error on every rank, no hang."""
-    enable(device, n_persist=1 + rank)
+    enable(device, **(per_rank or {"n_persist": 1 + rank}))
     try:
         tiny_llama().to(device, dtype)
     except autooffload.AttachError as error:
@@ -307,6 +307,11 @@ def main() -> None:
             case_no_sync(device, dtype, rank, world), averaged_clip
         )
         report["mismatch_error"] = case_mismatch(device, dtype, rank, world)
+        # Sharded on one rank, replicated on the other: it failed in the first collective.
+        shard = "off" if rank else "on"
+        report["shard_mismatch_error"] = case_mismatch(
+            device, dtype, rank, world, shard_optimizer=shard
+        )
         resumed = case_resume(device, dtype, rank, world, args.out)
         report["resume2_vs_averaged"] = max_diff(resumed, averaged)
         # Replicas must stay identical across ranks, bit for bit.

@@ -108,6 +108,10 @@ def test_mismatched_settings_raise_the_same_error_on_every_rank(cpu_run):
     assert len(errors) == 1
     (error,) = errors
     assert error.startswith("ranks disagree on") and "n_persist" in error
+    errors = {report["shard_mismatch_error"] for report in reports}
+    assert len(errors) == 1
+    (error,) = errors
+    assert error.startswith("ranks disagree on") and "shard_optimizer" in error
 
 
 def test_checkpoint_of_two_ranks_resumes_at_two_and_at_one(cpu_run):
