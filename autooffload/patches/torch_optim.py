@@ -190,10 +190,7 @@ def clip_grad_norm_with_host(
     foreach: bool | None = None,
 ) -> torch.Tensor:
     """``clip_grad_norm_`` whose norm covers the host gradients of offloaded parameters."""
-    from autooffload import runtime as rt
-
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    owners = [r for r in rt.runtimes() if any(r.is_offloaded(p) for p in params)]
+    params, owners = _params_and_owners(parameters)
     if not owners:
         return wrapped(params, max_norm, norm_type, error_if_nonfinite, foreach)
     norm_type = float(norm_type)
@@ -215,14 +212,10 @@ def clip_grad_norm_with_host(
             " so it cannot be clipped. To disable this error and scale the gradients by the"
             " non-finite norm anyway, set `error_if_nonfinite=False`"
         )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if device_grads:
-        torch.nn.utils.clip_grad._clip_grads_with_norm_(
-            [p for p in params if p.grad is not None], max_norm, total, foreach
-        )
-    coef_value = float(coef)
-    for runtime in owners:
-        runtime.cpu_optim.clip_(coef_value, ids)
+    # torch's own second half (the public name is patched to this very function's tail).
+    _clip_with_norm(
+        torch.nn.utils.clip_grad._clip_grads_with_norm_, params, owners, max_norm, total, foreach
+    )
     return total
 
 
@@ -230,10 +223,33 @@ def _clip_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     return clip_grad_norm_with_host(wrapped, *args, **kwargs)
 
 
-def _offloaded_owners(params: list[torch.Tensor]) -> list:
+def _params_and_owners(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+) -> tuple[list[torch.Tensor], list]:
+    """The parameters as a list, and the runtimes holding any of them offloaded."""
     from autooffload import runtime as rt
 
-    return [r for r in rt.runtimes() if any(r.is_offloaded(p) for p in params)]
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    return params, [r for r in rt.runtimes() if any(r.is_offloaded(p) for p in params)]
+
+
+def _clip_with_norm(
+    device_clip: Any,
+    params: list[torch.Tensor],
+    owners: list,
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None,
+) -> None:
+    """Scale the device gradients (``device_clip``, torch's kernel; it refuses an empty list)
+    and the host gradients of ``params`` by ``min(1, max_norm / (total_norm + 1e-6))``."""
+    on_device = [p for p in params if p.grad is not None]
+    if on_device:
+        device_clip(on_device, max_norm, total_norm, foreach)
+    coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
+    ids = {id(p) for p in params}
+    for runtime in owners:
+        runtime.cpu_optim.clip_(coef, ids)
 
 
 def clip_grad_value_with_host(
@@ -243,8 +259,7 @@ def clip_grad_value_with_host(
     foreach: bool | None = None,
 ) -> None:
     """``clip_grad_value_`` that clamps the host gradients of offloaded parameters too."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    owners = _offloaded_owners(params)
+    params, owners = _params_and_owners(parameters)
     if not owners:
         return wrapped(params, clip_value, foreach)
     on_device = [p for p in params if p.grad is not None]
@@ -269,17 +284,10 @@ def clip_grads_with_norm_with_host(
 ) -> None:
     """``clip_grads_with_norm_`` (the second half of ``clip_grad_norm_``) scaling the host
     gradients of offloaded parameters by the same coefficient."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    owners = _offloaded_owners(params)
+    params, owners = _params_and_owners(parameters)
     if not owners:
         return wrapped(params, max_norm, total_norm, foreach)
-    on_device = [p for p in params if p.grad is not None]
-    if on_device:
-        wrapped(on_device, max_norm, total_norm, foreach)
-    coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
-    ids = {id(p) for p in params}
-    for runtime in owners:
-        runtime.cpu_optim.clip_(coef, ids)
+    _clip_with_norm(wrapped, params, owners, max_norm, total_norm, foreach)
     return None
 
 
