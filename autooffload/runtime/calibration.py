@@ -150,6 +150,11 @@ def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
         )
         return None
     runtime.search_request = found.request
+    from autooffload import runtime as rt
+
+    # last_plan() reports the calibrated prediction whether or not the configuration changes
+    # (it reported the stale one when the plan stayed, beside candidates from the new model).
+    rt._last_plan[:] = [new_plan]
     if new_plan.configures_like(plan):
         runtime.plan = new_plan
         logger.info(
@@ -159,8 +164,5 @@ def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
     runtime.apply_plan(new_plan)
     if runtime.manager.is_cuda:
         fresh_peak(runtime.device)
-    from autooffload import runtime as rt
-
-    rt._last_plan[:] = [new_plan]
     logger.info("%s, re-planned:\n%s", what, new_plan.summary())
     return new_plan

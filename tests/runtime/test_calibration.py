@@ -92,6 +92,23 @@ def test_a_peak_over_the_prediction_recalibrates_and_replans(
     assert rt.last_plan() is new_plan
 
 
+def test_a_calibration_that_keeps_the_plan_reports_the_calibrated_prediction(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    """No budget: a peak over the prediction recalibrates, and the same configuration stays;
+    ``last_plan()`` is the plan as now predicted (it was the stale one, so the bench compared
+    the old prediction with the measurement and with the new model's candidates)."""
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    plan = runtime.plan
+    assert rt.last_plan() is plan
+    measured = int(plan.predicted_peak_bytes * (1 + 2 * CALIBRATION_MARGIN))
+    assert calibrate_after_steps(runtime, measured) is None, "the configuration changed"
+    assert runtime.plan is not plan and runtime.plan.configures_like(plan)
+    assert rt.last_plan() is runtime.plan
+    assert rt.last_plan().predicted_peak_bytes > plan.predicted_peak_bytes
+    assert rt.last_plan().source == "search, calibrated"
+
+
 def test_the_runtime_checks_the_peak_two_steps_after_the_switch(
     make_llama, offload_cpu, make_batches, monkeypatch
 ):
