@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
 
 
 PROBE_RUNS = 3
+
+
+def _grad_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the gradients of ``params`` (a gradient has its parameter's dtype and shape)."""
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def _tensor_bytes(values: Any) -> int:
@@ -117,8 +123,14 @@ class StepProfiler:
     input_bytes: dict[int, int] = field(default_factory=dict)
     post_fwd_peak: int = 0
     post_bwd_peak: int = 0
+    bwd_copied_start: int = 0
+    post_bwd_copied: int = 0
+    """Chunk bytes copied in between the backward's start and the last block's backward: the
+    head's chunks fetched again (a profiling step does not keep them from the forward) and the
+    prefetches behind them, which the cost model counts as chunks, not as the post transient."""
     backward_started: bool = False
     backwards: int = 0
+    _chunked_ids: set[int] | None = None
 
     def __post_init__(self) -> None:
         self.clock = _Clock(self.runtime.device)
@@ -152,9 +164,11 @@ class StepProfiler:
             self.backwards += 1
             self.post_fwd_peak = self.clock.peak()
             self.end_forward_allocated = self.clock.allocated()
+            self.bwd_copied_start = self.runtime.manager.copied_in_bytes
             self.clock.reset_peak()
         if group.is_block and self._is_last_block(group) and not self.post_bwd_peak:
             self.post_bwd_peak = self.clock.peak()
+            self.post_bwd_copied = self.runtime.manager.copied_in_bytes - self.bwd_copied_start
         self._mark(group, "bwd")
 
     def _is_last_block(self, group: Group) -> bool:
@@ -200,13 +214,19 @@ class StepProfiler:
                 runtime.manager.release(index)
             if policy != "keep":
                 runtime.apply_block_policy(block, policy)
+        # The probe's backward allocates the block's parameter gradients; the cost model adds
+        # them (offloaded and persistent grads per unit), so they leave the transient, which
+        # may go negative (down to -kept: activations are freed as the gradients are made).
+        bwd_transient = max(0, bwd_peak)
+        if self.clock.cuda:
+            bwd_transient = max(-int(kept), bwd_peak - _grad_bytes(self._chunked_trainable(params)))
         return UnitProfile(
             fwd_s=fwd_s,
             bwd_s=bwd_s,
             act_bytes_keep=int(kept),
             act_bytes_checkpoint=self.input_bytes.get(group_index, 0),
             fwd_transient_bytes=int(max(0, fwd_peak - kept)),
-            bwd_transient_bytes=int(max(0, bwd_peak)),
+            bwd_transient_bytes=int(bwd_transient),
             name=type(block).__name__,
         )
 
@@ -316,6 +336,41 @@ class StepProfiler:
             expandable_segments=runtime.expandable_segments,
         )
 
+    def _post_bwd_transient(self, end_alloc: int, post_act: int) -> int:
+        """The post unit's backward peak above its kept bytes, less what the cost model counts
+        apart: the head's gradients (at 3.6B the untied head's 0.79 GB gradient was counted
+        twice, +5.3% on the peak) and the chunks copied in. It may be negative, down to
+        ``-post_act``: the loss's temporaries are freed before the head's gradient is made."""
+        if not self.clock.cuda or not self.post_bwd_peak:
+            return max(0, self.post_bwd_peak - end_alloc)
+        apart = self._post_grad_bytes() + self.post_bwd_copied
+        return max(-post_act, self.post_bwd_peak - end_alloc - apart)
+
+    def _post_grad_bytes(self) -> int:
+        """Gradient bytes of the trainable parameters of the groups after the last block (the
+        final norm and the head): their backward runs, and allocates them, in the post window."""
+        runtime = self.runtime
+        blocks = [g for g in runtime.groups if g.is_block]
+        if not blocks:
+            return 0
+        last = max(runtime.position(g.index) for g in blocks)
+        params = {
+            id(p): p
+            for g in runtime.groups
+            if not g.is_block and runtime.position(g.index) > last
+            for _, p in runtime.group_params(g)
+        }
+        return _grad_bytes(self._chunked_trainable(params.values()))
+
+    def _chunked_trainable(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``params`` whose gradients the cost model counts: trainable and in a chunk
+        (resident ones, such as LoRA adapters kept on the device, are not in the chunk tables)."""
+        if self._chunked_ids is None:
+            self._chunked_ids = {
+                id(s.param) for c in self.runtime.layout.chunks for s in c.trainable_slots
+            }
+        return [p for p in params if id(p) in self._chunked_ids]
+
     def _edge_units(self, block_groups: list[Group]) -> tuple[UnitProfile, UnitProfile]:
         fwd = [m for m in self.marks if m.phase in ("fwd", "fwd_end")]
         if not fwd or not block_groups:
@@ -346,7 +401,7 @@ class StepProfiler:
             bwd_s=post_bwd_s,
             act_bytes_keep=post_act,
             fwd_transient_bytes=max(0, self.post_fwd_peak - end_alloc),
-            bwd_transient_bytes=max(0, self.post_bwd_peak - end_alloc),
+            bwd_transient_bytes=self._post_bwd_transient(end_alloc, post_act),
             name="post",
         )
         return pre, post

@@ -111,7 +111,10 @@ class UnitProfile:
     fwd_transient_bytes: int = 0
     """Peak bytes above ``act_bytes_keep`` inside the forward (temporaries, outputs being built)."""
     bwd_transient_bytes: int = 0
-    """Peak bytes above ``act_bytes_keep`` inside the backward (activation grads, temporaries)."""
+    """Peak bytes above ``act_bytes_keep`` inside the backward (activation grads, temporaries),
+    less the unit's parameter gradients and the chunks fetched, which the cost model counts
+    itself. Negative (at least ``-act_bytes_keep``) where activations are freed before the
+    gradients are made."""
     name: str = ""
 
 
@@ -232,7 +235,7 @@ class ModelProfile:
                 unit.act_bytes_keep,
                 unit.act_bytes_checkpoint,
                 unit.fwd_transient_bytes,
-                unit.bwd_transient_bytes,
+                unit.act_bytes_keep + unit.bwd_transient_bytes,
             )
             if min(sizes) < 0 or unit.fwd_s < 0 or unit.bwd_s < 0:
                 raise PlanError(f"unit {unit.name or '?'} has a negative time or size: {unit}")

@@ -130,6 +130,9 @@ class ChunkManager:
             "gathers": 0,
             "broadcast_bytes": 0,
         }
+        # Device bytes of every chunk copy-in started (gathers and prefetches), for the
+        # profiler to tell chunk storage from activations inside a window.
+        self.copied_in_bytes = 0
         # (stat, start, end) CUDA events of copies not yet added to the stats.
         self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -289,6 +292,7 @@ class ChunkManager:
             if sharded:
                 self.sharding.broadcast(flat, index).wait()  # type: ignore[union-attr]
         self.state[index] = Residency.IN_FLIGHT
+        self.copied_in_bytes += chunk.nbytes
         if local:
             self.stats["h2d_bytes"] += chunk.nbytes
         if sharded:

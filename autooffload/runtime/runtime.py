@@ -74,7 +74,7 @@ class Runtime(GroupHooks):
         self.resident_params = self._resident_trainable_params()
         resident_ids = {id(p) for p in self.resident_params}
         params_by_group = [
-            (g.index, [(n, p) for n, p in self._group_params(g) if id(p) not in resident_ids])
+            (g.index, [(n, p) for n, p in self.group_params(g) if id(p) not in resident_ids])
             for g in self.groups
         ]
         block_bytes = [
@@ -167,7 +167,7 @@ class Runtime(GroupHooks):
         return trainable
 
     @staticmethod
-    def _group_params(group: Group) -> Iterable[tuple[str, nn.Parameter]]:
+    def group_params(group: Group) -> Iterable[tuple[str, nn.Parameter]]:
         recurse = group.is_block
         seen: set[int] = set()
         for name, param in group.module.named_parameters(recurse=recurse, remove_duplicate=False):

@@ -1,0 +1,89 @@
+"""On a GPU: the profiled transients and the cost model count each gradient once, so the
+predicted allocated peak of a planned step matches ``torch.cuda.max_memory_allocated``."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import autooffload
+from autooffload import runtime as rt
+
+pytestmark = pytest.mark.gpu
+
+# This test is about counting: each double count here is 40% of the peak or more. On the H100
+# (2026-11-23) the predicted allocated peak was +75% with the head's gradient counted twice and
+# its chunk counted both as a chunk and in the post transient, +34% with the gradient counted
+# once, +5.3% now (64 MB on 1.19 GiB). Issue 13's 5% bar is for the benchmark workloads, on the
+# reserved peak (tests/gpu/test_planner_gpu.py).
+ALLOCATED_TOLERANCE = 0.10
+VOCAB = 128256
+
+
+@pytest.fixture(autouse=True)
+def _clean_gpu():
+    yield
+    autooffload.disable()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def big_head_llama() -> LlamaForCausalLM:
+    """Llama 3's vocabulary on a 2-layer hidden-2048 body: the untied head (263M params, its
+    gradient 0.53 GB in bf16) is most of the model, as in Llama-3.2-3B's 3.6B untied variant."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=2048,
+        intermediate_size=4096,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).to(torch.bfloat16).train()
+
+
+def test_predicted_allocated_peak_counts_the_heads_gradient_once():
+    model = big_head_llama()
+    head_grad_bytes = model.lm_head.weight.numel() * 2
+    # Everything offloaded: the peak is the post unit's backward (head chunk, logits, the loss's
+    # temporaries and the head's gradient), where the gradient was once counted twice.
+    autooffload.enable(force_attach=True, n_persist=0, mask=False)
+    model.to("cuda")
+    assert rt.runtime_of(model) is not None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (1, 256), generator=generator).cuda() for _ in range(8)]
+
+    def step(ids: torch.Tensor) -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    # Steps 1-2 profile, 3 runs the plan, 4 may re-plan after calibrating; then measure.
+    for ids in batches[:5]:
+        step(ids)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for ids in batches[5:]:
+        step(ids)
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated()
+    plan = autooffload.last_plan()
+    assert plan is not None
+    predicted = plan.breakdown["mem_allocated"]
+    error = (predicted - measured) / measured
+    numbers = (
+        f"allocated peak predicted {predicted / 2**30:.3f} GiB vs measured"
+        f" {measured / 2**30:.3f} GiB ({error:+.1%}); head gradient"
+        f" {head_grad_bytes / 2**30:.3f} GiB\n{plan}\n{plan.breakdown}"
+    )
+    print(numbers)
+    assert plan.breakdown["mem_peak_in_backward"], numbers
+    assert abs(error) <= ALLOCATED_TOLERANCE, numbers
