@@ -321,6 +321,7 @@ class GroupHooks:
                 p for p in self.model.parameters() if p.grad is not None and not self.owns(p)
             ]
             self.data_parallel.end_backward(unchunked)
+            self.manager.drop_grads_unused_everywhere()
         self._backward_task = None
         self._backwards_this_step += 1
         self._trace_end()

@@ -56,7 +56,14 @@ def _view(flat: torch.Tensor, slot: ParamSlot, offset: int | None = None) -> tor
 
 
 GradsReady = Callable[
-    [Chunk, list[ParamSlot], "torch.cuda.Event | None", "tuple[torch.Tensor, ...]"], None
+    [
+        Chunk,
+        list[ParamSlot],
+        "torch.cuda.Event | None",
+        "tuple[torch.Tensor, ...]",
+        "torch.Tensor | None",
+    ],
+    None,
 ]
 
 
@@ -113,6 +120,11 @@ class ChunkManager:
         # pass whose gradients it last reduced (each chunk is reduced once per backward).
         self.data_parallel: DataParallel | None = None
         self._reduced: dict[int, int] = {}
+        # Persistent chunks with a slot this rank has no gradient for, and the averaged
+        # presence of each slot's gradient across ranks (``drop_grads_unused_everywhere``).
+        self._presence_pending: list[tuple[list[ParamSlot], torch.Tensor]] = []
+        # Pinned host copies of offloaded chunks' averaged presence, per chunk index.
+        self._presence_host: dict[int, torch.Tensor] = {}
         self._backward_id = 0
         # Hold counts of chunks whose release waits for the last ``unhold`` (code reading a
         # group's weights after the group's own forward returned: DoRA around a base layer).
@@ -424,12 +436,28 @@ class ChunkManager:
         slots: list[ParamSlot],
         event: torch.cuda.Event | None,
         norms: Sequence[torch.Tensor],
+        presence: torch.Tensor | None = None,
     ) -> None:
         for slot in slots:
             slot.param.grad = None
             self.stats["d2h_bytes"] += slot.nbytes
         if self.on_grads_ready is not None:
-            self.on_grads_ready(chunk, slots, event, tuple(norms))
+            self.on_grads_ready(chunk, slots, event, tuple(norms), presence)
+
+    def _presence(self, slots: list[ParamSlot], dtype: torch.dtype) -> torch.Tensor:
+        """1 where this rank has a gradient for the slot, 0 where not: averaged with the
+        gradients, it is 0 exactly for the slots no rank has a gradient for, which DDP leaves
+        without one (and AdamW then neither decays nor moves)."""
+        flags = [float(s.param.grad is not None) for s in slots]
+        return torch.tensor(flags, dtype=dtype, device=self.device)
+
+    def _presence_on_host(self, index: int, presence: torch.Tensor) -> torch.Tensor:
+        """A reused host tensor (pinned on GPUs) that ``presence`` is copied into."""
+        host = self._presence_host.get(index)
+        if host is None or host.shape != presence.shape or host.dtype != presence.dtype:
+            host = torch.empty(presence.shape, dtype=presence.dtype, pin_memory=presence.is_cuda)
+            self._presence_host[index] = host
+        return host
 
     def _offload_averaged_grads(self, chunk: Chunk) -> None:
         """``offload_grads`` under data parallelism: every trainable slot (zeros where this
@@ -449,6 +477,8 @@ class ChunkManager:
             else torch.zeros(s.shape, dtype=s.dtype, device=self.device)
             for s in slots
         ]
+        # Reduced with the gradients (same dtype: the same collective).
+        grads.append(self._presence(slots, grads[0].dtype))
         sharded = self.is_sharded(chunk.index)
         reduction = self.data_parallel.start(
             grads, reduce=self.sharding.reduce if sharded else None, index=chunk.index
@@ -458,15 +488,18 @@ class ChunkManager:
         if sharded and not self.sharding.owns(chunk.index):
             self._drop_after(reduction)
             return
+        views = reduction.views[:-1]
+        presence = self._presence_on_host(chunk.index, reduction.views[-1])
         event = None
         if self.is_cuda:
             self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.d2h_stream):
                 reduction.wait()
-                norms = torch._foreach_norm(reduction.views, 2, dtype=torch.float32)
+                norms = torch._foreach_norm(views, 2, dtype=torch.float32)
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self.d2h_stream)
-                for slot, averaged in zip(slots, reduction.views, strict=True):
+                presence.copy_(reduction.views[-1], non_blocking=True)
+                for slot, averaged in zip(slots, views, strict=True):
                     self.staging_view(slot, chunk).copy_(averaged, non_blocking=True)
                 for flat in reduction.flats:
                     flat.record_stream(self.d2h_stream)
@@ -475,10 +508,11 @@ class ChunkManager:
             self._timed.append(("d2h_s", start, event))
         else:
             reduction.wait()
-            norms = torch._foreach_norm(reduction.views, 2, dtype=torch.float32)
-            for slot, averaged in zip(slots, reduction.views, strict=True):
+            norms = torch._foreach_norm(views, 2, dtype=torch.float32)
+            presence.copy_(reduction.views[-1])
+            for slot, averaged in zip(slots, views, strict=True):
                 self.staging_view(slot, chunk).copy_(averaged)
-        self._grads_sent(chunk, slots, event, norms)
+        self._grads_sent(chunk, slots, event, norms, presence)
 
     def _drop_after(self, reduction: Reduction) -> None:
         """A non-owner's part of a sharded chunk's gradient reduce: keep the buffers until the
@@ -501,10 +535,25 @@ class ChunkManager:
         if not slots or all(s.param.grad is None for s in slots):
             return
         self._reduced[chunk.index] = self._backward_id
+        missing = any(slot.param.grad is None for slot in slots)
+        presence = self._presence(slots, torch.float32)
         for slot in slots:
             if slot.param.grad is None:
                 slot.param.grad = torch.zeros_like(slot.param)
-        dp.reduce_in_place([s.param.grad for s in slots])
+        # Every rank reduces the presence flags (one small collective), so that ranks stay in
+        # step; only one missing a gradient reads them (``drop_grads_unused_everywhere``).
+        dp.reduce_in_place([s.param.grad for s in slots] + [presence])
+        if missing:
+            self._presence_pending.append((slots, presence))
+
+    def drop_grads_unused_everywhere(self) -> None:
+        """After the backward's reductions finished: persistent params no rank had a gradient
+        for get none (``.grad = None``, as under DDP) instead of an average of zeros."""
+        pending, self._presence_pending = self._presence_pending, []
+        for slots, presence in pending:
+            for slot, present in zip(slots, presence.tolist(), strict=True):
+                if present == 0:
+                    slot.param.grad = None
 
     def begin_backward(self, backward_id: int) -> None:
         """A new backward pass: every chunk's gradients may be reduced once again."""

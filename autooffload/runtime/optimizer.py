@@ -161,7 +161,10 @@ class CpuOptimizer(HostGradNorms):
         slots: list[ParamSlot],
         event: torch.cuda.Event | None,
         norms: tuple[torch.Tensor, ...] = (),
+        presence: torch.Tensor | None = None,
     ) -> None:
+        """``presence`` (data parallel): per slot, 0 where no rank had a gradient, read once
+        ``event`` is done; those slots get no host gradient."""
         if chunk.index in self.early:
             raise UpdateInBackwardError(
                 f"a second backward reached chunk {chunk.index} before optimizer.step(), but"
@@ -175,7 +178,7 @@ class CpuOptimizer(HostGradNorms):
         alias = all(self._aliasable(slot) for slot in slots)
         if alias:
             self.aliased.add(chunk.index)
-        future = self.worker.submit(self._accumulate, chunk, slots, event, alias)
+        future = self.worker.submit(self._accumulate, chunk, slots, event, alias, presence)
         self.manager.staging_busy[chunk.index] = future
         self.manager.host_busy[chunk.index] = future
         if self.update_in_backward:
@@ -231,10 +234,14 @@ class CpuOptimizer(HostGradNorms):
         slots: list[ParamSlot],
         event: torch.cuda.Event | None,
         alias: bool = False,
+        presence: torch.Tensor | None = None,
     ) -> None:
         if event is not None:
             event.synchronize()
         start = time.perf_counter()
+        if presence is not None:
+            flags = presence.tolist()
+            slots = [slot for slot, present in zip(slots, flags, strict=True) if present != 0]
         for slot in slots:
             master = self.masters[id(slot.param)]
             staged = self.manager.staging_view(slot, chunk)

@@ -229,6 +229,27 @@ def case_no_sync(device, dtype, rank, world):
     return result
 
 
+UNUSED = ("model.embed_tokens.unused", "model.layers.1.mlp.unused", "model.norm.unused")
+
+
+def case_unused(device, dtype, rank, world, **overrides):
+    """Parameters no rank uses, each sharing a chunk with used ones: the persistent first chunk
+    (the embedding), an offloaded block's, the post part's. DDP leaves them without a
+    gradient, so AdamW neither decays nor moves them; the rest trains as without them."""
+    enable(device, **overrides)
+    model = tiny_llama()
+    for name in UNUSED:
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner).register_parameter(leaf, torch.nn.Parameter(torch.ones(16)))
+    model.to(device, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    train_local(model, optimizer, global_batches(STEPS), device, rank, world)
+    result = weights(model)
+    autooffload.disable()
+    moved = max((result[name] - 1).abs().max().item() for name in UNUSED)
+    return {k: v for k, v in result.items() if k not in UNUSED}, moved
+
+
 def case_mismatch(device, dtype, rank, world, **per_rank):
     """Ranks with different settings: the same clear error on every rank, no hang."""
     enable(device, **(per_rank or {"n_persist": 1 + rank}))
@@ -306,6 +327,10 @@ def main() -> None:
         report["no_sync_vs_averaged"] = max_diff(
             case_no_sync(device, dtype, rank, world), averaged_clip
         )
+        for shard in ("on", "off"):
+            trained, moved = case_unused(device, dtype, rank, world, shard_optimizer=shard)
+            report[f"unused_shard_{shard}_moved"] = moved
+            report[f"unused_shard_{shard}_vs_averaged"] = max_diff(trained, averaged)
         report["mismatch_error"] = case_mismatch(device, dtype, rank, world)
         # Sharded on one rank, replicated on the other: it failed in the first collective.
         shard = "off" if rank else "on"
