@@ -65,6 +65,10 @@ class RoleBoundary:
     ends: tuple[tuple[int, ...], ...] = ()
     include_start: bool = False
     include_end: bool = True
+    start_merges: tuple[int, ...] = ()
+    """Ids that also end a start marker in place of its last token: that token is whitespace
+    (ChatML's ``\n``) and the tokenizer merged it with the content's leading whitespace
+    (``\n\n`` where an answer opens with a newline). The merged token is not trained."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,8 @@ class Scanner:
         ends = sorted(ends, key=lambda m: (-len(m), m))
         markers = [m for m, _ in starts] + ends
         self.marker_token_ids = frozenset(t for m in markers for t in m)
-        self._markers = MarkerTable(markers, len(starts))
+        merges = [boundaries[b].start_merges for _, b in starts]
+        self._markers = MarkerTable(markers, len(starts), merges)
         self._anchor_ids = self._markers.first_ids
         # Per marker code (0: none, then index + 1): its length and a start marker's boundary.
         self._code_length = np.array([0] + [len(m) for m in markers], dtype=np.int64)

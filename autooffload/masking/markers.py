@@ -108,9 +108,20 @@ class MarkerTable:
     plus one, so a code indexes per-marker arrays that have an entry for "none" in front.
     """
 
-    def __init__(self, markers: Sequence[tuple[int, ...]], n_starts: int) -> None:
+    def __init__(
+        self,
+        markers: Sequence[tuple[int, ...]],
+        n_starts: int,
+        last_alternatives: Sequence[tuple[int, ...]] = (),
+    ) -> None:
+        """``last_alternatives[i]``: other ids that also match marker ``i``'s last token (not
+        its first: they are not candidates), e.g. the whitespace merges of a trailing newline."""
         self.markers = [tuple(m) for m in markers]
         self.n_starts = n_starts
+        alternatives = list(last_alternatives) + [()] * (len(self.markers) - len(last_alternatives))
+        self._alternatives = [
+            tuple(alt) if len(m) > 1 else () for m, alt in zip(self.markers, alternatives)
+        ]
         self.first_ids = sorted({m[0] for m in self.markers})
         self.longest = max((len(m) for m in self.markers), default=1)
         longest = self.longest
@@ -119,6 +130,12 @@ class MarkerTable:
         low, high = [], []
         for k in range(longest):
             ids_at_k = [m[k] for m in self.markers if len(m) > k] or [0]
+            ids_at_k += [
+                a
+                for m, alt in zip(self.markers, self._alternatives, strict=True)
+                if len(m) == k + 1
+                for a in alt
+            ]
             low.append(min(ids_at_k))
             high.append(max(ids_at_k))
         self._low = np.array(low, dtype=np.int64)[:, None] - 1
@@ -146,6 +163,9 @@ class MarkerTable:
                     bits[start:stop] |= dtype(1 << bit)
                 else:
                     bits[start + marker[k] - low] |= dtype(1 << bit)
+                    if k == len(marker) - 1:
+                        for alternative in self._alternatives[index]:
+                            bits[start + alternative - low] |= dtype(1 << bit)
         sets = np.arange(1 << len(members))
         code_type = np.int16 if len(self.markers) < 2**15 else np.int32
         first_start = np.zeros(sets.size, dtype=code_type)

@@ -245,3 +245,32 @@ def test_override_with_eos_token_and_open_end():
     masker = masker_for("mistral-v3-sp", ("user",), boundaries=boundaries)
     got = trained_spans(tokenizer, ids, masker.mask(ids))
     assert got == ["Hi there, who are you?", "What is 2+2?", f"{SYSTEM}\n\nAnd 3+3?"]
+
+
+# ChatML as many fine-tuning templates write it: the content is not stripped.
+PLAIN_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("answer", ["\n```py\nx = 1\n```", "\n\nTwo blank lines first.", "Plain."])
+def test_an_answer_opening_with_newlines_is_trained(answer):
+    """The marker's ``\\n`` and the answer's leading newlines tokenize as one token (``\\n\\n``,
+    ``\\n\\n\\n``): the turn was not found and went untrained. The merged token is the marker's;
+    the answer's text after it trains."""
+    tokenizer = load_tokenizer("qwen3")
+    messages = [
+        {"role": "user", "content": "Show me."},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "\nAgain?"},
+        {"role": "assistant", "content": answer},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=PLAIN_CHATML)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    tokens = ids.tolist()
+    after_role = tokens[tokens.index(tokenizer.convert_tokens_to_ids("assistant")) + 1]
+    assert (tokenizer.decode([after_role]) == "\n") == (not answer.startswith("\n"))
+    got = trained_spans(tokenizer, ids, masker_for("qwen3").mask(ids))
+    assert got == [answer.lstrip("\n") + "<|im_end|>"] * 2
+    users = trained_spans(tokenizer, ids, masker_for("qwen3", roles=("user",)).mask(ids))
+    assert users == ["Show me.<|im_end|>", "Again?<|im_end|>"]
