@@ -78,7 +78,9 @@ FAMILIES: tuple[TemplateFamily, ...] = (
     TemplateFamily(
         "chatml",
         ("<|im_start|>", "<|im_end|>"),
-        _per_role(("system", "user", "assistant", "tool"), "<|im_start|>{role}\n", ("<|im_end|>",)),
+        _per_role(("system", "user", "assistant", "tool"), "<|im_start|>{role}\n", ("<|im_end|>",))
+        # Qwen 2.5 / 3 render tool results inside a user turn; the longer marker wins there.
+        + (BoundarySpec("tool", "<|im_start|>user\n<tool_response>", ("<|im_end|>",)),),
     ),
     TemplateFamily(
         "gemma",

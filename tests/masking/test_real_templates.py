@@ -274,3 +274,36 @@ def test_an_answer_opening_with_newlines_is_trained(answer):
     assert got == [answer.lstrip("\n") + "<|im_end|>"] * 2
     users = trained_spans(tokenizer, ids, masker_for("qwen3", roles=("user",)).mask(ids))
     assert users == ["Show me.<|im_end|>", "Again?<|im_end|>"]
+
+
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+        ],
+    },
+    {"role": "tool", "content": "sunny"},
+    {"role": "tool", "content": "22C"},
+    {"role": "assistant", "content": "Sunny, 22C."},
+]
+
+
+@pytest.mark.parametrize(
+    ("roles", "expected"),
+    [
+        (
+            ("tool",),
+            ["\nsunny\n</tool_response>\n<tool_response>\n22C\n</tool_response><|im_end|>"],
+        ),
+        (("user",), ["Weather?<|im_end|>"]),
+    ],
+)
+def test_qwen3_tool_results_are_the_tool_role_not_the_user(roles, expected):
+    """Qwen 3 renders tool results in a user turn opened by ``<tool_response>``: they are the
+    ``tool`` role's (they trained as ``user`` and never as ``tool``)."""
+    tokenizer = load_tokenizer("qwen3")
+    ids = torch.tensor(render("qwen3", TOOL_CHAT))
+    assert trained_spans(tokenizer, ids, masker_for("qwen3", roles=roles).mask(ids)) == expected
