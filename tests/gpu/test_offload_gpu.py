@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import autooffload
 from autooffload import runtime as rt
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_gpu")]
 
 STEPS = 20
 VOCAB = 512
@@ -32,15 +32,6 @@ FINAL_LOSS_RTOL = 1e-2
 # every update): measured max 4.8e-2 per step and 0.13% at the end, so a looser bound.
 MASTER_LOSS_ATOL = 1e-1
 MASTER_FINAL_LOSS_RTOL = 2e-2
-
-
-@pytest.fixture(autouse=True)
-def _clean_gpu():
-    yield
-    autooffload.disable()
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def tiny_bf16_llama(tied: bool = True) -> LlamaForCausalLM:

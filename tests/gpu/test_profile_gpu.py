@@ -3,8 +3,6 @@ predicted allocated peak of a planned step matches ``torch.cuda.max_memory_alloc
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -12,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import autooffload
 from autooffload import runtime as rt
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_gpu")]
 
 # This test is about counting: each double count here is 40% of the peak or more. On the H100
 # (2026-11-23) the predicted allocated peak was +75% with the head's gradient counted twice and
@@ -21,15 +19,6 @@ pytestmark = pytest.mark.gpu
 # reserved peak (tests/gpu/test_planner_gpu.py).
 ALLOCATED_TOLERANCE = 0.10
 VOCAB = 128256
-
-
-@pytest.fixture(autouse=True)
-def _clean_gpu():
-    yield
-    autooffload.disable()
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def big_head_llama() -> LlamaForCausalLM:

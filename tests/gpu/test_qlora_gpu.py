@@ -6,7 +6,6 @@ quantized byte and quant-state tensor unchanged; the state dict equals the plain
 from __future__ import annotations
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from tests.peft.qlora_runs import (
     quantize_linears,
 )
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_gpu")]
 
 STEPS = 20
 # Both runs do the same bf16 math on the same device: the frozen base is the same bytes
@@ -38,15 +37,6 @@ OPTIMIZERS = {
     "adamw8bit": lambda params: bnb.optim.AdamW8bit(params, lr=1e-3),
     "paged_adamw": lambda params: bnb.optim.PagedAdamW(params, lr=1e-3),
 }
-
-
-@pytest.fixture(autouse=True)
-def _clean_gpu():
-    yield
-    autooffload.disable()
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def nf4_model() -> torch.nn.Module:
