@@ -6,7 +6,7 @@ import numpy as np
 from _tokenizers import load_tokenizer
 
 from autooffload.masking.markers import IdFinder, MarkerTable
-from autooffload.masking.templates import special_id_blocks
+from autooffload.masking.templates import special_id_blocks, whitespace_merges
 
 
 def test_id_finder_finds_every_id_in_one_compare_per_block():
@@ -52,3 +52,28 @@ def test_marker_table_with_row_ends_does_not_read_into_the_next_row():
 def test_special_id_blocks_of_a_real_tokenizer():
     # Qwen3: the added tokens (<|endoftext|>, <|im_start|>, ..., <think>) end the vocabulary.
     assert special_id_blocks(load_tokenizer("qwen3")) == (0, 151643)
+
+
+def test_marker_table_matches_a_last_token_alternative_and_only_there():
+    # Markers (1, 5, 9) and (1, 6, 9); 9 may also be 90 or 91 at the first one's end only.
+    table = MarkerTable([(1, 5, 9), (1, 6, 9), (2,)], 2, [(90, 91), ()])
+    flat = np.array([1, 5, 90, 1, 6, 90, 1, 5, 91, 1, 5, 9, 90, 1, 90, 9])
+    at = np.array([0, 3, 6, 9, 13])
+    start_code, _ = table.find(flat, at, seq_len=flat.size)
+    assert start_code.tolist() == [1, 0, 1, 1, 0]
+    # Never a first token: a one-token marker keeps its one id.
+    single = MarkerTable([(9,), (2,)], 1, [(90,)])
+    assert single.find(np.array([90, 9]), np.array([0, 1]), seq_len=2)[0].tolist() == [0, 1]
+
+
+def test_whitespace_merges_of_real_tokenizers():
+    for family in ("qwen3", "llama3.1"):
+        tokenizer = load_tokenizer(family)
+        newline = tokenizer.encode("\n", add_special_tokens=False)
+        assert len(newline) == 1
+        merges = whitespace_merges(tokenizer, newline[0])
+        texts = [tokenizer.decode([i]) for i in merges]
+        assert "\n\n" in texts and "\n\n\n" in texts
+        assert all(t.startswith("\n") and not t.strip() and t != "\n" for t in texts)
+        word = tokenizer.encode("hello", add_special_tokens=False)[0]
+        assert whitespace_merges(tokenizer, word) == ()
