@@ -41,6 +41,51 @@ class MaskingStats:
     all_masked: int = 0
 
 
+@dataclass
+class PackedSegments:
+    """Where each packed sequence lies: ``segment`` and ``offset`` of every flat token, and the
+    shape ``(n_segments, longest)`` that holds one sequence per row."""
+
+    segment: np.ndarray
+    offset: np.ndarray
+    shape: tuple[int, int]
+
+    def to_rows(self, values: np.ndarray, fill: int) -> np.ndarray:
+        """``values`` (the packed batch's shape) laid out one sequence per row, ``fill`` after."""
+        rows = np.full(self.shape, fill, dtype=values.dtype)
+        rows[self.segment, self.offset] = values.reshape(-1)
+        return rows
+
+    def from_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The flat packed batch back from its one-sequence-per-row layout."""
+        return rows[self.segment, self.offset]
+
+
+def packed_segments(
+    position_ids: np.ndarray, attention_mask: np.ndarray | None = None
+) -> PackedSegments | None:
+    """The sequences of a packed batch, where ``position_ids`` restart at 0 inside a row (and a
+    row's start always begins one); None when no row holds more than one. A run of zeros is one
+    start: padding takes position 0 (TRL's ``return_position_ids``, ``pad_to_multiple_of``), and
+    must not make every pad a sequence of its own."""
+    if position_ids.ndim != 2 or position_ids.shape[1] < 2:
+        return None
+    zero = position_ids == 0
+    starts = np.empty_like(zero)
+    starts[:, 0] = True
+    np.greater(zero[:, 1:], zero[:, :-1], out=starts[:, 1:])  # a zero after a non-zero
+    if attention_mask is not None and attention_mask.shape == position_ids.shape:
+        starts[:, 1:] &= attention_mask[:, 1:] != 0  # padding of a padded batch starts nothing
+    if not starts[:, 1:].any():
+        return None
+    flat_starts = starts.reshape(-1)
+    first = np.flatnonzero(flat_starts)
+    segment = np.cumsum(flat_starts) - 1
+    offset = np.arange(flat_starts.size) - first[segment]
+    lengths = np.diff(np.append(first, flat_starts.size))
+    return PackedSegments(segment, offset, (first.size, int(lengths.max())))
+
+
 class LabelMasker:
     """Masks the labels of batches made by one tokenizer or processor.
 
@@ -75,6 +120,7 @@ class LabelMasker:
         assistant_mask: torch.Tensor | None = None,
         count: bool = True,
         labels_match_ids: bool = False,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Masked labels for ``input_ids`` (``labels`` defaults to a copy of them).
 
@@ -84,7 +130,16 @@ class LabelMasker:
         ``labels_match_ids``: the caller built ``labels`` as the ids with -100 exactly where
         ``attention_mask`` is 0 (TRL's collator on examples without labels), so comparing them
         with the ids (one pass over the batch) is skipped; ignored without ``attention_mask``.
+        ``position_ids`` that restart inside a row (packed sequences, TRL's ``padding_free``):
+        each sequence is masked as a row of its own (``_mask_packed``).
         """
+        if position_ids is not None and position_ids.shape == input_ids.shape:
+            attention = None if attention_mask is None else host_array(attention_mask)
+            segments = packed_segments(host_array(position_ids), attention)
+            if segments is not None:
+                return self._mask_packed(
+                    segments, input_ids, labels, attention_mask, assistant_mask, count
+                )
         squeeze = input_ids.dim() == 1
         if squeeze:
             input_ids = input_ids.unsqueeze(0)
@@ -148,6 +203,48 @@ class LabelMasker:
         if not source.is_cpu:
             result = result.to(source.device)
         return result.squeeze(0) if squeeze else result
+
+    def _mask_packed(
+        self,
+        segments: PackedSegments,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        assistant_mask: torch.Tensor | None,
+        count: bool,
+    ) -> torch.Tensor | None:
+        """``mask`` on packed rows: the sequences laid out one per row (filled with the pad,
+        masked out by an attention mask), masked, and put back. A turn then ends with its
+        sequence, ``train_on_eos="last"`` is per sequence, and a plain-text sequence packed
+        beside chat keeps its labels as a plain row does. (``labels_match_ids`` is not used:
+        TRL masks each sequence's first label there, so the labels differ from the ids.)"""
+        ids = host_array(input_ids)
+        as_rows = segments.to_rows
+        masked = self.mask(
+            torch.from_numpy(as_rows(ids, self._fill_id())),
+            None if labels is None else torch.from_numpy(as_rows(host_array(labels), -100)),
+            attention_mask=None
+            if attention_mask is None
+            else torch.from_numpy(as_rows(host_array(attention_mask), 0)),
+            assistant_mask=None
+            if assistant_mask is None
+            else torch.from_numpy(as_rows(host_array(assistant_mask), 0)),
+            count=count,
+        )
+        if masked is None:
+            return labels
+        result = torch.from_numpy(segments.from_rows(host_array(masked)).reshape(ids.shape))
+        source = input_ids if labels is None else labels
+        return result if source.is_cpu else result.to(source.device)
+
+    def _fill_id(self) -> int:
+        """An ordinary token id (no marker, media token or added token) to fill rows with:
+        what fills a row is never read back, but must not end a marker or be a candidate."""
+        taken = set(self.scanner.marker_token_ids) | set(self.media_ids)
+        fill = max(self.special_ids[0], 0)
+        while fill in taken or fill == self.pad_token_id:
+            fill += 1
+        return fill
 
     def _candidates(self, flat: np.ndarray) -> np.ndarray:
         """Sorted positions of the flat batch that may begin a marker or hold a media token,

@@ -120,6 +120,8 @@ class _MaskingSession:
             return  # ragged lists: not a padded batch
         attention = batch.get("attention_mask")
         attention_t = None if attention is None else torch.as_tensor(attention)
+        positions = batch.get("position_ids")
+        positions_t = None if positions is None else torch.as_tensor(positions)
         collated = labels_t
         if pads_by_attention and attention_t is not None and attention_t.shape == ids_t.shape:
             labels_t = ids_t.masked_fill(attention_t == 0, -100)
@@ -130,6 +132,7 @@ class _MaskingSession:
             attention_mask=attention_t,
             count=count,
             labels_match_ids=labels_match_ids,
+            position_ids=positions_t,
         )
         if masked is None or masked is labels_t:
             return

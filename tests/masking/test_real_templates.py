@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from _tokenizers import load_tokenizer
@@ -307,3 +308,52 @@ def test_qwen3_tool_results_are_the_tool_role_not_the_user(roles, expected):
     tokenizer = load_tokenizer("qwen3")
     ids = torch.tensor(render("qwen3", TOOL_CHAT))
     assert trained_spans(tokenizer, ids, masker_for("qwen3", roles=roles).mask(ids)) == expected
+
+
+def packed(*sequences: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed row (TRL ``padding_free``): the ids, and position ids restarting per sequence."""
+    ids = torch.tensor([t for sequence in sequences for t in sequence])[None]
+    positions = torch.cat([torch.arange(len(sequence)) for sequence in sequences])[None]
+    return ids, positions
+
+
+def test_packed_sequences_are_masked_each_as_its_own_row():
+    """``train_on_eos="last"`` trains each sequence's last answer's end; a plain-text sequence
+    packed beside chat keeps its labels; a truncated answer stops where its sequence ends."""
+    tokenizer = load_tokenizer("qwen3")
+    chat = render("qwen3", CHAT)
+    plain = tokenizer("Plain pretraining text.", add_special_tokens=False)["input_ids"]
+    cut = render("qwen3", CHAT[:3])[:-4]  # the first answer, cut before its end marker
+    ids, positions = packed(chat, plain, cut, chat)
+    labels = ids.masked_fill(positions == 0, -100)  # TRL: no label across a sequence start
+    masker = masker_for("qwen3", eos="last")
+    masked = masker.mask(ids, labels, position_ids=positions)[0]
+    alone = [masker.mask(torch.tensor(s)) for s in (chat, plain, cut, chat)]
+    expected = torch.cat([a if a is not None else torch.tensor(plain) for a in alone])
+    expected[positions[0] == 0] = -100
+    assert masked.tolist() == expected.tolist()
+    spans = trained_spans(tokenizer, ids[0], masked)
+    # Each conversation's last end trains; the cut answer stops with its sequence.
+    assert [s for s in spans if s.endswith("<|im_end|>")] == [
+        f"{QWEN_EMPTY_THINK}It is 6.<|im_end|>"
+    ] * 2
+    assert f"{QWEN_EMPTY_THINK}I am a helpful" in spans
+    assert " pretraining text." in spans  # (its first token has no label: a sequence start)
+    # Without the positions the row is one conversation: the plain text is masked away, and
+    # only the row's final end marker trains.
+    flat = trained_spans(tokenizer, ids[0], masker.mask(ids, labels)[0])
+    assert not any("pretraining" in span for span in flat)
+    assert sum(span.endswith("<|im_end|>") for span in flat) == 1
+
+
+def test_padding_at_position_zero_is_not_a_packed_sequence():
+    """A padded batch with position ids (TRL's ``return_position_ids``) pads them with 0: not
+    sequence starts, so the batch is masked as padded rows."""
+    from autooffload.masking.labels import packed_segments
+
+    positions = np.array([[0, 1, 2, 0, 0, 0], [0, 1, 2, 3, 4, 5]])
+    attention = np.array([[1, 1, 1, 0, 0, 0], [1] * 6])
+    assert packed_segments(positions, attention) is None
+    # Without an attention mask a run of zeros is one start, not one sequence per pad.
+    assert packed_segments(positions).shape == (3, 6)
+    assert packed_segments(np.array([[0, 1, 0, 1, 2, 0]])).shape == (3, 3)

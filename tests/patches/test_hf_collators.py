@@ -170,6 +170,27 @@ def test_trl_collator_skips_the_label_compare_only_when_its_labels_are_the_padde
     assert not hf_collators.trl_labels_match_ids(padding_free, features)
 
 
+def test_trl_padding_free_collator_masks_each_packed_sequence():
+    """``padding_free=True``: one row, position ids restarting per example. Each example is
+    masked as its own (a plain-text one keeps its labels); TRL's -100 at every sequence start
+    stays."""
+    sft = pytest.importorskip("trl.trainer.sft_trainer")
+    from autooffload.patches import hf_collators
+
+    autooffload.enable(device="cpu")
+    tok = tokenizer()
+    collator = sft.DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id, padding_free=True)
+    hf_collators._session.bind(collator, tok)
+    plain = {"input_ids": tok("Plain pretraining text.", add_special_tokens=False)["input_ids"]}
+    features = chat_features(tok, [CHAT]) + [plain] + chat_features(tok, [CHAT[:3]])
+    batch = collator(copy.deepcopy(features))
+    assert batch["input_ids"].shape[0] == 1 and "position_ids" in batch
+    got = spans(tok, batch["input_ids"][0], batch["labels"][0])
+    assert got == ANSWERS + [" pretraining text."] + [
+        "<think>\n\n</think>\n\nI am a helpful bot.<|im_end|>"
+    ]
+
+
 def test_trl_vision_collator_masks_prompt_and_image_tokens():
     sft = pytest.importorskip("trl.trainer.sft_trainer")
     from PIL import Image
