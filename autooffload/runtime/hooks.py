@@ -41,6 +41,19 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def reduce_order(layout: ChunkLayout, positions: dict[int, int]) -> list[int]:
+    """The chunks with trainable params in the order a backward completes them under the
+    forward order ``positions`` (group -> position): by their earliest user, latest first;
+    chunks no group of which ran there come last (they complete at the end of a backward)."""
+
+    def earliest(index: int) -> int:
+        users = [positions[g] for g in layout.chunks[index].groups if g in positions]
+        return min(users) if users else -1
+
+    trainable = [c.index for c in layout.chunks if c.trainable_slots]
+    return sorted(trainable, key=lambda index: (-earliest(index), -index))
+
+
 class GroupHooks:
     """Forward and backward hooks over ``groups``; state set up by ``init_hooks``."""
 
@@ -309,12 +322,18 @@ class GroupHooks:
             self._kept.clear()  # this backward takes them over
             self._backward_count += 1
             self.manager.begin_backward(self._backward_count)
+            if self.data_parallel is not None and self.manager.reduce_order is None:
+                # Rank 0's forward order fixes every rank's reduction order (collectives must
+                # pair up even where a module ran on one rank only).
+                positions = self.data_parallel.agree_object(dict(self._position))
+                self.manager.set_reduce_order(reduce_order(self.layout, positions))
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         for index in range(len(self.layout.chunks)):
             self.manager.offload_grads(index)
             self.manager.release(index)
+        self.manager.flush_reductions()
         if self.data_parallel is not None:
             # Every trainable param outside chunks: resident ones and any PEFT added later.
             unchunked = [

@@ -120,6 +120,10 @@ class ChunkManager:
         # pass whose gradients it last reduced (each chunk is reduced once per backward).
         self.data_parallel: DataParallel | None = None
         self._reduced: dict[int, int] = {}
+        # Data parallel: the order every rank reduces chunk gradients in (``set_reduce_order``).
+        self.reduce_order: list[int] | None = None
+        self._order_next = 0
+        self._ready_to_reduce: set[int] = set()
         # Persistent chunks with a slot this rank has no gradient for, and the averaged
         # presence of each slot's gradient across ranks (``drop_grads_unused_everywhere``).
         self._presence_pending: list[tuple[list[ParamSlot], torch.Tensor]] = []
@@ -392,6 +396,9 @@ class ChunkManager:
         chunk's in place, finished at the end of backward; see ``runtime/distributed.py``).
         """
         chunk = self.chunks[index]
+        if self.data_parallel is not None and self.reduce_order is not None:
+            self._reduce_in_order(index)
+            return
         if index in self.persistent:
             self._reduce_persistent(chunk)
             return
@@ -467,8 +474,8 @@ class ChunkManager:
         slots = list(chunk.trainable_slots)
         if not slots or self._reduced.get(chunk.index) == self._backward_id:
             return
-        if all(s.param.grad is None for s in slots):
-            return
+        # Reduced even where this rank has no gradient (another may have): ranks issue the
+        # same collectives; the presence flags keep params no rank had a gradient for as such.
         self._reduced[chunk.index] = self._backward_id
         self._claim_staging(chunk.index)
         grads = [
@@ -532,7 +539,7 @@ class ChunkManager:
         if dp is None or not dp.sync or self._reduced.get(chunk.index) == self._backward_id:
             return
         slots = list(chunk.trainable_slots)
-        if not slots or all(s.param.grad is None for s in slots):
+        if not slots:
             return
         self._reduced[chunk.index] = self._backward_id
         missing = any(slot.param.grad is None for slot in slots)
@@ -558,6 +565,42 @@ class ChunkManager:
     def begin_backward(self, backward_id: int) -> None:
         """A new backward pass: every chunk's gradients may be reduced once again."""
         self._backward_id = backward_id
+        self._order_next = 0
+        self._ready_to_reduce: set[int] = set()
+
+    # ---- data parallel: one reduction order on every rank -----------------------------------
+
+    def set_reduce_order(self, order: Sequence[int]) -> None:
+        """Reduce the gradients of chunks ``order`` (every chunk with trainable params), in that
+        order, in every backward. Ranks must issue their collectives in one order, and a rank
+        on which some module did not run (a branch taken elsewhere) completes its chunks in
+        another: a chunk ready early waits for those before it (DDP's buckets do the same)."""
+        self.reduce_order = list(order)
+        self._order_next = 0
+        self._ready_to_reduce = set()
+
+    def _reduce_in_order(self, index: int) -> None:
+        """Chunk ``index``'s gradients are complete here: reduce it, and the chunks after it
+        that were waiting for it, as far as the order allows."""
+        assert self.reduce_order is not None
+        if not self.chunks[index].trainable_slots:
+            return
+        self._ready_to_reduce.add(index)
+        order = self.reduce_order
+        while self._order_next < len(order) and order[self._order_next] in self._ready_to_reduce:
+            ready = self.chunks[order[self._order_next]]
+            self._order_next += 1
+            if ready.index in self.persistent:
+                self._reduce_persistent(ready)
+            else:
+                self._offload_averaged_grads(ready)
+
+    def flush_reductions(self) -> None:
+        """The end of a backward: every chunk left in the order is complete; reduce them all."""
+        if self.data_parallel is None or self.reduce_order is None:
+            return
+        for index in self.reduce_order[self._order_next :]:
+            self._reduce_in_order(index)
 
     def fold_copy_times(self, wait: bool = False) -> None:
         """Add the measured durations of finished copies to ``stats`` (all of them if ``wait``)."""

@@ -250,6 +250,64 @@ def case_unused(device, dtype, rank, world, **overrides):
     return {k: v for k, v in result.items() if k not in UNUSED}, moved
 
 
+def branch_model(device, dtype):
+    """tiny_llama with a Linear of its own (its own group) applied to layer 2's input only
+    while ``model.branch_on`` is set: a module that runs on some ranks only."""
+    model = tiny_llama()
+    torch.manual_seed(1)
+    model.branch = torch.nn.Linear(32, 32)
+    model.branch_on = False
+
+    def apply(module, args, kwargs):
+        if not model.branch_on:
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = hidden + model.branch(hidden)
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    model.model.layers[2].register_forward_pre_hook(apply, with_kwargs=True)
+    return model.to(device, dtype)
+
+
+def train_branch_plain(device, dtype, world):
+    """The reference: each step averages the parts' gradients, the branch on for part 0 only."""
+    model = branch_model(device, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    params = list(model.parameters())
+    for ids in global_batches(STEPS):
+        ids = ids.to(device)
+        averaged = [torch.zeros_like(p) for p in params]
+        for rank in range(world):
+            model.branch_on = rank == 0
+            part = local_part(ids, rank, world)
+            model(input_ids=part, labels=part).loss.backward()
+            for total, p in zip(averaged, params, strict=True):
+                if p.grad is not None:
+                    total.add_(p.grad / world)
+            optimizer.zero_grad()
+        for total, p in zip(averaged, params, strict=True):
+            p.grad = total
+        optimizer.step()
+        optimizer.zero_grad()
+    return weights(model)
+
+
+def case_branch(device, dtype, rank, world):
+    """A module that runs on rank 0 only, replicated state: ranks reduce their chunks in one
+    order (rank 1 never completes the branch's chunk before the end of its backward), and
+    training follows the reference, where the branch's gradient is rank 0's over the world."""
+    enable(device, shard_optimizer="off")
+    model = branch_model(device, dtype)
+    model.branch_on = rank == 0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    train_local(model, optimizer, global_batches(STEPS), device, rank, world)
+    result = weights(model)
+    autooffload.disable()
+    return result
+
+
 def case_mismatch(device, dtype, rank, world, **per_rank):
     """Ranks with different settings: the same clear error on every rank, no hang."""
     enable(device, **(per_rank or {"n_persist": 1 + rank}))
@@ -331,6 +389,10 @@ def main() -> None:
             trained, moved = case_unused(device, dtype, rank, world, shard_optimizer=shard)
             report[f"unused_shard_{shard}_moved"] = moved
             report[f"unused_shard_{shard}_vs_averaged"] = max_diff(trained, averaged)
+        branch_reference = train_branch_plain(device, dtype, world)
+        report["branch_vs_averaged"] = max_diff(
+            case_branch(device, dtype, rank, world), branch_reference
+        )
         report["mismatch_error"] = case_mismatch(device, dtype, rank, world)
         # Sharded on one rank, replicated on the other: it failed in the first collective.
         shard = "off" if rank else "on"
