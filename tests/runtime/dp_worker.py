@@ -66,23 +66,34 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def train_plain(
-    device: str, dtype: torch.dtype, steps: int, accum: int = 1, clip: float = 0.0, world: int = 1
+    device: str,
+    dtype: torch.dtype,
+    steps: int,
+    accum: int = 1,
+    clip: float = 0.0,
+    world: int = 1,
+    model: torch.nn.Module | None = None,
+    on_part=None,
 ):
     """Single process, no autooffload: the reference. With ``world`` > 1 each step averages the
     gradients of the ``world`` parts of the global batch, as data parallelism does; with 1 it
     trains on the whole global batch (which Adam makes differ by ~3e-4 after 10 steps from the
-    averaged halves, both in plain torch and here: fp32 sums in another order)."""
-    model = tiny_llama().to(device, dtype)
+    averaged halves, both in plain torch and here: fp32 sums in another order). ``model``:
+    another model than ``tiny_llama``; ``on_part(model, rank)`` runs before each part."""
+    model = tiny_llama().to(device, dtype) if model is None else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     params = list(model.parameters())
     for ids in global_batches(steps):
         ids = ids.to(device)
         averaged = [torch.zeros_like(p) for p in params]
         for rank in range(world):
+            if on_part is not None:
+                on_part(model, rank)
             for micro in local_part(ids, rank, world).chunk(accum):
                 (model(input_ids=micro, labels=micro).loss / accum).backward()
             for total, p in zip(averaged, params, strict=True):
-                total.add_(p.grad / world)
+                if p.grad is not None:  # a module that ran for some parts only
+                    total.add_(p.grad / world)
             optimizer.zero_grad()
         for total, p in zip(averaged, params, strict=True):
             p.grad = total
@@ -273,25 +284,13 @@ def branch_model(device, dtype):
 
 def train_branch_plain(device, dtype, world):
     """The reference: each step averages the parts' gradients, the branch on for part 0 only."""
+
+    def branch_for(model, rank):
+        model.branch_on = rank == 0
+
     model = branch_model(device, dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    params = list(model.parameters())
-    for ids in global_batches(STEPS):
-        ids = ids.to(device)
-        averaged = [torch.zeros_like(p) for p in params]
-        for rank in range(world):
-            model.branch_on = rank == 0
-            part = local_part(ids, rank, world)
-            model(input_ids=part, labels=part).loss.backward()
-            for total, p in zip(averaged, params, strict=True):
-                if p.grad is not None:
-                    total.add_(p.grad / world)
-            optimizer.zero_grad()
-        for total, p in zip(averaged, params, strict=True):
-            p.grad = total
-        optimizer.step()
-        optimizer.zero_grad()
-    return weights(model)
+    trained, _ = train_plain(device, dtype, STEPS, world=world, model=model, on_part=branch_for)
+    return weights(trained)
 
 
 def case_branch(device, dtype, rank, world):
