@@ -399,11 +399,8 @@ class ChunkManager:
         if self.data_parallel is not None and self.reduce_order is not None:
             self._reduce_in_order(index)
             return
-        if index in self.persistent:
-            self._reduce_persistent(chunk)
-            return
-        if self.data_parallel is not None:
-            self._offload_averaged_grads(chunk)
+        if self.data_parallel is not None or index in self.persistent:
+            self._reduce(chunk)
             return
         slots = [s for s in chunk.trainable_slots if s.param.grad is not None]
         if not slots:
@@ -465,6 +462,14 @@ class ChunkManager:
             host = torch.empty(presence.shape, dtype=presence.dtype, pin_memory=presence.is_cuda)
             self._presence_host[index] = host
         return host
+
+    def _reduce(self, chunk: Chunk) -> None:
+        """Average ``chunk``'s gradients across ranks: in place for a persistent chunk, into
+        host staging for an offloaded one (a persistent chunk on one rank: nothing to do)."""
+        if chunk.index in self.persistent:
+            self._reduce_persistent(chunk)
+        else:
+            self._offload_averaged_grads(chunk)
 
     def _offload_averaged_grads(self, chunk: Chunk) -> None:
         """``offload_grads`` under data parallelism: every trainable slot (zeros where this
@@ -566,7 +571,7 @@ class ChunkManager:
         """A new backward pass: every chunk's gradients may be reduced once again."""
         self._backward_id = backward_id
         self._order_next = 0
-        self._ready_to_reduce: set[int] = set()
+        self._ready_to_reduce = set()
 
     # ---- data parallel: one reduction order on every rank -----------------------------------
 
@@ -576,8 +581,6 @@ class ChunkManager:
         on which some module did not run (a branch taken elsewhere) completes its chunks in
         another: a chunk ready early waits for those before it (DDP's buckets do the same)."""
         self.reduce_order = list(order)
-        self._order_next = 0
-        self._ready_to_reduce = set()
 
     def _reduce_in_order(self, index: int) -> None:
         """Chunk ``index``'s gradients are complete here: reduce it, and the chunks after it
@@ -588,12 +591,8 @@ class ChunkManager:
         self._ready_to_reduce.add(index)
         order = self.reduce_order
         while self._order_next < len(order) and order[self._order_next] in self._ready_to_reduce:
-            ready = self.chunks[order[self._order_next]]
             self._order_next += 1
-            if ready.index in self.persistent:
-                self._reduce_persistent(ready)
-            else:
-                self._offload_averaged_grads(ready)
+            self._reduce(self.chunks[order[self._order_next - 1]])
 
     def flush_reductions(self) -> None:
         """The end of a backward: every chunk left in the order is complete; reduce them all."""
