@@ -44,11 +44,11 @@ def in_backward() -> bool:
 def reduce_order(layout: ChunkLayout, positions: dict[int, int]) -> list[int]:
     """The chunks with trainable params in the order a backward completes them under the
     forward order ``positions`` (group -> position): by their earliest user, latest first;
-    chunks no group of which ran there come last (they complete at the end of a backward)."""
+    chunks with a group that did not run there come last (as ``_pre_backward`` never finds
+    them complete, they complete at the end of a backward)."""
 
     def earliest(index: int) -> int:
-        users = [positions[g] for g in layout.chunks[index].groups if g in positions]
-        return min(users) if users else -1
+        return min(positions.get(g, -1) for g in layout.chunks[index].groups)
 
     trainable = [c.index for c in layout.chunks if c.trainable_slots]
     return sorted(trainable, key=lambda index: (-earliest(index), -index))

@@ -212,3 +212,29 @@ def test_each_rank_takes_its_share_of_the_cores(monkeypatch, local_world, thread
         assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_reduce_order_follows_completion_in_the_backward():
+    """By each chunk's earliest user in the forward, latest first (ties: higher index first);
+    frozen chunks are left out; a chunk with a group that did not run completes only at the
+    end of a backward, so it comes last."""
+    from autooffload.runtime.chunks import Chunk, ChunkLayout, ParamSlot
+    from autooffload.runtime.hooks import reduce_order
+
+    def chunk(index: int, groups: set[int], trainable: bool = True) -> Chunk:
+        param = torch.nn.Parameter(torch.zeros(1), requires_grad=trainable)
+        slot = ParamSlot(param, f"p{index}", 0, 4, param.shape, param.dtype)
+        return Chunk(index, 4, [slot], groups)
+
+    chunks = [
+        chunk(0, {0, 5}),  # a tied embedding: its earliest user runs first
+        chunk(1, {1}),
+        chunk(2, {2}, trainable=False),
+        chunk(3, {2, 3}),
+        chunk(4, {3}),
+        chunk(5, {4, 9}),  # group 9 did not run in that forward
+        chunk(6, {5}),
+    ]
+    layout = ChunkLayout(4, chunks, {})
+    positions = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5}
+    assert reduce_order(layout, positions) == [6, 4, 3, 1, 0, 5]
