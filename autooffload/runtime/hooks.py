@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from autooffload.errors import AutoOffloadError
 from autooffload.log import logger, warn_once
 from autooffload.plan.profile import StepProfiler
 from autooffload.runtime.activations import take_over_hf_gradient_checkpointing
@@ -281,6 +282,8 @@ class GroupHooks:
 
     def _pre_backward(self, group: Group) -> None:
         self._ensure_end_callback()
+        if self.data_parallel is not None:
+            self._check_not_averaged_yet(group)
         position = self._position.get(group.index, 0)
         for index, state in enumerate(self.manager.state):
             if state == Residency.HOST or index in self.manager.persistent:
@@ -306,6 +309,26 @@ class GroupHooks:
             if group.index in order and order.index(group.index) > 0:
                 self.swapper.prefetch(order.index(group.index) - 1)
         self._prefetch_after(group.index, forward=False)
+
+    def _check_not_averaged_yet(self, group: Group) -> None:
+        """Raise if ``group``'s backward comes after its trainable weights' gradients were
+        averaged across ranks: what it adds would stay on this rank (offloaded params: read by
+        the optimizer from freed storage). A module run from another's forward hook, after
+        that one's forward, has its backward after that one's, where the chunks it shares
+        with later modules are complete. One GPU needs no check: the end of the backward
+        sends such late gradients on."""
+        late = [i for i in self._chunks(group) if self.manager.reduced_in_this_backward(i)]
+        if not late:
+            return
+        mine = {id(p) for p in group.module.parameters(recurse=group.is_block) if p.requires_grad}
+        slots = (s for i in late for s in self.layout.chunks[i].trainable_slots)
+        if any(id(s.param) in mine for s in slots):
+            raise AutoOffloadError(
+                f"autooffload: the backward of {group.name} came after its gradients were"
+                " averaged across ranks, because it runs after the forward of the module"
+                " before it (a forward hook calls it?); under data parallelism call it from"
+                " a forward pre-hook of the module after it, or from the model's forward"
+            )
 
     def _ensure_end_callback(self) -> None:
         task = torch._C._current_graph_task_id()

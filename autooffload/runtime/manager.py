@@ -567,6 +567,10 @@ class ChunkManager:
                 if present == 0:
                     slot.param.grad = None
 
+    def reduced_in_this_backward(self, index: int) -> bool:
+        """Whether chunk ``index``'s gradients were averaged across ranks in this backward."""
+        return self._reduced.get(index) == self._backward_id
+
     def begin_backward(self, backward_id: int) -> None:
         """A new backward pass: every chunk's gradients may be reduced once again."""
         self._backward_id = backward_id

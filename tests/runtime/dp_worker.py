@@ -261,13 +261,23 @@ def case_unused(device, dtype, rank, world, **overrides):
     return {k: v for k, v in result.items() if k not in UNUSED}, moved
 
 
-def branch_model(device, dtype):
+def branch_model(device, dtype, after_layer_1: bool = False):
     """tiny_llama with a Linear of its own (its own group) applied to layer 2's input only
-    while ``model.branch_on`` is set: a module that runs on some ranks only."""
+    while ``model.branch_on`` is set: a module that runs on some ranks only. ``after_layer_1``:
+    applied to layer 1's output by a forward hook instead, after layer 1's forward."""
     model = tiny_llama()
     torch.manual_seed(1)
     model.branch = torch.nn.Linear(32, 32)
     model.branch_on = False
+
+    def after(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = hidden + model.branch(hidden)
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    if after_layer_1:
+        model.model.layers[1].register_forward_hook(after)
+        return model.to(device, dtype)
 
     def apply(module, args, kwargs):
         if not model.branch_on:
@@ -305,6 +315,22 @@ def case_branch(device, dtype, rank, world):
     result = weights(model)
     autooffload.disable()
     return result
+
+
+def case_branch_in_forward_hook(device, dtype, rank, world):
+    """The branch run by layer 1's forward hook on every rank: its backward comes after the
+    chunk it shares with layer 2 was averaged. The same clear error on every rank (it
+    crashed in the optimizer, reading offloaded params)."""
+    enable(device, shard_optimizer="off")
+    model = branch_model(device, dtype, after_layer_1=True)
+    ids = local_part(global_batches(1)[0], rank, world).to(device)
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    except autooffload.AutoOffloadError as error:
+        return str(error)
+    finally:
+        autooffload.disable()
+    return "no error"
 
 
 def case_mismatch(device, dtype, rank, world, **per_rank):
@@ -400,6 +426,7 @@ def main() -> None:
         )
         resumed = case_resume(device, dtype, rank, world, args.out)
         report["resume2_vs_averaged"] = max_diff(resumed, averaged)
+        report["hooked_branch_error"] = case_branch_in_forward_hook(device, dtype, rank, world)
         # Replicas must stay identical across ranks, bit for bit.
         for name, tensors in (("dp", dp), ("ddp", ddp)):
             flat = torch.cat([t.reshape(-1) for t in tensors.values()]).to(device)
