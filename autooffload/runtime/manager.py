@@ -452,8 +452,13 @@ class ChunkManager:
         """1 where this rank has a gradient for the slot, 0 where not: averaged with the
         gradients, it is 0 exactly for the slots no rank has a gradient for, which DDP leaves
         without one (and AdamW then neither decays nor moves)."""
-        flags = [float(s.param.grad is not None) for s in slots]
-        return torch.tensor(flags, dtype=dtype, device=self.device)
+        # Made on the device (no host-to-device copy, which would wait for the queued compute):
+        # ones, and a zero per slot without a gradient (rare).
+        presence = torch.ones(len(slots), dtype=dtype, device=self.device)
+        for i, slot in enumerate(slots):
+            if slot.param.grad is None:
+                presence[i] = 0
+        return presence
 
     def _presence_on_host(self, index: int, presence: torch.Tensor) -> torch.Tensor:
         """A reused host tensor (pinned on GPUs) that ``presence`` is copied into."""
