@@ -336,29 +336,26 @@ class StepProfiler:
             expandable_segments=runtime.expandable_segments,
         )
 
-    def _post_bwd_transient(self, end_alloc: int, post_act: int) -> int:
+    def _post_bwd_transient(self, end_alloc: int, post_act: int, last_block: Group) -> int:
         """The post unit's backward peak above its kept bytes, less what the cost model counts
         apart: the head's gradients (at 3.6B the untied head's 0.79 GB gradient was counted
         twice, +5.3% on the peak) and the chunks copied in. It may be negative, down to
         ``-post_act``: the loss's temporaries are freed before the head's gradient is made."""
         if not self.clock.cuda or not self.post_bwd_peak:
             return max(0, self.post_bwd_peak - end_alloc)
-        apart = self._post_grad_bytes() + self.post_bwd_copied
+        apart = self._post_grad_bytes(last_block) + self.post_bwd_copied
         return max(-post_act, self.post_bwd_peak - end_alloc - apart)
 
-    def _post_grad_bytes(self) -> int:
-        """Gradient bytes of the trainable parameters of the groups after the last block (the
+    def _post_grad_bytes(self, last_block: Group) -> int:
+        """Gradient bytes of the trainable parameters of the groups after ``last_block`` (the
         final norm and the head): their backward runs, and allocates them, in the post window."""
         runtime = self.runtime
-        blocks = [g for g in runtime.groups if g.is_block]
-        if not blocks:
-            return 0
-        last = max(runtime.position(g.index) for g in blocks)
+        last = runtime.position(last_block.index)
         params = {
             id(p): p
             for g in runtime.groups
             if not g.is_block and runtime.position(g.index) > last
-            for _, p in runtime.group_params(g)
+            for _, p in g.params()
         }
         return _grad_bytes(self._chunked_trainable(params.values()))
 
@@ -401,7 +398,7 @@ class StepProfiler:
             bwd_s=post_bwd_s,
             act_bytes_keep=post_act,
             fwd_transient_bytes=max(0, self.post_fwd_peak - end_alloc),
-            bwd_transient_bytes=self._post_bwd_transient(end_alloc, post_act),
+            bwd_transient_bytes=self._post_bwd_transient(end_alloc, post_act, block_groups[-1]),
             name="post",
         )
         return pre, post

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
@@ -21,6 +22,16 @@ class Group:
     module: nn.Module
     is_block: bool
     block_index: int | None = None
+
+    def params(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The group's own parameters, each once, by qualified name: a block's recursively, a
+        non-block module's direct ones (its children are groups of their own)."""
+        seen: set[int] = set()
+        named = self.module.named_parameters(recurse=self.is_block, remove_duplicate=False)
+        for name, param in named:
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield f"{self.name}.{name}", param
 
 
 def _hf_layer_class() -> type | None:

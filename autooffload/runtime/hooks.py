@@ -320,7 +320,7 @@ class GroupHooks:
         late = [i for i in self._chunks(group) if self.manager.reduced_in_this_backward(i)]
         if not late:
             return
-        mine = {id(p) for p in group.module.parameters(recurse=group.is_block) if p.requires_grad}
+        mine = {id(p) for _, p in group.params() if p.requires_grad}
         slots = (s for i in late for s in self.layout.chunks[i].trainable_slots)
         if any(id(s.param) in mine for s in slots):
             raise AutoOffloadError(

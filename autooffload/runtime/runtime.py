@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -74,7 +73,7 @@ class Runtime(GroupHooks):
         self.resident_params = self._resident_trainable_params()
         resident_ids = {id(p) for p in self.resident_params}
         params_by_group = [
-            (g.index, [(n, p) for n, p in self.group_params(g) if id(p) not in resident_ids])
+            (g.index, [(n, p) for n, p in g.params() if id(p) not in resident_ids])
             for g in self.groups
         ]
         block_bytes = [
@@ -165,15 +164,6 @@ class Runtime(GroupHooks):
         if not trainable or trainable_bytes >= RESIDENT_TRAINABLE_SHARE * total:
             return []
         return trainable
-
-    @staticmethod
-    def group_params(group: Group) -> Iterable[tuple[str, nn.Parameter]]:
-        recurse = group.is_block
-        seen: set[int] = set()
-        for name, param in group.module.named_parameters(recurse=recurse, remove_duplicate=False):
-            if id(param) not in seen:
-                seen.add(id(param))
-                yield f"{group.name}.{name}", param
 
     # ---- activations and plan switches -----------------------------------------------------
 
