@@ -213,8 +213,8 @@ class LabelMasker:
         assistant_mask: torch.Tensor | None,
         count: bool,
     ) -> torch.Tensor | None:
-        """``mask`` on packed rows: the sequences laid out one per row (filled with the pad,
-        masked out by an attention mask), masked, and put back. A turn then ends with its
+        """``mask`` on packed rows: the sequences laid out one per row (filled with
+        ``_fill_id``, never read back), masked, and put back. A turn then ends with its
         sequence, ``train_on_eos="last"`` is per sequence, and a plain-text sequence packed
         beside chat keeps its labels as a plain row does. (``labels_match_ids`` is not used:
         TRL masks each sequence's first label there, so the labels differ from the ids.)"""

@@ -259,21 +259,21 @@ _MERGES: dict[tuple[str, int, int], tuple[int, ...]] = {}
 
 def whitespace_merges(tokenizer: Any, token_id: int) -> tuple[int, ...]:
     """The ids of the tokens that are ``token_id``'s whitespace followed by more whitespace
-    (``\n`` -> ``\n\n``, ``\n\n\n``, ``\n  \n``, ...): what the tokenizer makes of a
-    marker ending in ``\n`` before content that opens with whitespace. Empty unless
+    (``\\n`` -> ``\\n\\n``, ``\\n\\n\\n``, ``\\n  \\n``, ...): what the tokenizer makes
+    of a marker ending in ``\\n`` before content that opens with whitespace. Empty unless
     ``token_id`` is whitespace only. A merge's raw token begins with ``token_id``'s (byte-level
     BPE and SentencePiece merges concatenate), so only those are decoded; cached per vocabulary
     (one pass over it, ~0.1 s for 150k tokens)."""
     key = (str(getattr(tokenizer, "name_or_path", "")), len(tokenizer), int(token_id))
     if key[0] and key in _MERGES:
         return _MERGES[key]
-    text = tokenizer.decode([token_id])
     merges: tuple[int, ...] = ()
     needs = ("convert_ids_to_tokens", "get_vocab", "batch_decode")
     if not all(hasattr(tokenizer, name) for name in needs):
         # A tokenizer-like object without a vocabulary to read: the plain markers only.
         logger.debug("masking: %s has no vocabulary to read merges from", type(tokenizer))
         return merges
+    text = tokenizer.decode([token_id])
     if text and not text.strip():
         raw = tokenizer.convert_ids_to_tokens(int(token_id))
         vocab = tokenizer.get_vocab()
