@@ -14,7 +14,7 @@ tests check both agree.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -265,30 +265,30 @@ def backward_update_ready(profile: ModelProfile, tables: ChunkTables, rate: floa
     return done
 
 
-def predict_step_time(
-    profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, tables: ChunkTables | None = None
-) -> tuple[float, dict[str, float], str]:
-    """Predicted seconds per step, its breakdown, and the bottleneck's name.
+@dataclass(frozen=True)
+class StepWindows:
+    """The predicted step, window by window (``predict_step_time``'s formulas).
 
-    Time 0 is ``optimizer.step()`` of the previous step. Per forward window u (unit u computes,
-    the gathers of u+1 prefetch into the buffers u leaves free, u's swapped activations go out):
-        pre_f[u]   = prefetched_bytes(u, room = n_buffer - resident[u])      (bytes of u+1's)
-        xfer_f[u]  = transfer_s(pre_f[u], swap_out[u])
-        w_f[u]     = max(fwd_s[u], xfer_f[u]) + (gather_bytes[u+1] - pre_f[u]) / B_h2d      (s)
-    The CPU optimizer updates offloaded chunks in order from t=0; gathers of u wait for them:
-        ready[u]   = cpu_ready_numel[u] / cpu_rate + gather_bytes[u] / B_h2d
-    (under ``update_in_backward``: ``backward_update_ready`` + gather_bytes[u] / B_h2d)
-        T_fwd      = max(max(gpu_optim, gather_bytes[0] / B_h2d) + sum_u w_f[u],
-                         max_u (ready[u] + sum_{v >= u} w_f[v]))                             (s)
-    with gpu_optim = persist_numel / gpu_rate (the user's optimizer on persistent chunks).
-    Per backward window u (reverse order; prefetch gathers and swap-in of u-1, grads of u+1 out):
-        pre_b[u]   = prefetched_bytes(u, room = n_buffer - resident[u], backward)  (of u-1's)
-        xfer_b[u]  = transfer_s(pre_b[u] + swap_in[u-1], grad_d2h[u+1])
-        w_b[u]     = max(bwd_s[u] + recompute[u], xfer_b[u]) + (bwd_gather[u-1] - pre_b[u])/B_h2d
-        T_bwd      = sum_u w_b[u] + grad_d2h[0] / B_d2h                                      (s)
-    (the post unit L+1 gathers nothing: its chunks stay from its forward; ``chunk_tables``)
-    step = T_fwd + T_bwd + other_s.
+    ``fwd[u]`` is w_f[u] (unit u's forward with the prefetch of u+1 beside it, and u+1's
+    exposed gathers); ``bwd[u]`` is w_b[u] (unit u's backward with its recompute, the prefetch
+    of u-1 and the gradients of u+1 going out). ``t_fwd`` adds the start (the GPU optimizer or
+    the first gathers) and the waits for the CPU update to them; ``t_bwd`` the last gradients'
+    copy out.
     """
+
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    t_fwd: float
+    t_bwd: float
+    gpu_optim_s: float
+    recompute_s: float
+    stalls: dict[str, float]
+
+
+def step_windows(
+    profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, tables: ChunkTables | None = None
+) -> StepWindows:
+    """The windows of ``predict_step_time`` (to compare with a measured step, unit by unit)."""
     tables = tables or chunk_tables(profile)
     check_knobs(profile, knobs, tables)
     p, n_buffer = knobs.n_persist, knobs.n_buffer
@@ -348,6 +348,48 @@ def predict_step_time(
     tail_s = float(tables.grad_d2h_bytes[p, 0]) / hw.d2h_bps
     stalls["pcie_d2h"] += tail_s
     t_bwd = sum(bwd_windows) + tail_s
+    return StepWindows(
+        tuple(float(w) for w in fwd_windows),
+        tuple(float(w) for w in bwd_windows),
+        float(t_fwd),
+        float(t_bwd),
+        gpu_optim_s,
+        recompute_s,
+        stalls,
+    )
+
+
+def predict_step_time(
+    profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, tables: ChunkTables | None = None
+) -> tuple[float, dict[str, float], str]:
+    """Predicted seconds per step, its breakdown, and the bottleneck's name.
+
+    Time 0 is ``optimizer.step()`` of the previous step. Per forward window u (unit u computes,
+    the gathers of u+1 prefetch into the buffers u leaves free, u's swapped activations go out):
+        pre_f[u]   = prefetched_bytes(u, room = n_buffer - resident[u])      (bytes of u+1's)
+        xfer_f[u]  = transfer_s(pre_f[u], swap_out[u])
+        w_f[u]     = max(fwd_s[u], xfer_f[u]) + (gather_bytes[u+1] - pre_f[u]) / B_h2d      (s)
+    The CPU optimizer updates offloaded chunks in order from t=0; gathers of u wait for them:
+        ready[u]   = cpu_ready_numel[u] / cpu_rate + gather_bytes[u] / B_h2d
+    (under ``update_in_backward``: ``backward_update_ready`` + gather_bytes[u] / B_h2d)
+        T_fwd      = max(max(gpu_optim, gather_bytes[0] / B_h2d) + sum_u w_f[u],
+                         max_u (ready[u] + sum_{v >= u} w_f[v]))                             (s)
+    with gpu_optim = persist_numel / gpu_rate (the user's optimizer on persistent chunks).
+    Per backward window u (reverse order; prefetch gathers and swap-in of u-1, grads of u+1 out):
+        pre_b[u]   = prefetched_bytes(u, room = n_buffer - resident[u], backward)  (of u-1's)
+        xfer_b[u]  = transfer_s(pre_b[u] + swap_in[u-1], grad_d2h[u+1])
+        w_b[u]     = max(bwd_s[u] + recompute[u], xfer_b[u]) + (bwd_gather[u-1] - pre_b[u])/B_h2d
+        T_bwd      = sum_u w_b[u] + grad_d2h[0] / B_d2h                                      (s)
+    (the post unit L+1 gathers nothing: its chunks stay from its forward; ``chunk_tables``)
+    step = T_fwd + T_bwd + other_s.
+    """
+    tables = tables or chunk_tables(profile)
+    windows = step_windows(profile, hw, knobs, tables)
+    p = knobs.n_persist
+    policies = unit_policies(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint)
+    units = profile.units
+    stalls, recompute_s = windows.stalls, windows.recompute_s
+    t_fwd, t_bwd, gpu_optim_s = windows.t_fwd, windows.t_bwd, windows.gpu_optim_s
     step_s = t_fwd + t_bwd + profile.other_s
 
     swap_bytes = sum(u.act_bytes_keep for u, pol in zip(units, policies) if pol == "swap")
