@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from autooffload import log, patches
+from autooffload import log, openmp, patches
 from autooffload import settings as _settings
 from autooffload.errors import AttachError, AutoOffloadError, PlanError, SettingsError
 from autooffload.settings import Settings
@@ -57,6 +57,7 @@ def enable(**overrides: Any) -> Settings:
             disable()
         log.logger.debug("autooffload is disabled by AUTOOFFLOAD=0 / enabled=False")
         return settings
+    openmp.prefer_passive()  # before the patches import torch, which loads OpenMP
     if active is not None:
         if active == settings and patches.is_installed():
             return active

@@ -1,7 +1,8 @@
 """The planned step, window by window: measured against the cost model's windows (dev tool).
 
-python devtools/step_timeline.py WORKLOAD CAP [--warmup N] [--steps N]
-    e.g. python devtools/step_timeline.py llama-1b-full 8GiB
+python devtools/step_timeline.py WORKLOAD CAP [--warmup N] [--steps N] [--set KEY=VALUE ...]
+    e.g. python devtools/step_timeline.py llama-1b-full 8GiB --set cpu_threads=8
+python devtools/step_timeline.py WORKLOAD none --vanilla     # plain training, same hooks
 
 After the warm-up (profiling steps, the switch to the searched plan, the calibration), each
 timed step records CUDA events on the compute stream at every block's forward pre-hook (after
@@ -26,7 +27,7 @@ import torch
 from autooffload.plan.cost import predict_step_time, step_windows
 from autooffload.runtime import runtime_of
 from autooffload.setting_values import parse_size_or_fraction
-from devtools._workload import capped_workload
+from devtools._workload import capped_workload, plain_workload
 
 
 class Recorder:
@@ -57,12 +58,19 @@ class Recorder:
         return out
 
 
-def install(model: torch.nn.Module, recorder: Recorder) -> int:
-    """Hooks on every block of the attached model; the number of blocks."""
+def block_modules(model: torch.nn.Module, vanilla: bool) -> list[torch.nn.Module]:
+    """The blocks in execution order: the runtime's, or the largest ModuleList's (vanilla)."""
+    if vanilla:
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        return list(max(lists, key=len))
     runtime = runtime_of(model)
-    blocks = [g for g in runtime.groups if g.is_block]
-    blocks.sort(key=lambda g: runtime.position(g.index))
-    for i, group in enumerate(blocks):
+    groups = [g for g in runtime.groups if g.is_block]
+    return [g.module for g in sorted(groups, key=lambda g: runtime.position(g.index))]
+
+
+def install(blocks: list[torch.nn.Module], recorder: Recorder) -> int:
+    """Hooks on every block; the number of blocks."""
+    for i, module in enumerate(blocks):
 
         def pre(module: Any, args: Any, i: int = i) -> None:
             if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
@@ -76,8 +84,8 @@ def install(model: torch.nn.Module, recorder: Recorder) -> int:
             if isinstance(first, torch.Tensor) and first.requires_grad:
                 first.register_hook(lambda g, i=i: recorder.mark(f"bwd{i}"))
 
-        group.module.register_forward_pre_hook(pre)
-        group.module.register_forward_hook(post)
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
     return len(blocks)
 
 
@@ -87,12 +95,19 @@ def main() -> None:
     parser.add_argument("cap")
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--set", action="append", default=[], help="an autooffload setting")
+    parser.add_argument("--vanilla", action="store_true", help="plain training, uncapped")
     args = parser.parse_args()
-    # The bench's autooffload peer passes the cap as the budget too.
-    budget = parse_size_or_fraction(args.cap, "cap")
-    model, optimizer, batch = capped_workload(args.workload, args.cap, budget=budget)
+    if args.vanilla:
+        model, optimizer, batch = plain_workload(args.workload)
+    else:
+        settings = dict(item.split("=", 1) for item in args.set)
+        if args.cap != "none":
+            # The bench's autooffload peer passes the cap as the budget too.
+            settings.setdefault("budget", parse_size_or_fraction(args.cap, "cap"))
+        model, optimizer, batch = capped_workload(args.workload, args.cap, **settings)
     recorder = Recorder()
-    n_blocks = install(model, recorder)
+    n_blocks = install(block_modules(model, args.vanilla), recorder)
     runs: list[dict[str, tuple[float, float]]] = []
     walls = []
     for index in range(args.warmup + args.steps):
@@ -113,6 +128,9 @@ def main() -> None:
         if recorder.on:
             runs.append(recorder.take())
 
+    if args.vanilla:
+        print_measured(runs, n_blocks, walls[args.warmup :])
+        return
     runtime = runtime_of(model)
     request = runtime.search_request
     plan = runtime.plan
@@ -170,6 +188,18 @@ def main() -> None:
     print(f"measured wall per step (synchronised): {statistics.median(timed):.1f} ms {timed}")
     print(f"stats: {runtime.stats()}")
     print(f"breakdown: { {k: round(v, 4) for k, v in breakdown.items()} }")
+
+
+def print_measured(runs: list[dict], n_blocks: int, walls: list[float]) -> None:
+    """The measured windows alone (no plan to compare with)."""
+    names = ["start"] + [f"fwd{i}" for i in range(n_blocks)] + ["fwd_end"]
+    names += [f"bwd{i}" for i in reversed(range(n_blocks))] + ["bwd_end", "opt_end"]
+    print(f"{'from':>8}{'to':>8}{'GPU':>10}{'host':>10}  ms (median)")
+    for a, b in zip(names, names[1:]):
+        gpu = statistics.median(r[b][0] - r[a][0] for r in runs)
+        host = statistics.median(r[b][1] - r[a][1] for r in runs)
+        print(f"{a:>8}{b:>8}{gpu:10.2f}{host:10.2f}")
+    print(f"measured wall per step (synchronised): {statistics.median(walls):.1f} ms {walls}")
 
 
 if __name__ == "__main__":

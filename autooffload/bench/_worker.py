@@ -228,6 +228,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         result.pop("_step_index", None)
         result.update(_memory(device, result.pop("_peaks_before_timing", None)))
         result["versions"] = _versions()
+        result["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
         result["wall_s"] = time.perf_counter() - started
         result["date"] = dt.datetime.now().isoformat(timespec="seconds")
     return result

@@ -269,6 +269,9 @@ def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Every peer's worker waits passively in OpenMP, as a script run with python -m autooffload
+    # does (autooffload/openmp.py): the CPU-optimizer peers (FSDP2-offload too) all gain.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     cmd = [sys.executable, "-m", "autooffload.bench._worker", str(spec_path)]
     if run.nproc > 1:
         # One process per GPU under torchrun; rank 0 writes the result.

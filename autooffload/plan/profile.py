@@ -10,6 +10,7 @@ After the step, one block of each block class is re-run once with its activation
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
@@ -181,7 +182,10 @@ class StepProfiler:
     # ---- after the step -------------------------------------------------------------------
 
     def _probe(self, block: nn.Module, group_index: int, args: tuple, kwargs: dict) -> UnitProfile:
-        """Run one block once with activations kept: saved bytes, transients, fwd/bwd time."""
+        """Run one block on its own: saved bytes, transients, and forward / backward times kept
+        and checkpointed. The block runs through its ``__call__`` (the hooks of HF and others
+        with it; the runtime's own step aside), as in the step: where the launching thread is
+        the bottleneck (a small block at a short batch), the call path is part of the time."""
         from autooffload.runtime import activations
 
         runtime = self.runtime
@@ -195,21 +199,21 @@ class StepProfiler:
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
         saved = [0]
+        runtime.hooks_muted = True
         try:
             # The first run pays one-time costs (allocator growth, kernel selection); the
             # timings are the best of PROBE_RUNS, the memory figures those of the last run.
             best = (float("inf"), float("inf"))
             for _ in range(PROBE_RUNS):
-                inputs = args
-                if args and isinstance(args[0], torch.Tensor):
-                    x = args[0].detach().requires_grad_(args[0].is_floating_point())
-                    inputs = (x, *args[1:])
                 saved[0] = 0
-                measured = self._probe_once(block, inputs, kwargs, params, saved)
+                measured = self._probe_once(block, self._inputs(args), kwargs, params, saved)
                 fwd_s, bwd_s, kept, fwd_peak, bwd_peak = measured
                 best = (min(best[0], fwd_s), min(best[1], bwd_s))
             fwd_s, bwd_s = best
+            recompute_s = self._probe_checkpointed(block, args, kwargs, params, fwd_s + bwd_s)
         finally:
+            runtime.hooks_muted = False
+            activations.remove_policy(block)
             for index in chunks:
                 runtime.manager.release(index)
             if policy != "keep":
@@ -228,30 +232,67 @@ class StepProfiler:
             fwd_transient_bytes=int(max(0, fwd_peak - kept)),
             bwd_transient_bytes=int(bwd_transient),
             name=type(block).__name__,
+            recompute_s=recompute_s,
         )
 
+    @staticmethod
+    def _inputs(args: tuple) -> tuple:
+        """``args`` with the first input a fresh leaf that takes a gradient (as a block's input
+        does in the step), so each run's backward reaches it."""
+        if args and isinstance(args[0], torch.Tensor):
+            x = args[0].detach().requires_grad_(args[0].is_floating_point())
+            return (x, *args[1:])
+        return args
+
+    def _probe_checkpointed(
+        self, block: nn.Module, args: tuple, kwargs: dict, params: list, kept_s: float
+    ) -> float | None:
+        """What running ``block`` checkpointed adds over keeping (``kept_s``, its forward plus
+        backward kept), best of PROBE_RUNS: the recompute, and the host work the checkpoint's
+        saved-tensor hooks add to the forward and to the recompute. Measured on the GPU only
+        (on CPU the cost model's default, the forward's time, stands)."""
+        if not self.clock.cuda:
+            return None
+        from autooffload.runtime import activations
+
+        activations.apply_policy(block, "checkpoint")
+        best = float("inf")
+        for _ in range(PROBE_RUNS):
+            fwd_s, bwd_s, *_ = self._probe_once(block, self._inputs(args), kwargs, params, None)
+            best = min(best, fwd_s + bwd_s)
+        return max(0.0, best - kept_s)
+
     def _probe_once(
-        self, block: nn.Module, inputs: tuple, kwargs: dict, params: list, saved: list[int]
+        self, block: nn.Module, inputs: tuple, kwargs: dict, params: list, saved: list[int] | None
     ) -> tuple[float, float, int, int, int]:
+        """One forward and backward of ``block``: (fwd_s, bwd_s, kept, fwd_peak, bwd_peak).
+        ``saved`` (CPU only: the GPU reads the allocator) counts the bytes autograd saves."""
         x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if not isinstance(t, nn.Parameter):
+            if saved is not None and not isinstance(t, nn.Parameter):
                 saved[0] += t.numel() * t.element_size()
             return t
 
+        # On the GPU the allocator gives the saved bytes, and a Python hook per saved tensor
+        # would add host time the step does not have.
+        counting = (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            if saved is not None and not self.clock.cuda
+            else contextlib.nullcontext()
+        )
         base = self.clock.allocated()
         self.clock.reset_peak()
         start = self.clock.mark()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = block.forward(*inputs, **kwargs)
+        with torch.enable_grad(), counting:
+            out = block(*inputs, **kwargs)
         end = self.clock.mark()
         outs = out if isinstance(out, tuple) else (out,)
         first = outs[0]
         if self.clock.cuda:
             kept = self.clock.allocated() - base - first.numel() * first.element_size()
         else:
-            kept = saved[0]
+            kept = saved[0] if saved is not None else 0
         fwd_peak = self.clock.peak() - base
         grad_inputs = [x] + params if x is not None and x.requires_grad else params
         self.clock.reset_peak()

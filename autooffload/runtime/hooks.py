@@ -86,6 +86,9 @@ class GroupHooks:
         self._backward_task: int | None = None
         self._backward_count = 0
         self._backwards_this_step = 0
+        # While the profiler runs a block through its ``__call__`` on its own (the probes),
+        # the groups' hooks step aside: the probe gathers the chunks and keeps no trace.
+        self.hooks_muted = False
 
     def _install_hooks(self) -> None:
         # Around the whole model: registered first and last so they run before and after the
@@ -188,6 +191,8 @@ class GroupHooks:
         return self.layout.chunks_of_group[group.index]
 
     def _pre_forward(self, group: Group, args: tuple = (), kwargs: dict | None = None) -> None:
+        if self.hooks_muted:
+            return
         if in_backward():
             self._ensure_end_callback()
             for index in self._chunks(group):
@@ -211,7 +216,7 @@ class GroupHooks:
             self.profiler.on_pre_forward(group, args, kwargs or {})
 
     def _post_forward(self, group: Group, output: object) -> None:
-        if in_backward():
+        if self.hooks_muted or in_backward():
             return
         backward = False
         if torch.is_grad_enabled():

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from autooffload import openmp
 from autooffload.errors import AttachError, UpdateInBackwardError
 from autooffload.runtime.chunks import Chunk, ParamSlot
 from autooffload.runtime.host_grads import HostGradNorms
@@ -435,6 +436,8 @@ class CpuOptimizer(HostGradNorms):
                     )
                 continue  # updated in the backward
             self._queue_update(chunk, twin, hyper, self.clip_coef)
+            if self.manager.is_cuda:
+                openmp.warn_if_spinning()  # once per process
         self.clip_coef = 1.0
 
     def _queue_update(
