@@ -15,7 +15,7 @@ import functools
 import inspect
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -333,14 +333,12 @@ class StepProfiler:
         blocks = []
         for g in block_groups:
             probe = probes[type(g.module)]
+            # Each block of the class takes its probe's times and sizes (the checkpoint cost
+            # included), its own input's bytes and its own name.
             blocks.append(
-                UnitProfile(
-                    fwd_s=probe.fwd_s,
-                    bwd_s=probe.bwd_s,
-                    act_bytes_keep=probe.act_bytes_keep,
+                replace(
+                    probe,
                     act_bytes_checkpoint=self.input_bytes.get(g.index, probe.act_bytes_checkpoint),
-                    fwd_transient_bytes=probe.fwd_transient_bytes,
-                    bwd_transient_bytes=probe.bwd_transient_bytes,
                     name=g.name,
                 )
             )
