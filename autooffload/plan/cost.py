@@ -340,7 +340,7 @@ def step_windows(
         prefetched = prefetched_bytes(profile, p, u, n_buffer - int(resident[u]), forward=False)
         swap_in = float(units[u - 1].act_bytes_keep) if u > 0 and policies[u - 1] == "swap" else 0.0
         grads_out = float(tables.grad_d2h_bytes[p, u + 1]) if u + 1 < n_units else 0.0
-        recompute = units[u].checkpoint_cost_s if policies[u] == "checkpoint" else 0.0
+        recompute = units[u].fwd_s if policies[u] == "checkpoint" else 0.0
         recompute_s += recompute
         exposed = (gather_bytes - prefetched) / hw.h2d_bps
         compute = units[u].bwd_s + recompute
@@ -379,7 +379,6 @@ def predict_step_time(
         pre_b[u]   = prefetched_bytes(u, room = n_buffer - resident[u], backward)  (of u-1's)
         xfer_b[u]  = transfer_s(pre_b[u] + swap_in[u-1], grad_d2h[u+1])
         w_b[u]     = max(bwd_s[u] + recompute[u], xfer_b[u]) + (bwd_gather[u-1] - pre_b[u])/B_h2d
-    (recompute[u] = ``checkpoint_cost_s`` of a checkpointed unit: measured, else fwd_s[u])
         T_bwd      = sum_u w_b[u] + grad_d2h[0] / B_d2h                                      (s)
     (the post unit L+1 gathers nothing: its chunks stay from its forward; ``chunk_tables``)
     step = T_fwd + T_bwd + other_s.

@@ -73,7 +73,6 @@ def search_layout(
         return None
     units = profile.units
     fwd_s = np.array([u.fwd_s for u in units])
-    recompute_s = np.array([u.checkpoint_cost_s for u in units])
     bwd_s = np.array([u.bwd_s for u in units])
     keep = np.array([u.act_bytes_keep for u in units], dtype=np.int64)
     ckpt = np.array([u.act_bytes_checkpoint for u in units], dtype=np.int64)
@@ -143,7 +142,7 @@ def search_layout(
         t_fwd = np.maximum(start[:, None] + after[..., 0], (ready + after).max(axis=-1))
         bwd_xfer = _transfer(bwd_prefetch + swap_in, grads_out, h2d, d2h, duplex)
         base = np.maximum(bwd_s, bwd_xfer)
-        extra = np.maximum(bwd_s + recompute_s, bwd_xfer) - base
+        extra = np.maximum(bwd_s + fwd_s, bwd_xfer) - base
         t_bwd = tail[:, None] + (base + bwd_exposed).sum(axis=-1)
         extra_before = np.concatenate([np.zeros((*extra.shape[:2], 1)), extra.cumsum(-1)], -1)
         recompute = extra_before[..., n_swap + 1 + checkpoints] - extra_before[..., [n_swap + 1]]

@@ -182,8 +182,8 @@ class StepProfiler:
     # ---- after the step -------------------------------------------------------------------
 
     def _probe(self, block: nn.Module, group_index: int, args: tuple, kwargs: dict) -> UnitProfile:
-        """Run one block on its own: saved bytes, transients, and forward / backward times kept
-        and checkpointed. The block runs through its ``__call__`` (the hooks of HF and others
+        """Run one block on its own: saved bytes, transients, forward and backward times. The
+        block runs through its ``__call__`` (the hooks of HF and others
         with it; the runtime's own step aside), as in the step: where the launching thread is
         the bottleneck (a small block at a short batch), the call path is part of the time."""
         from autooffload.runtime import activations
@@ -210,10 +210,8 @@ class StepProfiler:
                 fwd_s, bwd_s, kept, fwd_peak, bwd_peak = measured
                 best = (min(best[0], fwd_s), min(best[1], bwd_s))
             fwd_s, bwd_s = best
-            recompute_s = self._probe_checkpointed(block, args, kwargs, params, fwd_s + bwd_s)
         finally:
             runtime.hooks_muted = False
-            activations.remove_policy(block)
             for index in chunks:
                 runtime.manager.release(index)
             if policy != "keep":
@@ -232,7 +230,6 @@ class StepProfiler:
             fwd_transient_bytes=int(max(0, fwd_peak - kept)),
             bwd_transient_bytes=int(bwd_transient),
             name=type(block).__name__,
-            recompute_s=recompute_s,
         )
 
     @staticmethod
@@ -243,24 +240,6 @@ class StepProfiler:
             x = args[0].detach().requires_grad_(args[0].is_floating_point())
             return (x, *args[1:])
         return args
-
-    def _probe_checkpointed(
-        self, block: nn.Module, args: tuple, kwargs: dict, params: list, kept_s: float
-    ) -> float | None:
-        """What running ``block`` checkpointed adds over keeping (``kept_s``, its forward plus
-        backward kept), best of PROBE_RUNS: the recompute, and the host work the checkpoint's
-        saved-tensor hooks add to the forward and to the recompute. Measured on the GPU only
-        (on CPU the cost model's default, the forward's time, stands)."""
-        if not self.clock.cuda:
-            return None
-        from autooffload.runtime import activations
-
-        activations.apply_policy(block, "checkpoint")
-        best = float("inf")
-        for _ in range(PROBE_RUNS):
-            fwd_s, bwd_s, *_ = self._probe_once(block, self._inputs(args), kwargs, params, None)
-            best = min(best, fwd_s + bwd_s)
-        return max(0.0, best - kept_s)
 
     def _probe_once(
         self, block: nn.Module, inputs: tuple, kwargs: dict, params: list, saved: list[int] | None
@@ -333,8 +312,8 @@ class StepProfiler:
         blocks = []
         for g in block_groups:
             probe = probes[type(g.module)]
-            # Each block of the class takes its probe's times and sizes (the checkpoint cost
-            # included), its own input's bytes and its own name.
+            # Each block of the class takes its probe's times and sizes, its own input's bytes
+            # and its own name.
             blocks.append(
                 replace(
                     probe,

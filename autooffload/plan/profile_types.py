@@ -101,8 +101,7 @@ class UnitProfile:
     """Time and memory of one execution unit (a block, or the pre/post part) on the real batch."""
 
     fwd_s: float
-    """Forward time, seconds (also the recompute cost when checkpointed, unless
-    ``recompute_s`` says otherwise)."""
+    """Forward time, seconds (also the recompute cost when checkpointed)."""
     bwd_s: float
     """Backward time without recompute, seconds."""
     act_bytes_keep: int
@@ -117,15 +116,6 @@ class UnitProfile:
     itself. Negative (at least ``-act_bytes_keep``) where activations are freed before the
     gradients are made."""
     name: str = ""
-    recompute_s: float | None = None
-    """What checkpointing the unit adds to its forward and backward together, seconds: measured
-    by running it checkpointed (the recompute, and the checkpoint's own host work per saved
-    tensor, which counts where the launching thread is the bottleneck); None: ``fwd_s``."""
-
-    @property
-    def checkpoint_cost_s(self) -> float:
-        """Seconds a checkpointed unit adds to the step: ``recompute_s``, else ``fwd_s``."""
-        return self.fwd_s if self.recompute_s is None else self.recompute_s
 
 
 @dataclass(frozen=True)
@@ -247,7 +237,7 @@ class ModelProfile:
                 unit.fwd_transient_bytes,
                 unit.act_bytes_keep + unit.bwd_transient_bytes,
             )
-            if min(sizes) < 0 or min(unit.fwd_s, unit.bwd_s, unit.checkpoint_cost_s) < 0:
+            if min(sizes) < 0 or unit.fwd_s < 0 or unit.bwd_s < 0:
                 raise PlanError(f"unit {unit.name or '?'} has a negative time or size: {unit}")
 
     def to_dict(self) -> dict[str, Any]:

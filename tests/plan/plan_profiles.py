@@ -48,15 +48,12 @@ def make_profile(
     tied: bool = False,
     fwd_s: float = 0.02,
     edge_bytes: int | None = None,
-    recompute_scale: float | None = None,
 ) -> ModelProfile:
     """A decoder-like model: embeddings, ``n_blocks`` equal blocks, head; bf16 weights.
 
     With ``seed`` the per-block times and sizes vary randomly (for brute-force comparisons).
     ``edge_bytes``: the embedding's and the head's size (default two block tensors); above
     ``chunk_size`` each gets a chunk of its own, as an unquantized vocabulary beside nf4 blocks.
-    ``recompute_scale``: checkpointing a unit costs this times its forward (measured
-    ``recompute_s``, as the GPU probe gives); None: unset, the forward's time.
     """
     rng = random.Random(seed)
 
@@ -84,16 +81,14 @@ def make_profile(
 
     def unit(name: str, scale: float = 1.0) -> UnitProfile:
         keep = int(jitter(48 * MiB) * scale)
-        forward = jitter(fwd_s) * scale
         return UnitProfile(
-            fwd_s=forward,
+            fwd_s=jitter(fwd_s) * scale,
             bwd_s=jitter(2 * fwd_s) * scale,
             act_bytes_keep=keep,
             act_bytes_checkpoint=keep // 8,
             fwd_transient_bytes=int(jitter(16 * MiB) * scale),
             bwd_transient_bytes=int(jitter(24 * MiB) * scale),
             name=name,
-            recompute_s=None if recompute_scale is None else jitter(forward * recompute_scale),
         )
 
     blocks = tuple(unit(f"block{j}") for j in range(n_blocks))

@@ -87,26 +87,6 @@ def test_more_checkpointing_saves_memory_and_costs_recompute(profile, hw):
     )
 
 
-def test_a_measured_checkpoint_cost_replaces_the_forward_time_as_the_recompute():
-    """The GPU probe measures what checkpointing a block costs (its recompute plus the host work
-    of the checkpoint's hooks); a checkpointed block's backward window charges that, not the
-    forward's time, and the step grows by the difference where compute is the bottleneck."""
-    fast = make_hardware(h2d_bps=1e15, d2h_bps=1e15, duplex_bps=2e15, cpu_optim_params_per_s=1e15)
-    base = make_profile(seed=5)
-    knobs = Knobs(base.n_chunks, 1, 0, base.n_blocks)  # all persistent, every block checkpointed
-    blocks = tuple(replace(b, recompute_s=1.7 * b.fwd_s) for b in base.blocks)
-    measured = replace(base, blocks=blocks)
-    step, breakdown, _ = predict_step_time(measured, fast, knobs)
-    old_step, old_breakdown, _ = predict_step_time(base, fast, knobs)
-    assert breakdown["recompute_s"] == pytest.approx(sum(b.recompute_s for b in blocks))
-    assert old_breakdown["recompute_s"] == pytest.approx(sum(b.fwd_s for b in base.blocks))
-    assert step - old_step == pytest.approx(0.7 * sum(b.fwd_s for b in base.blocks), rel=1e-9)
-    # A negative measured cost is not a profile the model accepts.
-    bad = replace(base, blocks=(replace(base.blocks[0], recompute_s=-1e-3), *base.blocks[1:]))
-    with pytest.raises(PlanError, match="negative time"):
-        bad.validate()
-
-
 def test_more_swapping_saves_memory_and_adds_pcie_traffic(profile, hw):
     rows = []
     for n_swap in range(profile.n_blocks + 1):

@@ -97,7 +97,6 @@ def _budgets(profiles, hw):
         (14, {"update_in_backward": True, "tied": True}),
         (15, {"optim_step_bytes_per_param": 24}),
         (16, {"edge_bytes": 3 * SMALL["chunk_size"], "lora": True, "frozen_pre": True}),
-        (17, {"recompute_scale": 1.6}),
     ],
 )
 def test_search_returns_the_brute_force_optimum(seed, kwargs):
