@@ -183,9 +183,9 @@ class StepProfiler:
 
     def _probe(self, block: nn.Module, group_index: int, args: tuple, kwargs: dict) -> UnitProfile:
         """Run one block on its own: saved bytes, transients, forward and backward times. The
-        block runs through its ``__call__`` (the hooks of HF and others
-        with it; the runtime's own step aside), as in the step: where the launching thread is
-        the bottleneck (a small block at a short batch), the call path is part of the time."""
+        block runs through its ``__call__`` (the hooks of HF and others with it; the runtime's
+        own step aside), as in the step: where the launching thread is the bottleneck (a small
+        block at a short batch), the call path is part of the time."""
         from autooffload.runtime import activations
 
         runtime = self.runtime
@@ -242,14 +242,14 @@ class StepProfiler:
         return args
 
     def _probe_once(
-        self, block: nn.Module, inputs: tuple, kwargs: dict, params: list, saved: list[int] | None
+        self, block: nn.Module, inputs: tuple, kwargs: dict, params: list, saved: list[int]
     ) -> tuple[float, float, int, int, int]:
         """One forward and backward of ``block``: (fwd_s, bwd_s, kept, fwd_peak, bwd_peak).
-        ``saved`` (CPU only: the GPU reads the allocator) counts the bytes autograd saves."""
+        ``saved`` counts the bytes autograd saves (CPU only: the GPU reads the allocator)."""
         x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if saved is not None and not isinstance(t, nn.Parameter):
+            if not isinstance(t, nn.Parameter):
                 saved[0] += t.numel() * t.element_size()
             return t
 
@@ -257,7 +257,7 @@ class StepProfiler:
         # would add host time the step does not have.
         counting = (
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            if saved is not None and not self.clock.cuda
+            if not self.clock.cuda
             else contextlib.nullcontext()
         )
         base = self.clock.allocated()
@@ -271,7 +271,7 @@ class StepProfiler:
         if self.clock.cuda:
             kept = self.clock.allocated() - base - first.numel() * first.element_size()
         else:
-            kept = saved[0] if saved is not None else 0
+            kept = saved[0]
         fwd_peak = self.clock.peak() - base
         grad_inputs = [x] + params if x is not None and x.requires_grad else params
         self.clock.reset_peak()
