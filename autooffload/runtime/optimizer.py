@@ -417,6 +417,7 @@ class CpuOptimizer(HostGradNorms):
         owned = {pid for pid, o in self.optimizer_of_param.items() if o is optimizer}
         if self.clip_coef != 1.0 and not self.covers_all(owned):
             self.host_grads()  # the pending coefficient covers other optimizers' grads too
+        queued = False
         for chunk in self.manager.chunks:
             if chunk.index in self.manager.persistent or not chunk.trainable_slots:
                 continue
@@ -436,8 +437,9 @@ class CpuOptimizer(HostGradNorms):
                     )
                 continue  # updated in the backward
             self._queue_update(chunk, twin, hyper, self.clip_coef)
-            if self.manager.is_cuda:
-                openmp.warn_if_spinning()  # once per process
+            queued = True
+        if queued and self.manager.is_cuda:
+            openmp.warn_if_spinning()  # once per process
         self.clip_coef = 1.0
 
     def _queue_update(
