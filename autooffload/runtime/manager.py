@@ -112,6 +112,8 @@ class ChunkManager:
         self.staging_busy: list[Future | None] = [None] * len(self.chunks)
         # Weak references to host-byte aliases handed out (state dicts), per chunk index.
         self._aliases: dict[int, list[weakref.ref]] = {}
+        # The same for persistent chunks' device bytes (``device_alias``).
+        self._device_aliases: dict[int, list[weakref.ref]] = {}
         self.on_grads_ready: GradsReady | None = None
         # Called with a chunk's index before its staging is written again (the CPU optimizer
         # may have aliased its host gradients to it and must release them first).
@@ -183,6 +185,36 @@ class ChunkManager:
         self.watch_alias(chunk.index, alias)
         return alias
 
+    def device_alias(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
+        """A persistent parameter's device bytes as a tensor of its own storage, no copy.
+
+        A view into the chunk would carry the chunk's whole storage, and storage-identity checks
+        then take every parameter of the chunk for one tensor: accelerate's ``save_state``
+        (``clean_state_dict_for_safetensors``) keeps one name per storage and drops the others
+        from the file. Like torch's own state-dict entries the alias follows the parameter's
+        updates; before the chunk's device memory is freed (a re-plan that offloads it, detach)
+        ``_copy_out_device_aliases`` gives every live alias a private copy."""
+        flat = self.gpu_flat[chunk.index]
+        if slot.nbytes == 0:
+            return torch.empty(slot.shape, dtype=slot.dtype, device=flat.device)
+        storage = torch._C._construct_storage_from_data_pointer(
+            flat.data_ptr() + slot.offset, flat.device, slot.nbytes
+        )
+        alias = torch.empty(0, dtype=slot.dtype, device=flat.device).set_(storage, 0, slot.shape)
+        refs = self._device_aliases.setdefault(chunk.index, [])
+        if len(refs) >= 2 * len(chunk.slots):
+            refs[:] = [ref for ref in refs if ref() is not None]
+        refs.append(weakref.ref(alias))
+        return alias
+
+    def _copy_out_device_aliases(self, index: int) -> None:
+        """Give live ``device_alias`` tensors of chunk ``index`` their own memory before the
+        chunk's device storage is freed (the aliases do not own it)."""
+        for ref in self._device_aliases.pop(index, None) or ():
+            tensor = ref()
+            if tensor is not None:
+                tensor.data = tensor.data.clone()
+
     def host_for_write(self, index: int) -> torch.Tensor:
         """Chunk ``index``'s host bytes, for a caller about to write them."""
         self.before_host_write(index)
@@ -248,6 +280,8 @@ class ChunkManager:
                 slot.param.data = _view(source, slot).to(device, copy=True)
         for index in list(self._aliases):
             self.before_host_write(index)  # an alias would keep the whole arena alive
+        for index in list(self._device_aliases):
+            self._copy_out_device_aliases(index)
         self.gpu_flat = []
         self.host.free()
         self.grad_staging.free()
@@ -361,6 +395,8 @@ class ChunkManager:
                 # copy stream's pool, or after a user's side stream read it, reuse waits until
                 # the compute that read it is done.
                 flat.record_stream(current)
+        if self._device_aliases:
+            self._copy_out_device_aliases(index)
         flat.untyped_storage().resize_(0)
         self.ready_events[index] = None
         self.state[index] = Residency.HOST

@@ -3,12 +3,14 @@
 An offloaded parameter's ``.data`` is a view into a chunk whose device storage is freed while the
 chunk lives on the host, so torch's own ``state_dict`` would hand out 0-byte tensors. The module
 hooks here replace those entries with CPU tensors over the host store's bytes (copied on write,
-so saving costs no host memory and a held state dict keeps its values; persistent params keep
-their device tensors, as torch returns them), and route ``load_state_dict`` values of chunked
-params around torch's in-place copy, into the place that holds them (host store, persistent
-chunk, fp32 master). The optimizer functions merge the CPU twins' state into the user's optimizer
-state dict in torch's layout, and split a loaded one back, so checkpoints move freely between
-autooffload and plain torch.
+so saving costs no host memory and a held state dict keeps its values). Persistent params get
+device tensors over their bytes in the chunk, each with a storage of its own: a view would carry
+the chunk's whole storage, and storage-identity checks (accelerate's ``save_state``) would take a
+chunk's params for one tied tensor and save only one of them. ``load_state_dict`` values of
+chunked params go around torch's in-place copy, into the place that holds them (host store,
+persistent chunk, fp32 master). The optimizer functions merge the CPU twins' state into the
+user's optimizer state dict in torch's layout, and split a loaded one back, so checkpoints move
+freely between autooffload and plain torch.
 """
 
 from __future__ import annotations
@@ -84,15 +86,23 @@ class ModelStateHooks:
         try:
             for name, param in module._parameters.items():
                 key = prefix + name
-                if param is None or key not in destination or not self._offloaded(param):
+                if param is None or key not in destination or id(param) not in self.slots:
                     continue
+                keep_vars = destination[key] is param  # keep_vars=True hands out Parameters
+                offloaded = self._offloaded(param)
+                if keep_vars and not offloaded:
+                    continue  # the resident Parameter itself, as torch gives it
                 entry = self._entries.get(id(param))
                 if entry is None:
                     chunk, slot = self.slots[id(param)]
-                    entry = self.runtime.manager.host_alias(slot, chunk)
-                    if destination[key] is param:  # keep_vars=True hands out Parameters
+                    manager = self.runtime.manager
+                    if offloaded:
+                        entry = manager.host_alias(slot, chunk)
+                    else:
+                        entry = manager.device_alias(slot, chunk)
+                    if keep_vars:
                         entry = nn.Parameter(entry, requires_grad=param.requires_grad)
-                        self.runtime.manager.watch_alias(chunk.index, entry)
+                        manager.watch_alias(chunk.index, entry)
                     self._entries[id(param)] = entry
                 destination[key] = entry
         finally:

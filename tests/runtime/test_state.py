@@ -131,6 +131,62 @@ def test_offloaded_entries_share_the_host_store_but_own_their_bytes() -> None:
         assert storage.nbytes() == value.numel() * value.element_size(), name
 
 
+def test_resident_entries_own_their_storage_over_the_chunk_bytes() -> None:
+    """Entries of persistent params point into their chunk without a copy, each with a storage
+    of its own: a view would carry the whole chunk, and storage-identity checks would take the
+    chunk's params for one tied tensor."""
+    _, attached, _ = trained_pair(n_persist=n_chunks(tiny_llama(tied=False)), tied=False, steps=1)
+    manager = rt.runtime_of(attached).manager
+    bounds = [(f.data_ptr(), f.data_ptr() + f.numel()) for f in manager.gpu_flat]
+    state = attached.state_dict()
+    params = dict(attached.named_parameters())
+    storages = set()
+    for name, value in state.items():
+        assert any(lo <= value.data_ptr() < hi for lo, hi in bounds), f"{name} is a copy"
+        assert value.data_ptr() == params[name].data_ptr(), name
+        assert value.untyped_storage().nbytes() == value.numel() * value.element_size(), name
+        storages.add(value.untyped_storage().data_ptr())
+    assert len(storages) == len(state)
+
+
+def test_accelerate_safetensors_save_keeps_every_resident_weight(tmp_path: Path) -> None:
+    """accelerate's ``save_state`` writes the model with ``accelerate.utils.save``, which drops
+    all but one name of tensors sharing a storage: every weight of an all-persistent model must
+    reach the file and reload into a plain model (the GPU e2e test's regression)."""
+    from accelerate.utils import save
+
+    plain, attached, _ = trained_pair(n_persist=n_chunks(tiny_llama(tied=False)), tied=False)
+    save(attached.state_dict(), tmp_path / "model.safetensors", safe_serialization=True)
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "model.safetensors")
+    assert saved.keys() == plain.state_dict().keys()
+    assert_same_weights(saved, plain.state_dict())
+
+
+def test_a_held_resident_entry_follows_updates_and_keeps_its_values_after_offload() -> None:
+    """A persistent param's entry follows its updates (torch's entries are views too), and keeps
+    its last values when a re-plan offloads the chunk and when ``disable()`` frees it."""
+    model = tiny_llama()
+    total = n_chunks(model)
+    runtime = attach(model, n_persist=total)
+    optimizer = adamw(model)
+    train(model, optimizer, scheduler_of(optimizer), batches(1))
+    name = "model.layers.1.mlp.up_proj.weight"
+    held = model.state_dict()[name]
+    train(model, optimizer, scheduler_of(optimizer), batches(1, seed=3))
+    stepped = dict(model.named_parameters())[name].detach().clone()
+    torch.testing.assert_close(held, stepped, rtol=0, atol=0)
+    runtime.manager.set_persistent([], n_buffer=1)
+    assert held.untyped_storage().nbytes() == held.numel() * held.element_size()
+    torch.testing.assert_close(held, stepped, rtol=0, atol=0)
+    runtime.manager.set_persistent(range(total), n_buffer=1)
+    again = model.state_dict()[name]
+    autooffload.disable()
+    torch.testing.assert_close(again, stepped, rtol=0, atol=0)
+    torch.testing.assert_close(held, stepped, rtol=0, atol=0)
+
+
 def test_a_held_state_dict_keeps_its_values_through_steps_loads_and_disable() -> None:
     model = tiny_llama()
     runtime = attach(model, n_persist=0)
