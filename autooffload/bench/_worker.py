@@ -129,6 +129,7 @@ def _train(
         loss = trainee.step(batch)
         sync()
         step_s.append(time.perf_counter() - start)
+        trainee.on_step_end()
         step_retries.append(retries() - before)
         losses.append(float(loss))
     timed = step_s[warmup:]

@@ -54,6 +54,9 @@ class Trainee:
     def on_timing_start(self) -> None:
         """Called after warm-up, before the first timed step."""
 
+    def on_step_end(self) -> None:
+        """Called after every step (warm-up included), once the device is synchronised."""
+
     def report(self, timed_steps: int) -> dict[str, Any]:
         """Peer-specific fields for the result (breakdown, plan); never raises."""
         return {}
@@ -148,6 +151,13 @@ class AutoOffloadTrainee(Trainee):
 
     stats_at_start: dict[str, Any] | None = None
     tokens_per_step: int = 1
+    # The CPU worker's (busy seconds, params updated) totals at the end of every step.
+    cpu_totals: list[tuple[float, int]] | None = None
+
+    def on_step_end(self) -> None:
+        cpu = getattr(_safe(lambda: _runtime_of(self.model)), "cpu_optim", None)
+        if cpu is not None:
+            self.cpu_totals = [*(self.cpu_totals or []), (cpu.busy_s, cpu.updated_params)]
 
     def _stats(self) -> dict[str, Any] | None:
         runtime = _safe(lambda: _runtime_of(self.model))
@@ -182,6 +192,7 @@ class AutoOffloadTrainee(Trainee):
         stats = self._stats()
         out["stats"] = stats
         out["breakdown"] = _per_step_breakdown(self.stats_at_start, stats, timed_steps)
+        out["cpu_per_step"] = _cpu_per_step(self.cpu_totals or [])
         try:
             out["candidates"] = candidates_of(runtime, plan, self.tokens_per_step)
         except Exception as exc:  # the run's numbers stay valid without the summary
@@ -214,6 +225,20 @@ def _per_step_breakdown(
         ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and timed_steps > 0
         breakdown[key] = (a - b) / timed_steps if ok else None
     return breakdown
+
+
+def _cpu_per_step(totals: list[tuple[float, int]]) -> list[dict[str, float]]:
+    """Each step's CPU worker work, warm-up included: busy seconds, params updated and their
+    rate. A step's update may still run when the step's end is read: it then counts in the
+    next step, so a rate is exact over several steps, approximate over one."""
+    out = []
+    previous = (0.0, 0)
+    for busy_s, params in totals:
+        d_busy, d_params = busy_s - previous[0], params - previous[1]
+        rate = d_params / d_busy if d_busy > 0 else None
+        out.append({"busy_s": d_busy, "params": d_params, "params_per_s": rate})
+        previous = (busy_s, params)
+    return out
 
 
 def _setup_autooffload(ctx: PeerContext) -> Trainee:

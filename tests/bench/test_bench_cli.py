@@ -115,6 +115,11 @@ def test_autooffload_peer_ok_once_runtime_landed(tiny_run: tuple[dict, str, Path
         assert run["status"] == "ok", run.get("reason")
         assert run["loss_check"] == "ok", (run["loss_final"], run["loss_vs_vanilla"])
         assert "plan" in run and "breakdown" in run
+        # The CPU worker's work step by step, warm-up included: the profiling steps update
+        # every offloaded param for real.
+        per_step = run["cpu_per_step"]
+        assert len(per_step) == len(run["step_s"])
+        assert sum(step["params"] for step in per_step) > 0, per_step
         # The feasible set the plan came from, summarised, with the plan on its frontier.
         summary = run["candidates"]
         assert summary["count"] >= len(summary["frontier"]) >= 1, summary
