@@ -93,6 +93,10 @@ class CpuOptimizer(HostGradNorms):
         self.update_in_backward = False
         self.early: dict[int, tuple[torch.optim.Optimizer, list[dict]]] = {}
         self.grad_buffers: dict[int, torch.Tensor] = {}
+        # Per param id, views made once: the pinned gradient staging, and the host store's
+        # compute copy where the update writes a master back (none for a master that is it).
+        self.staged_views: dict[int, torch.Tensor] = {}
+        self.copy_back: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         # Chunks whose host gradients are their pinned staging itself (main thread's view): the
         # first backward after zero_grad needs no copy out of staging when the dtypes agree
         # (no fp32 masters). The staging is then released before it is written again
@@ -243,16 +247,40 @@ class CpuOptimizer(HostGradNorms):
         if presence is not None:
             flags = presence.tolist()
             slots = [slot for slot, present in zip(slots, flags, strict=True) if present != 0]
+        # Host gradients set from staging (a copy into the param's buffer) or added to.
+        fresh_masters: list[torch.Tensor] = []
+        fresh: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        added: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for slot in slots:
             master = self.masters[id(slot.param)]
-            staged = self.manager.staging_view(slot, chunk)
+            staged = self._staged(slot, chunk)
             if alias:
                 master.grad = staged  # read in place by the update: one pass less
             elif master.grad is None:
-                self._copy_grad(slot, master, staged)
+                fresh_masters.append(master)
+                fresh[0].append(self._grad_buffer(slot, master))
+                fresh[1].append(staged)
             else:
-                master.grad.add_(staged)
+                added[0].append(master.grad)
+                added[1].append(staged)
+        # One op per list, not per param: each op returns to Python and needs the GIL back,
+        # which the main thread (a launch-bound forward, a checkpointed block's recompute)
+        # may hold for a whole switch interval (5 ms) each time.
+        if fresh[0]:
+            torch._foreach_copy_(*fresh)
+            for master, buffer in zip(fresh_masters, fresh[0], strict=True):
+                master.grad = buffer
+        if added[0]:
+            torch._foreach_add_(*added)
         self.busy_s += time.perf_counter() - start
+
+    def _staged(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
+        """``slot``'s pinned gradient staging (a view made once: each view is ops too)."""
+        view = self.staged_views.get(id(slot.param))
+        if view is None:
+            view = self.manager.staging_view(slot, chunk)
+            self.staged_views[id(slot.param)] = view
+        return view
 
     def _before_staging_write(self, index: int) -> None:
         """Chunk ``index``'s staging is about to be overwritten (a second backward before
@@ -267,22 +295,28 @@ class CpuOptimizer(HostGradNorms):
 
     def _unalias(self, chunk: Chunk) -> None:
         start = time.perf_counter()
+        masters, buffers, staged = [], [], []
         for slot in chunk.trainable_slots:
             master = self.masters.get(id(slot.param))
-            staged = self.manager.staging_view(slot, chunk)
-            if master is None or master.grad is None or master.grad.data_ptr() != staged.data_ptr():
+            view = self._staged(slot, chunk)
+            if master is None or master.grad is None or master.grad.data_ptr() != view.data_ptr():
                 continue
-            self._copy_grad(slot, master, staged)
+            masters.append(master)
+            buffers.append(self._grad_buffer(slot, master))
+            staged.append(view)
+        if buffers:
+            torch._foreach_copy_(buffers, staged)
+            for master, buffer in zip(masters, buffers, strict=True):
+                master.grad = buffer
         self.busy_s += time.perf_counter() - start
 
-    def _copy_grad(self, slot: ParamSlot, master: torch.Tensor, staged: torch.Tensor) -> None:
-        """``master.grad`` = a copy of ``staged`` in the param's own gradient buffer."""
+    def _grad_buffer(self, slot: ParamSlot, master: torch.Tensor) -> torch.Tensor:
+        """The param's own host gradient buffer (made on first use), for copies of staging."""
         buffer = self.grad_buffers.get(id(slot.param))
         if buffer is None:
             buffer = torch.empty_like(master)
             self.grad_buffers[id(slot.param)] = buffer
-        buffer.copy_(staged)
-        master.grad = buffer
+        return buffer
 
     def _hold_staging(self, index: int, future: Future) -> None:
         """An aliased chunk's staging is read by ``future`` (its update, or the zero_grad clear):
@@ -471,19 +505,35 @@ class CpuOptimizer(HostGradNorms):
             id(p) for group in twin.param_groups for p in group["params"] if p.grad is not None
         }
         n_updated = 0
-        for slot in chunk.slots:
-            master = self.masters.get(id(slot.param))
-            if master is None or id(master) not in updated:
-                continue
-            n_updated += slot.numel
-            host = self.manager.host_view(slot, chunk)
-            if master.data_ptr() != host.data_ptr():
-                host.copy_(master)
+        hosts, masters = [], []
+        for host, master in self._copy_back(chunk):
+            if id(master) in updated:
+                n_updated += master.numel()
+                if host is not None:
+                    hosts.append(host)
+                    masters.append(master)
+        if hosts:
+            torch._foreach_copy_(hosts, masters)  # one op: see _accumulate
         elapsed = time.perf_counter() - start
         self.busy_s += elapsed
         self.update_s += elapsed
         self.updated_params += n_updated
         self.updates += 1
+
+    def _copy_back(self, chunk: Chunk) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """(host view or None, master) of every ``chunk`` param with a master, made once; the
+        host view is None where the master is the host store's bytes (nothing to write)."""
+        pairs = self.copy_back.get(chunk.index)
+        if pairs is None:
+            pairs = []
+            for slot in chunk.slots:
+                master = self.masters.get(id(slot.param))
+                if master is None:
+                    continue
+                host = self.manager.host_view(slot, chunk)
+                pairs.append((host if master.data_ptr() != host.data_ptr() else None, master))
+            self.copy_back[chunk.index] = pairs
+        return pairs
 
     def release_chunk(self, chunk: Chunk) -> dict[int, dict]:
         """Stop managing ``chunk`` (it became persistent): drop its masters, host grads and
@@ -498,7 +548,9 @@ class CpuOptimizer(HostGradNorms):
                 if master is not None and master in twin.state:
                     states[id(slot.param)] = dict(twin.state[master])
         self.aliased.discard(chunk.index)
+        self.copy_back.pop(chunk.index, None)
         for slot in chunk.slots:
+            self.staged_views.pop(id(slot.param), None)
             self.offloaded_ids.discard(id(slot.param))
             self.masters.pop(id(slot.param), None)
             self.grad_buffers.pop(id(slot.param), None)
@@ -542,7 +594,8 @@ class CpuOptimizer(HostGradNorms):
         self.worker.shutdown(wait=True)
         self.manager.on_grads_ready = None
         self.manager.before_staging_write = None
-        for table in (self.masters, self.grad_buffers, self.twins, self.twin_group_index):
+        tables = (self.masters, self.grad_buffers, self.twins, self.twin_group_index)
+        for table in (*tables, self.staged_views, self.copy_back):
             table.clear()
         self.early.clear()
         self.aliased.clear()
