@@ -55,6 +55,26 @@ def _view(flat: torch.Tensor, slot: ParamSlot, offset: int | None = None) -> tor
     return flat[start : start + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
+def _watch(
+    table: dict[int, list[weakref.ref]], index: int, tensor: torch.Tensor, n_slots: int
+) -> None:
+    """Remember ``tensor`` as an alias of chunk ``index``'s bytes in ``table``. A chunk whose
+    bytes never change (frozen weights) is never popped: the dead references are dropped here,
+    or a state_dict() per step would pile them up."""
+    refs = table.setdefault(index, [])
+    if len(refs) >= 2 * n_slots:
+        refs[:] = [ref for ref in refs if ref() is not None]
+    refs.append(weakref.ref(tensor))
+
+
+def _copy_out(table: dict[int, list[weakref.ref]], index: int) -> None:
+    """Give every live alias of chunk ``index`` in ``table`` a private copy of its bytes."""
+    for ref in table.pop(index, None) or ():
+        tensor = ref()
+        if tensor is not None:
+            tensor.data = tensor.data.clone()
+
+
 GradsReady = Callable[
     [
         Chunk,
@@ -201,19 +221,13 @@ class ChunkManager:
             flat.data_ptr() + slot.offset, flat.device, slot.nbytes
         )
         alias = torch.empty(0, dtype=slot.dtype, device=flat.device).set_(storage, 0, slot.shape)
-        refs = self._device_aliases.setdefault(chunk.index, [])
-        if len(refs) >= 2 * len(chunk.slots):
-            refs[:] = [ref for ref in refs if ref() is not None]
-        refs.append(weakref.ref(alias))
+        _watch(self._device_aliases, index=chunk.index, tensor=alias, n_slots=len(chunk.slots))
         return alias
 
     def _copy_out_device_aliases(self, index: int) -> None:
         """Give live ``device_alias`` tensors of chunk ``index`` their own memory before the
         chunk's device storage is freed (the aliases do not own it)."""
-        for ref in self._device_aliases.pop(index, None) or ():
-            tensor = ref()
-            if tensor is not None:
-                tensor.data = tensor.data.clone()
+        _copy_out(self._device_aliases, index)
 
     def host_for_write(self, index: int) -> torch.Tensor:
         """Chunk ``index``'s host bytes, for a caller about to write them."""
@@ -222,20 +236,12 @@ class ChunkManager:
 
     def watch_alias(self, index: int, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` out of chunk ``index``'s host bytes before they are next written."""
-        refs = self._aliases.setdefault(index, [])
-        if len(refs) >= 2 * len(self.chunks[index].slots):
-            # A chunk never written (frozen weights) is never popped: drop the dead references
-            # here, or a state_dict() per step would pile them up.
-            refs[:] = [ref for ref in refs if ref() is not None]
-        refs.append(weakref.ref(tensor))
+        _watch(self._aliases, index=index, tensor=tensor, n_slots=len(self.chunks[index].slots))
 
     def before_host_write(self, index: int) -> None:
         """Called before chunk ``index``'s host bytes change: detach live aliases of them."""
-        refs = self._aliases.pop(index, None) if self._aliases else None
-        for ref in refs or ():
-            tensor = ref()
-            if tensor is not None:
-                tensor.data = tensor.data.clone()
+        if self._aliases:
+            _copy_out(self._aliases, index)
 
     def staging_view(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
         """The pinned host buffer the parameter's gradient is copied into."""
