@@ -90,6 +90,12 @@ class Settings:
             on. Exact only for loops that step after every backward without clipping, a
             GradScaler or changing hyperparameters between backward and step; autooffload
             raises ``UpdateInBackwardError`` if the loop does any of these. Off by default.
+        gpu_update_chunks: Offloaded chunks whose update at ``optimizer.step()`` runs on the
+            GPU beside the CPU's, their optimizer state streamed from pinned memory over the
+            PCIe link the CPU-bound step leaves idle (torch.optim.Adam/AdamW, no fp32 masters,
+            unsharded state). ``None`` (auto): as many as the cost model finds fastest on a
+            CUDA device; 0: every offloaded chunk on the CPU; n: the last n offloaded chunks
+            (on a CPU device too, where the path runs on CPU tensors: tests).
         cpu_threads: Threads of the CPU optimizer's updates; ``None`` (auto): one fewer than
             torch's intra-op threads on a GPU run, so the thread launching the GPU's kernels
             keeps a core (16 OpenMP threads on 16 cores stalled both: see docs/architecture.md).
@@ -208,6 +214,13 @@ class Settings:
         "AUTOOFFLOAD_UPDATE_IN_BACKWARD",
         parse_bool,
         "update offloaded chunks during backward (no clipping/accumulation/scaler)",
+    )
+    gpu_update_chunks: int | None = _knob(
+        None,
+        "AUTOOFFLOAD_GPU_UPDATE_CHUNKS",
+        parse_count,
+        "offloaded chunks updated on the GPU at step(), state streamed from pinned memory"
+        " (Adam/AdamW); 0 = CPU only; auto = the cost model's split",
     )
     cpu_threads: int | None = _knob(
         None,

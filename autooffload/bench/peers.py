@@ -151,13 +151,15 @@ class AutoOffloadTrainee(Trainee):
 
     stats_at_start: dict[str, Any] | None = None
     tokens_per_step: int = 1
-    # The CPU worker's (busy seconds, params updated) totals at the end of every step.
-    cpu_totals: list[tuple[float, int]] | None = None
+    # The CPU worker's (busy seconds, params updated, seconds in the optimizer kernels) totals
+    # at the end of every step.
+    cpu_totals: list[tuple[float, int, float]] | None = None
 
     def on_step_end(self) -> None:
         cpu = getattr(_safe(lambda: _runtime_of(self.model)), "cpu_optim", None)
         if cpu is not None:
-            self.cpu_totals = [*(self.cpu_totals or []), (cpu.busy_s, cpu.updated_params)]
+            totals = (cpu.busy_s, cpu.updated_params, cpu.kernel_s)
+            self.cpu_totals = [*(self.cpu_totals or []), totals]
 
     def _stats(self) -> dict[str, Any] | None:
         runtime = _safe(lambda: _runtime_of(self.model))
@@ -227,17 +229,27 @@ def _per_step_breakdown(
     return breakdown
 
 
-def _cpu_per_step(totals: list[tuple[float, int]]) -> list[dict[str, float]]:
+def _cpu_per_step(totals: list[tuple[float, int, float]]) -> list[dict[str, float | None]]:
     """Each step's CPU worker work, warm-up included: busy seconds, params updated and their
-    rate. A step's update may still run when the step's end is read: it then counts in the
-    next step, so a rate is exact over several steps, approximate over one."""
-    out = []
-    previous = (0.0, 0)
-    for busy_s, params in totals:
-        d_busy, d_params = busy_s - previous[0], params - previous[1]
-        rate = d_params / d_busy if d_busy > 0 else None
-        out.append({"busy_s": d_busy, "params": d_params, "params_per_s": rate})
-        previous = (busy_s, params)
+    rate, and the seconds and rate of the optimizer kernels alone (the twins' ``step()``). A
+    step's update may still run when the step's end is read: it then counts in the next step,
+    so a rate is exact over several steps, approximate over one."""
+    out: list[dict[str, float | None]] = []
+    previous = (0.0, 0, 0.0)
+    for busy_s, params, kernel_s in totals:
+        d_busy, d_params, d_kernel = (
+            now - before for now, before in zip((busy_s, params, kernel_s), previous, strict=True)
+        )
+        out.append(
+            {
+                "busy_s": d_busy,
+                "params": d_params,
+                "params_per_s": d_params / d_busy if d_busy > 0 else None,
+                "kernel_s": d_kernel,
+                "kernel_params_per_s": d_params / d_kernel if d_kernel > 0 else None,
+            }
+        )
+        previous = (busy_s, params, kernel_s)
     return out
 
 

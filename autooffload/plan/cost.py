@@ -28,6 +28,7 @@ from autooffload.plan.residency import (
     prefetch_queue,
 )
 from autooffload.plan.types import Knobs
+from autooffload.plan.update_split import update_split_row
 
 # Below this share of the step, stalls and recompute are noise and the step is compute-bound.
 BOTTLENECK_MIN_SHARE = 0.05
@@ -145,11 +146,12 @@ def peak_breakdown(
     static   = persist_bytes[p] + optim_bytes_per_param * persist_numel[p] + static_bytes
                (+ persist_grad_total[p] if accumulating)
     grads[u] = offload_grad_bytes[p, u] + persist_grad_bytes[p, u]   (backward only)
-    fwd[u]   = fwd_act[u] + in_flight_fwd[u]              (``activation_events``,
+    fwd[u]   = fwd_act[u] + scratch_bytes[p] + in_flight_fwd[u]   (``activation_events``,
     bwd[u]   = bwd_act[u] + grads[u] + in_flight_bwd[u]    ``chunk_bytes_in_flight``)
     step     = persist_grad_total[p] (unless in static) + optim_step_bytes_per_param
                * persist_numel[p]       (the user's optimizer.step(): activations are gone, the
                                          persistent grads and the optimizer's temporaries live)
+               + scratch_bytes[p]       (the GPU update path's, ``plan/update_split.py``)
     allocated = static + max(max_u fwd[u], max_u bwd[u], step)     (bytes live at once)
     pooled   = static + max(max_u fwd_act[u], max_u (bwd_act[u] + grads[u]), step)
                + max_u max(in_flight_fwd[u], in_flight_bwd[u])
@@ -165,6 +167,10 @@ def peak_breakdown(
     check_knobs(profile, knobs, tables)
     p = knobs.n_persist
     fwd_act, bwd_act = activation_events(profile, knobs)
+    # The GPU update path's scratch lives from step() into the next forward (until its last
+    # chunk, which the forward needs late, is back): counted on every forward event.
+    scratch = update_split_row(profile, hw, p)[5]
+    fwd_act = fwd_act + scratch
     in_fwd, in_bwd = chunk_bytes_in_flight(profile, knobs, tables)
     grads = tables.offload_grad_bytes[p].copy()
     static = int(
@@ -180,7 +186,7 @@ def peak_breakdown(
     fwd_peak, bwd_peak = int(fwd.max()), int(bwd.max())
     in_backward = bwd_peak > fwd_peak
     peak_unit = int(np.argmax(bwd if in_backward else fwd))
-    step = optimizer_step_bytes(profile, tables, p)
+    step = optimizer_step_bytes(profile, tables, p) + scratch
     allocated = static + max(fwd_peak, bwd_peak, step)
     chunk_pool = int(max(in_fwd.max(), in_bwd.max()))
     pooled = static + max(int(fwd_act.max()), int((bwd_act + grads).max()), step) + chunk_pool
@@ -283,6 +289,11 @@ class StepWindows:
     gpu_optim_s: float
     recompute_s: float
     stalls: dict[str, float]
+    cpu_update_s: float = 0.0
+    """Seconds of the CPU optimizer's work (its chunks' elements / its rate)."""
+    gpu_update_s: float = 0.0
+    """Seconds of the GPU update path (``plan/update_split.py``), beside the CPU's."""
+    gpu_update_chunks: int = 0
 
 
 def step_windows(
@@ -323,12 +334,10 @@ def step_windows(
     early = None
     if profile.update_in_backward:
         early = backward_update_ready(profile, tables, hw.cpu_optim_params_per_s)[p]
+    split_ready, gpu_chunks, _, cpu_s, gpu_s, _ = update_split_row(profile, hw, p)
     for u in range(n_units):
         if tables.cpu_ready_numel[p, u] >= 0:
-            if early is None:
-                ready = tables.cpu_ready_numel[p, u] / hw.cpu_optim_params_per_s
-            else:
-                ready = early
+            ready = split_ready[u] if early is None else early
             ready += float(tables.fwd_gather_bytes[p, u]) / hw.h2d_bps
             t_fwd = max(t_fwd, ready + float(suffix[u]))
     stalls["cpu_optimizer"] = t_fwd - unconstrained
@@ -356,6 +365,9 @@ def step_windows(
         gpu_optim_s,
         recompute_s,
         stalls,
+        cpu_s if early is None else float(tables.offload_numel[p]) / hw.cpu_optim_params_per_s,
+        gpu_s,
+        gpu_chunks,
     )
 
 
@@ -370,7 +382,8 @@ def predict_step_time(
         xfer_f[u]  = transfer_s(pre_f[u], swap_out[u])
         w_f[u]     = max(fwd_s[u], xfer_f[u]) + (gather_bytes[u+1] - pre_f[u]) / B_h2d      (s)
     The CPU optimizer updates offloaded chunks in order from t=0; gathers of u wait for them:
-        ready[u]   = cpu_ready_numel[u] / cpu_rate + gather_bytes[u] / B_h2d
+        ready[u]   = update_ready_s[u] + gather_bytes[u] / B_h2d
+    (``plan/update_split.py``: cpu_ready_numel[u] / cpu_rate when the CPU updates every chunk)
     (under ``update_in_backward``: ``backward_update_ready`` + gather_bytes[u] / B_h2d)
         T_fwd      = max(max(gpu_optim, gather_bytes[0] / B_h2d) + sum_u w_f[u],
                          max_u (ready[u] + sum_{v >= u} w_f[v]))                             (s)
@@ -401,7 +414,9 @@ def predict_step_time(
         "bwd_compute_s": sum(u.bwd_s for u in units),
         "recompute_s": recompute_s,
         "gpu_optim_s": gpu_optim_s,
-        "cpu_optim_s": float(tables.offload_numel[p]) / hw.cpu_optim_params_per_s,
+        "cpu_optim_s": windows.cpu_update_s,
+        "gpu_update_s": windows.gpu_update_s,
+        "gpu_update_chunks": windows.gpu_update_chunks,
         "other_s": profile.other_s,
         "h2d_stall_s": stalls["pcie_h2d"],
         "d2h_stall_s": stalls["pcie_d2h"],

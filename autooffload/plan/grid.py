@@ -21,6 +21,7 @@ from autooffload.plan.cost import (
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import ChunkTables, chunk_tables, queued_bytes
 from autooffload.plan.types import Knobs
+from autooffload.plan.update_split import update_split
 
 _NONE = np.iinfo(np.int64).min // 4  # "no unit": below any peak, far from overflow
 
@@ -100,11 +101,12 @@ def search_layout(
     gpu_optim = tables.persist_numel[persist] / hw.gpu_optim_params_per_s
     first_gather = tables.fwd_gather_bytes[persist, 0] / h2d
     ready_numel = tables.cpu_ready_numel[persist]
+    split = update_split(profile, hw, persist)
     if profile.update_in_backward:
         done = backward_update_ready(profile, tables, hw.cpu_optim_params_per_s)[persist]
         cpu_done = np.broadcast_to(done[:, None], ready_numel.shape)
     else:
-        cpu_done = ready_numel / hw.cpu_optim_params_per_s
+        cpu_done = split.ready_s
     ready = np.where(ready_numel >= 0, cpu_done + tables.fwd_gather_bytes[persist] / h2d, -np.inf)[
         :, None, :
     ]
@@ -120,10 +122,14 @@ def search_layout(
     # ``cost.peak_breakdown``'s ``pooled``: the chunk buffers' peak over the step, plus the rest's
     # (activations, plus the gradients in the backward).
     chunk_pool = np.maximum((live + fwd_window).max(-1), (live + bwd_window).max(-1))
-    fwd_extra = np.zeros((1, 1, n_units), dtype=np.int64)
+    # The GPU update path's scratch lives from step() into the next forward (until its last
+    # chunk, which the forward needs late, is back): on top of every forward event.
+    fwd_extra = np.broadcast_to(split.scratch_bytes[:, None, None], (persist.size, 1, n_units))
     bwd_extra = grads[:, None, :]
     static_p = static[persist][None, :, None]
-    step_bytes = optimizer_step_bytes(profile, tables, persist)[None, :, None]
+    step_bytes = (optimizer_step_bytes(profile, tables, persist) + split.scratch_bytes)[
+        None, :, None
+    ]
 
     best = None
     unit_index = np.arange(n_units)

@@ -153,6 +153,10 @@ class ModelProfile:
     update_in_backward: bool = False
     """True under ``AUTOOFFLOAD_UPDATE_IN_BACKWARD``: the CPU update of an offloaded chunk starts
     when its gradients arrive in the backward, not at ``optimizer.step()``."""
+    gpu_update: int = 0
+    """Offloaded chunks whose update at ``step()`` runs on the GPU, optimizer state streamed from
+    pinned memory (``plan/update_split.py``): 0 none, -1 as many as the cost model finds best,
+    n > 0 the last n. 0 where the runtime has no GPU path (see ``runtime/gpu_update.py``)."""
     expandable_segments: bool = False
     """True when the allocator uses expandable segments (``EXPANDABLE_FRAGMENTATION`` prior)."""
     checkpoint_inputs_on_cpu: bool = False

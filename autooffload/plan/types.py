@@ -54,13 +54,24 @@ class Plan:
         return sum(p in ("checkpoint", "checkpoint_cpu") for p in self.block_policies)
 
     @property
+    def gpu_update_chunks(self) -> int:
+        """Offloaded chunks updated on the GPU at ``step()`` (``plan/update_split.py``)."""
+        return int(self.breakdown.get("gpu_update_chunks", 0))
+
+    @property
     def knobs(self) -> Knobs:
         return Knobs(self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
 
     def configures_like(self, other: Plan) -> bool:
-        """Same knobs and block policies: switching between the two changes nothing on the
-        device (a checkpoint block and a checkpoint_cpu one count alike in ``knobs``)."""
-        return self.knobs == other.knobs and self.block_policies == other.block_policies
+        """Same knobs, block policies and GPU-updated chunks: switching between the two changes
+        nothing the runtime does (a checkpoint block and a checkpoint_cpu one count alike in
+        ``knobs``). The GPU update split follows from the rates, so a calibration can change it
+        alone."""
+        return (
+            self.knobs == other.knobs
+            and self.block_policies == other.block_policies
+            and self.gpu_update_chunks == other.gpu_update_chunks
+        )
 
     def summary(self) -> str:
         """A short multi-line human summary (logged once per attach)."""
@@ -71,6 +82,12 @@ class Plan:
             f"  persistent on GPU: {self.n_persist} chunks; offloaded to pinned CPU: {n_off} chunks"
             f" through {self.n_buffer} GPU buffers",
         ]
+        k = self.gpu_update_chunks
+        if k:
+            lines.append(
+                f"  optimizer: {k} offloaded chunks updated on the GPU (state streamed from pinned"
+                f" memory), {self.breakdown.get('cpu_update_chunks', n_off - k):.0f} on the CPU"
+            )
         if self.block_policies:
             n_keep = len(self.block_policies) - self.n_swap - self.n_checkpoint
             on_cpu = "checkpoint_cpu" in self.block_policies

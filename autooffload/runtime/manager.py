@@ -296,11 +296,13 @@ class ChunkManager:
 
     def _wait(self, futures: list[Future | None], index: int) -> None:
         future = futures[index]
-        if future is not None and not future.done():
+        futures[index] = None
+        if future is not None:
+            # A done future is read too: an update that failed raises here (once), where its
+            # chunk is next needed, instead of the chunk being used with stale bytes.
             start = time.perf_counter()
             future.result()
             self.stats["stall_s"] += time.perf_counter() - start
-        futures[index] = None
 
     def n_in_use(self) -> int:
         return sum(

@@ -22,6 +22,7 @@ import torch
 from autooffload import openmp
 from autooffload.errors import AttachError, UpdateInBackwardError
 from autooffload.runtime.chunks import Chunk, ParamSlot
+from autooffload.runtime.gpu_update import GpuUpdater
 from autooffload.runtime.host_grads import HostGradNorms
 from autooffload.runtime.manager import ChunkManager
 
@@ -117,8 +118,14 @@ class CpuOptimizer(HostGradNorms):
         self.clip_coef = 1.0
         self.busy_s = 0.0
         self.update_s = 0.0
+        # Seconds inside the twins' step() alone: against busy_s, what the kernels take and
+        # what the rest (gradient copies, Python, waits for the GIL between ops) adds.
+        self.kernel_s = 0.0
         self.updated_params = 0
         self.updates = 0
+        # The GPU update path (runtime/gpu_update.py) and the chunks the plan gives it.
+        self.gpu = GpuUpdater(manager)
+        self.gpu_chunks: set[int] = set()
         manager.on_grads_ready = self._grads_ready
         manager.before_staging_write = self._before_staging_write
         # Every offloaded trainable param, on every rank (masters exist only for the chunks
@@ -332,6 +339,7 @@ class CpuOptimizer(HostGradNorms):
     def wait(self) -> None:
         """Block until every queued accumulation and update is done."""
         self.worker.submit(lambda: None).result()
+        self.gpu.wait()
 
     def zero_grad(self, set_to_none: bool = True, param_ids: set[int] | None = None) -> None:
         """Forget the accumulated host gradients (the user's ``zero_grad``); returns at once.
@@ -452,6 +460,8 @@ class CpuOptimizer(HostGradNorms):
         if self.clip_coef != 1.0 and not self.covers_all(owned):
             self.host_grads()  # the pending coefficient covers other optimizers' grads too
         queued = False
+        on_gpu: list[tuple[Chunk, torch.optim.Optimizer, list[dict], Future | None]] = []
+        gpu_ok = bool(self.gpu_chunks) and self.gpu_path_problem(optimizer) is None
         for chunk in self.manager.chunks:
             if chunk.index in self.manager.persistent or not chunk.trainable_slots:
                 continue
@@ -459,6 +469,10 @@ class CpuOptimizer(HostGradNorms):
             if twin is None:
                 continue
             hyper = self._hyper(chunk, optimizer)
+            if gpu_ok and chunk.index in self.gpu_chunks and chunk.index not in self.early:
+                self.manager.before_host_write(chunk.index)
+                on_gpu.append((chunk, twin, hyper, self.manager.host_busy[chunk.index]))
+                continue
             # Only a chunk's one owner updates it early, and it has the chunk's only twin.
             early = self.early.pop(chunk.index, None)
             if early is not None:
@@ -472,9 +486,37 @@ class CpuOptimizer(HostGradNorms):
                 continue  # updated in the backward
             self._queue_update(chunk, twin, hyper, self.clip_coef)
             queued = True
+        if on_gpu:
+            futures = self.gpu.queue(on_gpu, self.clip_coef)
+            for (chunk, *_), future in zip(on_gpu, futures, strict=True):
+                self.manager.host_busy[chunk.index] = future
+                self._hold_staging(chunk.index, future)
+            # The worker's next tasks (zero_grad's clear, the next backward's gradients, the
+            # next updates) touch the gradients and staging these read: they wait for them.
+            flush = self.gpu.last_flush
+            assert flush is not None
+            self.worker.submit(flush.result)
         if queued and self.manager.is_cuda:
             openmp.warn_if_spinning()  # once per process
         self.clip_coef = 1.0
+
+    def gpu_path_problem(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """Why ``optimizer``'s offloaded chunks cannot take the GPU update path; None if they
+        can (the path runs torch's fused Adam kernels on the params' own bytes)."""
+        name = type(optimizer).__name__
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            return f"the optimizer is {name}, not one of torch.optim.{{Adam, AdamW}}"
+        if any(g.get("differentiable") for g in optimizer.param_groups):
+            return "the optimizer is differentiable"
+        if self.sharding is not None:
+            return "the optimizer state is sharded across ranks"
+        if any(
+            m.data_ptr() != self.manager.host_view(s, c).data_ptr()
+            for c, s in self.offloaded_slots()
+            if (m := self.masters.get(id(s.param))) is not None
+        ):
+            return "fp32 master weights are on (AUTOOFFLOAD_MASTER_WEIGHTS)"
+        return None
 
     def _queue_update(
         self, chunk: Chunk, twin: torch.optim.Optimizer, hyper: list[dict], clip_coef: float
@@ -499,7 +541,9 @@ class CpuOptimizer(HostGradNorms):
                 torch._foreach_mul_(grads, clip_coef)
         for group, values in zip(twin.param_groups, hyper, strict=True):
             group.update(values)
+        kernel_start = time.perf_counter()
         twin.step()
+        self.kernel_s += time.perf_counter() - kernel_start
         # Only params with a gradient were stepped (a frozen one has none).
         updated = {
             id(p) for group in twin.param_groups for p in group["params"] if p.grad is not None
@@ -592,6 +636,7 @@ class CpuOptimizer(HostGradNorms):
         of the pinned host store, host gradients, twin states) and the manager's callbacks into
         it: after detach the pinned memory is freed at once, not at the next cyclic gc."""
         self.worker.shutdown(wait=True)
+        self.gpu.shutdown()
         self.manager.on_grads_ready = None
         self.manager.before_staging_write = None
         tables = (self.masters, self.grad_buffers, self.twins, self.twin_group_index)

@@ -15,6 +15,7 @@ from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
+from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 from autooffload.runtime.calibration import CALIBRATE_AFTER_STEPS, fresh_peak
 from autooffload.runtime.chunks import ALIGN, ChunkLayout
 from autooffload.runtime.host import HostMemory, host_memory
@@ -332,10 +333,38 @@ def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> Mo
     # probe's kernels and inflate the measured block times.
     runtime.profiler = None
     runtime.cpu_optim.wait()
-    return profiler.build(
+    profile = profiler.build(
         optim_bytes_per_param=optim_state_bytes(optimizer, runtime.weight_dtype()),
         grad_accumulation=runtime._backwards_this_step > 1,
         optim_step_bytes=optim_step_bytes(optimizer, runtime.weight_dtype(), runtime.device),
+    )
+    return replace(profile, gpu_update=gpu_update_mode(runtime))
+
+
+def gpu_update_mode(runtime: Runtime) -> int:
+    """``ModelProfile.gpu_update`` for this run: the ``gpu_update_chunks`` setting where the GPU
+    update path can run (auto: -1 on a CUDA device), 0 where it cannot (auto), and a clear
+    error where the setting asks for it and it cannot."""
+    setting = runtime.settings.gpu_update_chunks
+    if setting == 0:
+        return GPU_UPDATE_OFF
+    problem = None
+    if runtime.settings.update_in_backward:
+        problem = "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 updates every chunk on the CPU"
+    elif not runtime.manager.is_cuda and setting is None:
+        problem = "the model is not on a CUDA device"
+    else:
+        for optimizer in runtime.cpu_optim.optimizers:
+            problem = runtime.cpu_optim.gpu_path_problem(optimizer)
+            if problem is not None:
+                break
+    if problem is None:
+        return GPU_UPDATE_AUTO if setting is None else setting
+    if setting is None:
+        return GPU_UPDATE_OFF
+    raise PlanError(
+        f"AUTOOFFLOAD_GPU_UPDATE_CHUNKS={setting} asks for GPU updates of offloaded chunks, but"
+        f" {problem}; set it to 0 (CPU only) or auto"
     )
 
 

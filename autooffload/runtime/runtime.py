@@ -213,6 +213,10 @@ class Runtime(GroupHooks):
             self.cpu_optim.promote_chunk(self.layout.chunks[index], self.device)
         self.manager.set_persistent(sorted(new_persistent), plan.n_buffer)
         self._slot_cache = None
+        # The last k offloaded trainable chunks take the GPU update path (plan/update_split.py).
+        k = plan.gpu_update_chunks
+        trainable = [c.index for c in self.layout.chunks[plan.n_persist :] if c.trainable_slots]
+        self.cpu_optim.gpu_chunks = set(trainable[len(trainable) - k :]) if k else set()
         if plan.block_policies and self.settings.activation_mode != "off":
             for group, policy in zip(self._blocks_in_order(), plan.block_policies, strict=False):
                 self.apply_block_policy(group.module, policy)
@@ -360,6 +364,9 @@ class Runtime(GroupHooks):
                 if self.cpu_optim.update_s
                 else 0.0
             ),
+            # The GPU update path (runtime/gpu_update.py): host seconds issuing it, elements.
+            "gpu_update_s": self.cpu_optim.gpu.busy_s,
+            "gpu_update_params": self.cpu_optim.gpu.updated_params,
         }
 
     # ---- teardown -------------------------------------------------------------------------

@@ -120,6 +120,8 @@ def test_autooffload_peer_ok_once_runtime_landed(tiny_run: tuple[dict, str, Path
         per_step = run["cpu_per_step"]
         assert len(per_step) == len(run["step_s"])
         assert sum(step["params"] for step in per_step) > 0, per_step
+        # The kernels are part of the worker's busy time.
+        assert 0 < sum(s["kernel_s"] for s in per_step) <= sum(s["busy_s"] for s in per_step)
         # The feasible set the plan came from, summarised, with the plan on its frontier.
         summary = run["candidates"]
         assert summary["count"] >= len(summary["frontier"]) >= 1, summary

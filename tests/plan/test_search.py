@@ -14,6 +14,7 @@ from plan_profiles import MiB, layout_chunks, make_hardware, make_profile
 
 from autooffload.errors import PlanError
 from autooffload.plan.cost import (
+    peak_breakdown,
     predict_peak_bytes,
     predict_step_time,
     with_checkpoint_inputs_on_cpu,
@@ -66,9 +67,13 @@ def _profiles(seed, **kwargs):
     in_backward = kwargs.pop("update_in_backward", False)
     step_bytes = kwargs.pop("optim_step_bytes_per_param", 0)
     frozen_pre = kwargs.pop("frozen_pre", False)
+    gpu_update = kwargs.pop("gpu_update", 0)
     profile = make_profile(seed=seed, **{**SMALL, **kwargs})
     profile = dataclasses.replace(
-        profile, update_in_backward=in_backward, optim_step_bytes_per_param=step_bytes
+        profile,
+        update_in_backward=in_backward,
+        optim_step_bytes_per_param=step_bytes,
+        gpu_update=gpu_update,
     )
     if frozen_pre:
         # No backward reads the pre unit's own chunks (a frozen embedding under LoRA).
@@ -97,6 +102,8 @@ def _budgets(profiles, hw):
         (14, {"update_in_backward": True, "tied": True}),
         (15, {"optim_step_bytes_per_param": 24}),
         (16, {"edge_bytes": 3 * SMALL["chunk_size"], "lora": True, "frozen_pre": True}),
+        (17, {"gpu_update": -1}),
+        (18, {"gpu_update": 2, "tied": True}),
     ],
 )
 def test_search_returns_the_brute_force_optimum(seed, kwargs):
@@ -120,8 +127,18 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         {"update_in_backward": True},
         {"optim_step_bytes_per_param": 24},
         {"edge_bytes": 3 * SMALL["chunk_size"], "lora": True, "frozen_pre": True},
+        {"gpu_update": -1},
+        {"gpu_update": 3, "edge_bytes": 3 * SMALL["chunk_size"]},
     ],
-    ids=["tied", "oversized", "update-in-backward", "optimizer-step", "frozen-pre"],
+    ids=[
+        "tied",
+        "oversized",
+        "update-in-backward",
+        "optimizer-step",
+        "frozen-pre",
+        "gpu-update-auto",
+        "gpu-update-3",
+    ],
 )
 def test_vectorised_rows_equal_the_scalar_model(kwargs):
     hw = make_hardware(h2d_bps=8e9, d2h_bps=10e9, duplex_bps=14e9, cpu_optim_params_per_s=2e9)
@@ -322,6 +339,31 @@ def test_an_oversized_frozen_embedding_no_longer_forces_big_chunks_under_a_tight
     assert roomy.n_persist >= 1 and roomy.predicted_step_s < plan.predicted_step_s
 
 
+def test_gpu_updates_are_chosen_when_the_cpu_update_binds_and_cost_their_scratch():
+    """A slow host: the auto split moves chunks to the GPU path, every plan predicts no slower
+    (k = 0 is among the splits it weighs), and the step's memory holds the scratch sets."""
+    hw = make_hardware(cpu_optim_params_per_s=2e8)
+    cpu_only = _profiles(5)[SMALL["chunk_size"]]
+    auto = dataclasses.replace(cpu_only, gpu_update=-1)
+    fixed = dataclasses.replace(cpu_only, gpu_update=1)
+    tables = chunk_tables(cpu_only)
+    knobs = Knobs(1, int(tables.min_buffers[1]))
+    slow, _, _ = predict_step_time(cpu_only, hw, knobs)
+    fast, breakdown, _ = predict_step_time(auto, hw, knobs)
+    assert breakdown["gpu_update_chunks"] >= 1 and fast < slow
+    # The two paths run at once: the CPU's share shrank by the chunks the GPU took.
+    assert breakdown["cpu_optim_s"] < float(tables.offload_numel[1]) / hw.cpu_optim_params_per_s
+    assert predict_step_time(fixed, hw, knobs)[1]["gpu_update_chunks"] == 1
+    # Scratch: two sets of the largest GPU-updated chunk (weights, grads, state) at the step.
+    last = cpu_only.chunks[-1]
+    scratch = 2 * (2 * last.bytes + cpu_only.optim_bytes_per_param * last.trainable_numel)
+    step_only = peak_breakdown(cpu_only, hw, knobs)["optimizer_step"]
+    assert peak_breakdown(fixed, hw, knobs)["optimizer_step"] == step_only + scratch
+    # A fast host: the CPU alone is quicker than any split (the smallest k wins ties).
+    quick = make_hardware(cpu_optim_params_per_s=1e13)
+    assert predict_step_time(auto, quick, knobs)[1]["gpu_update_chunks"] == 0
+
+
 def test_updating_in_the_backward_is_never_predicted_slower_and_helps_cpu_bound_plans():
     hw = make_hardware(cpu_optim_params_per_s=2e8)  # a slow host: the CPU update binds
     default = _profiles(5)[SMALL["chunk_size"]]
@@ -419,3 +461,16 @@ def test_a_plan_moving_checkpoint_inputs_to_the_host_is_a_different_configuratio
     # ... but not the same configuration: calibration and the OOM retry must apply it.
     assert not on_gpu.configures_like(on_cpu)
     assert on_gpu.configures_like(make_plan(profile, hw, knobs, None))
+
+
+def test_a_calibration_changing_only_the_gpu_update_split_is_a_different_configuration():
+    """The split follows from the CPU rate: a calibrated rate can move chunks between the paths
+    with every knob the same, and the runtime must switch to it (not report it only)."""
+    profile = dataclasses.replace(_profiles(5)[SMALL["chunk_size"]], gpu_update=-1)
+    knobs = Knobs(1, int(chunk_tables(profile).min_buffers[1]))
+    slow = make_plan(profile, make_hardware(cpu_optim_params_per_s=1e10), knobs, None)
+    slower = make_plan(profile, make_hardware(cpu_optim_params_per_s=2e9), knobs, None)
+    assert slow.knobs == slower.knobs
+    assert slower.gpu_update_chunks > slow.gpu_update_chunks >= 1
+    assert not slower.configures_like(slow)
+    assert "updated on the GPU" in slower.summary()

@@ -1,0 +1,327 @@
+"""Updates of offloaded chunks on the GPU, their optimizer state streamed from pinned memory.
+
+When the step is bound by the CPU optimizer, the PCIe link idles most of the step. For the
+chunks the plan names (``plan/update_split.py``: the last offloaded ones, which the next forward
+needs last), ``optimizer.step()`` queues this path instead of the CPU's, and both run at once:
+
+    in stream:   weights (the chunk's host bytes), gradients, state (one pinned arena per chunk)
+                 and ``step`` counts H2D into one of two scratch sets
+    out stream:  torch's fused Adam/AdamW on the scratch (the user's hyperparameters, gradients
+                 scaled by a pending clipping coefficient), then weights and state D2H
+
+Chunk j+1's copies in overlap chunk j's update and copies out. A chunk's future (the manager's
+``host_busy``) completes when its bytes are back on the host, so the next forward's gather of
+it waits exactly as it waits for a CPU update. The CPU twin's state stays the state of record
+(checkpoints, plan switches, the CPU path): its tensors become views of the chunk's pinned
+arena, and its ``step`` counts are advanced here. On a CPU device (tests) the same code runs
+synchronously on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.optim.adam import adam
+
+if TYPE_CHECKING:
+    from autooffload.runtime.chunks import Chunk, ParamSlot
+    from autooffload.runtime.manager import ChunkManager
+
+# The optimizer classes this path runs (torch's fused Adam kernels, CUDA and CPU alike).
+GPU_UPDATE_OPTIMIZERS = ("Adam", "AdamW")
+_ALIGN = 256
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def state_keys(group: dict) -> tuple[str, ...]:
+    """Adam's per-element state tensors for a group's params."""
+    return (
+        ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        if group.get("amsgrad")
+        else (
+            "exp_avg",
+            "exp_avg_sq",
+        )
+    )
+
+
+@dataclass
+class _Task:
+    chunk: Chunk
+    twin: torch.optim.Optimizer
+    hyper: list[dict]
+    clip_coef: float
+    after: Future | None
+    future: Future
+    scratch: torch.Tensor
+    slot: int
+
+
+class GpuUpdater:
+    """The GPU update path of a ``CpuOptimizer`` (see the module docstring)."""
+
+    def __init__(self, manager: ChunkManager) -> None:
+        self.manager = manager
+        self.is_cuda = manager.is_cuda
+        device = manager.device
+        self.thread = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="autooffload-gpu-update",
+            initializer=(lambda: torch.cuda.set_device(device)) if self.is_cuda else None,
+        )
+        if self.is_cuda:
+            self.in_stream = torch.cuda.Stream(device)
+            self.out_stream = torch.cuda.Stream(device)
+        # Per chunk index: the pinned arena of its twin's state tensors, and their offsets.
+        self.arenas: dict[int, torch.Tensor] = {}
+        self.offsets: dict[int, dict[tuple[int, str], int]] = {}
+        # Per chunk index: its trainable slots by the address of their host bytes.
+        self.slots: dict[int, dict[int, ParamSlot]] = {}
+        # On the thread: the chunk whose copies out are in flight, and per scratch set the
+        # event after which it may be overwritten.
+        self._inflight: tuple[Future, torch.cuda.Event | None] | None = None
+        self._set_free: list[torch.cuda.Event | None] = [None, None]
+        self.last_flush: Future | None = None
+        self.busy_s = 0.0
+        self.updated_params = 0
+        self.updates = 0
+
+    # ---- state arena --------------------------------------------------------------------------
+
+    def _arena(self, chunk: Chunk, twin: torch.optim.Optimizer) -> torch.Tensor:
+        """The chunk's pinned state arena; the twin's state tensors made views of it (values
+        kept: a state loaded from a checkpoint, or left by a CPU update, is copied in)."""
+        offsets = self.offsets.get(chunk.index)
+        if offsets is None:
+            offsets, size = {}, 0
+            for group in twin.param_groups:
+                for master in group["params"]:
+                    for key in state_keys(group):
+                        offsets[(id(master), key)] = size
+                        size += _aligned(master.numel() * master.element_size())
+            pin = self.is_cuda and torch.cuda.is_available()
+            self.arenas[chunk.index] = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
+            self.offsets[chunk.index] = offsets
+        arena = self.arenas[chunk.index]
+        for group in twin.param_groups:
+            for master in group["params"]:
+                state = twin.state[master]
+                if "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                for key in state_keys(group):
+                    start = offsets[(id(master), key)]
+                    nbytes = master.numel() * master.element_size()
+                    view = arena[start : start + nbytes].view(master.dtype).view(master.shape)
+                    current = state.get(key)
+                    if current is None:
+                        view.zero_()
+                    elif current.data_ptr() != view.data_ptr():
+                        view.copy_(current)
+                    state[key] = view
+        return arena
+
+    @staticmethod
+    def scratch_bytes(chunk: Chunk, arena_bytes: int) -> int:
+        """Device bytes of one scratch set for ``chunk``: weights, gradients (laid out as the
+        weights), the state arena, the ``step`` counts."""
+        return 2 * _aligned(chunk.nbytes) + _aligned(arena_bytes) + _ALIGN * 4
+
+    # ---- queueing (main thread) -----------------------------------------------------------------
+
+    def queue(
+        self,
+        items: list[tuple[Chunk, torch.optim.Optimizer, list[dict], Future | None]],
+        clip_coef: float,
+    ) -> list[Future]:
+        """Queue the updates of ``items`` (chunk, twin, hyperparameters, the future its gradients
+        wait on), in order; one future per item, done when the chunk's host bytes are new."""
+        arenas = [self._arena(chunk, twin) for chunk, twin, _, _ in items]
+        size = max(self.scratch_bytes(c, a.numel()) for (c, *_), a in zip(items, arenas))
+        device = self.manager.device
+        # Allocated here, on the compute stream's pool (freed activations are reused); the in
+        # stream starts after what the compute stream has queued so far.
+        sets = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        start = None
+        if self.is_cuda:
+            start = torch.cuda.Event()
+            start.record()
+        futures = []
+        for position, (chunk, twin, hyper, after) in enumerate(items):
+            future: Future = Future()
+            task = _Task(chunk, twin, hyper, clip_coef, after, future, sets[position % 2], position)
+            self.thread.submit(self._run, task, start if position == 0 else None)
+            futures.append(future)
+        del sets
+        self.last_flush = self.thread.submit(self._flush)
+        return futures
+
+    def wait(self) -> None:
+        """Block until every queued update is done."""
+        self.thread.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        self.thread.shutdown(wait=True)
+        self.arenas.clear()
+        self.offsets.clear()
+        self.slots.clear()
+        self.last_flush = None
+
+    # ---- on the thread ---------------------------------------------------------------------------
+
+    def _run(self, task: _Task, start: torch.cuda.Event | None) -> None:
+        try:
+            if task.after is not None:
+                task.after.result()
+            began = time.perf_counter()
+            done = self._issue(task, start)
+            self.busy_s += time.perf_counter() - began
+        except BaseException as exc:  # surfaced where the chunk is next waited on
+            task.future.set_exception(exc)
+            self._complete_inflight()
+            return
+        self._complete_inflight()
+        self._inflight = (task.future, done)
+
+    def _flush(self) -> None:
+        self._complete_inflight()
+        self._set_free = [None, None]
+
+    def _complete_inflight(self) -> None:
+        if self._inflight is None:
+            return
+        future, event = self._inflight
+        self._inflight = None
+        try:
+            if event is not None:
+                event.synchronize()
+        except BaseException as exc:
+            future.set_exception(exc)
+            return
+        future.set_result(None)
+
+    def _issue(self, task: _Task, start: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """Issue ``task``'s copies in, update and copies out; the event after its copies out."""
+        chunk, twin = task.chunk, task.twin
+        arena = self.arenas[chunk.index]
+        offsets = self.offsets[chunk.index]
+        host = self.manager.host.view(chunk.index)
+        scratch = task.scratch
+        weights_end = _aligned(chunk.nbytes)
+        grads_start, state_start = weights_end, 2 * weights_end
+        steps_start = state_start + _aligned(arena.numel())
+        cuda = self.is_cuda
+        in_ctx = torch.cuda.stream(self.in_stream) if cuda else contextlib.nullcontext()
+        out_ctx = torch.cuda.stream(self.out_stream) if cuda else contextlib.nullcontext()
+
+        # Per twin group: the params with a gradient (torch's optimizers skip the others).
+        groups = []
+        host_grads, dev_grads, host_steps = [], [], []
+        for group, values in zip(twin.param_groups, task.hyper, strict=True):
+            group.update(values)
+            members = []
+            for master in group["params"]:
+                if master.grad is None:
+                    continue
+                slot = self._slot(chunk, master)
+                members.append((master, slot))
+                host_grads.append(master.grad)
+                view = scratch[grads_start + slot.offset : grads_start + slot.offset + slot.nbytes]
+                dev_grads.append(view.view(slot.dtype).view(slot.shape))
+                host_steps.append(twin.state[master]["step"])
+            groups.append((group, members))
+        if not host_grads:
+            return None
+        with in_ctx:
+            if cuda:
+                if start is not None:
+                    self.in_stream.wait_event(start)
+                free = self._set_free[task.slot % 2]
+                if free is not None:
+                    self.in_stream.wait_event(free)
+            scratch[: chunk.nbytes].copy_(host, non_blocking=True)
+            torch._foreach_copy_(dev_grads, host_grads, non_blocking=True)
+            scratch[state_start : state_start + arena.numel()].copy_(arena, non_blocking=True)
+            counts = torch.stack(host_steps)
+            if cuda:
+                counts = counts.pin_memory()
+            steps_bytes = scratch[steps_start : steps_start + counts.numel() * 4]
+            dev_counts = steps_bytes.view(torch.float32)
+            dev_counts.copy_(counts, non_blocking=True)
+            loaded = torch.cuda.Event() if cuda else None
+            if loaded is not None:
+                loaded.record()
+        with out_ctx:
+            if loaded is not None:
+                self.out_stream.wait_event(loaded)
+            if task.clip_coef != 1.0:
+                torch._foreach_mul_(dev_grads, task.clip_coef)
+            steps = list(dev_counts.unbind())
+            index = 0
+            for group, members in groups:
+                if not members:
+                    continue
+                params, grads, states = [], [], {key: [] for key in state_keys(group)}
+                for master, slot in members:
+                    view = scratch[slot.offset : slot.offset + slot.nbytes]
+                    params.append(view.view(slot.dtype).view(slot.shape))
+                    grads.append(dev_grads[index])
+                    for key in states:
+                        at = state_start + offsets[(id(master), key)]
+                        view = scratch[at : at + slot.nbytes].view(slot.dtype).view(slot.shape)
+                        states[key].append(view)
+                    index += 1
+                beta1, beta2 = group["betas"]
+                adam(
+                    params,
+                    grads,
+                    states["exp_avg"],
+                    states["exp_avg_sq"],
+                    states.get("max_exp_avg_sq", []),
+                    steps[index - len(members) : index],
+                    foreach=False,
+                    capturable=False,
+                    differentiable=False,
+                    fused=True,
+                    grad_scale=None,
+                    found_inf=None,
+                    has_complex=False,
+                    decoupled_weight_decay=bool(
+                        group.get("decoupled_weight_decay", type(twin).__name__ == "AdamW")
+                    ),
+                    amsgrad=bool(group.get("amsgrad", False)),
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=bool(group.get("maximize", False)),
+                )
+            host.copy_(scratch[: chunk.nbytes], non_blocking=True)
+            arena.copy_(scratch[state_start : state_start + arena.numel()], non_blocking=True)
+            done = torch.cuda.Event() if cuda else None
+            if done is not None:
+                done.record()
+                self._set_free[task.slot % 2] = done
+        torch._foreach_add_(host_steps, 1)
+        self.updated_params += sum(g.numel() for g in host_grads)
+        self.updates += 1
+        return done
+
+    def _slot(self, chunk: Chunk, master: torch.Tensor) -> ParamSlot:
+        """The slot of ``chunk`` whose host bytes ``master`` is (masters are host views here)."""
+        table = self.slots.get(chunk.index)
+        if table is None:
+            table = {
+                self.manager.host_view(slot, chunk).data_ptr(): slot
+                for slot in chunk.trainable_slots
+            }
+            self.slots[chunk.index] = table
+        return table[master.data_ptr()]
