@@ -36,3 +36,19 @@ def _isolated_autooffload(monkeypatch: pytest.MonkeyPatch):
     import autooffload
 
     autooffload.disable()
+
+
+@pytest.fixture
+def gpu_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Chunk indices the GPU path updated, one entry per chunk update."""
+    seen: list[int] = []
+    from autooffload.runtime.gpu_update import GpuUpdater
+
+    issue = GpuUpdater._issue
+
+    def counted(self, task, start):
+        seen.append(task.chunk.index)
+        return issue(self, task, start)
+
+    monkeypatch.setattr(GpuUpdater, "_issue", counted)
+    return seen

@@ -86,19 +86,10 @@ def test_bf16_training_matches_plain_bf16(n_persist):
     assert math.isclose(offloaded[-1], plain[-1], rel_tol=FINAL_LOSS_RTOL)
 
 
-def test_gpu_updated_chunks_train_like_plain_bf16(monkeypatch):
+def test_gpu_updated_chunks_train_like_plain_bf16(gpu_updates):
     """The GPU update path on CUDA: state streamed through the copy streams, torch's fused
     AdamW on the scratch sets, weights and state back, clipping applied on the device."""
-    from autooffload.runtime.gpu_update import GpuUpdater
-
-    updated: list[int] = []
-    issue = GpuUpdater._issue
-
-    def counted(self, task, start):
-        updated.append(task.chunk.index)
-        return issue(self, task, start)
-
-    monkeypatch.setattr(GpuUpdater, "_issue", counted)
+    updated = gpu_updates
     base = tiny_bf16_llama()
     plain = train_bf16(copy.deepcopy(base), attach=None)
     offloaded = train_bf16(

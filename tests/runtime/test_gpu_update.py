@@ -18,20 +18,6 @@ from tests.runtime.test_offload_equivalence import STEPS, assert_same_training, 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def gpu_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Chunk indices the GPU path updated, one entry per chunk update."""
-    seen: list[int] = []
-    issue = GpuUpdater._issue
-
-    def counted(self, task, start):
-        seen.append(task.chunk.index)
-        return issue(self, task, start)
-
-    monkeypatch.setattr(GpuUpdater, "_issue", counted)
-    return seen
-
-
 @pytest.mark.parametrize(
     ("accum", "clip", "tied"),
     [(1, None, True), (2, 0.5, False)],
