@@ -26,9 +26,10 @@ from autooffload.plan.residency import (
     chunk_spans,
     chunk_tables,
     prefetch_queue,
+    transfer_s,
 )
 from autooffload.plan.types import Knobs
-from autooffload.plan.update_split import update_split_row
+from autooffload.plan.update_split import gpu_update_chunks, scratch_bytes_of, update_split_row
 
 # Below this share of the step, stalls and recompute are noise and the step is compute-bound.
 BOTTLENECK_MIN_SHARE = 0.05
@@ -169,7 +170,7 @@ def peak_breakdown(
     fwd_act, bwd_act = activation_events(profile, knobs)
     # The GPU update path's scratch lives from step() into the next forward (until its last
     # chunk, which the forward needs late, is back): counted on every forward event.
-    scratch = update_split_row(profile, hw, p)[5]
+    scratch = scratch_bytes_of(profile, gpu_update_chunks(profile, hw, p))
     fwd_act = fwd_act + scratch
     in_fwd, in_bwd = chunk_bytes_in_flight(profile, knobs, tables)
     grads = tables.offload_grad_bytes[p].copy()
@@ -223,13 +224,6 @@ def optimizer_step_bytes(
 def predict_peak_bytes(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs) -> int:
     """Predicted peak device memory of the process (CUDA context included), bytes."""
     return int(peak_breakdown(profile, hw, knobs)["peak"])
-
-
-def transfer_s(h2d_bytes: float, d2h_bytes: float, hw: HardwareProfile) -> float:
-    """Time to move both directions at once: max(h2d/B_h2d, d2h/B_d2h, (h2d+d2h)/B_duplex) s."""
-    return max(
-        h2d_bytes / hw.h2d_bps, d2h_bytes / hw.d2h_bps, (h2d_bytes + d2h_bytes) / hw.duplex_bps
-    )
 
 
 def prefetched_bytes(

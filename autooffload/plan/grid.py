@@ -256,7 +256,7 @@ def _shift(values: np.ndarray, by: int) -> np.ndarray:
 
 
 def _transfer(h2d_bytes, d2h_bytes, h2d: float, d2h: float, duplex: float) -> np.ndarray:
-    """Vectorised ``cost.transfer_s``."""
+    """Vectorised ``residency.transfer_s``."""
     both = np.maximum(h2d_bytes / h2d, d2h_bytes / d2h)
     return np.maximum(both, (h2d_bytes + d2h_bytes) / duplex)
 

@@ -14,8 +14,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autooffload.plan.profile_types import ModelProfile
+from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.types import Knobs
+
+
+def transfer_s(h2d_bytes: float, d2h_bytes: float, hw: HardwareProfile) -> float:
+    """Time to move both directions at once: max(h2d/B_h2d, d2h/B_d2h, (h2d+d2h)/B_duplex) s."""
+    return max(
+        h2d_bytes / hw.h2d_bps, d2h_bytes / hw.d2h_bps, (h2d_bytes + d2h_bytes) / hw.duplex_bps
+    )
 
 
 def chunk_spans(profile: ModelProfile) -> tuple[np.ndarray, np.ndarray]:

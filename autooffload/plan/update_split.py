@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
-from autooffload.plan.residency import chunk_spans
+from autooffload.plan.residency import chunk_spans, transfer_s
 
 # ``ModelProfile.gpu_update``: off (CPU only), or let the cost model choose k per n_persist.
 GPU_UPDATE_OFF = 0
@@ -59,8 +59,7 @@ def gpu_chunk_s(profile: ModelProfile, hw: HardwareProfile, chunk: int) -> float
     """Seconds of the GPU path per chunk (the module docstring's t_gpu)."""
     c = profile.chunks[chunk]
     state = profile.optim_bytes_per_param * c.trainable_numel
-    h2d, d2h = c.bytes + c.trainable_bytes + state, c.bytes + state
-    return max(h2d / hw.h2d_bps, d2h / hw.d2h_bps, (h2d + d2h) / hw.duplex_bps)
+    return transfer_s(c.bytes + c.trainable_bytes + state, c.bytes + state, hw)
 
 
 def all_gpu_chunk_s(profile: ModelProfile, hw: HardwareProfile) -> np.ndarray:

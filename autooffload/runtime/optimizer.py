@@ -510,11 +510,10 @@ class CpuOptimizer(HostGradNorms):
             return "the optimizer is differentiable"
         if self.sharding is not None:
             return "the optimizer state is sharded across ranks"
-        if any(
-            m.data_ptr() != self.manager.host_view(s, c).data_ptr()
-            for c, s in self.offloaded_slots()
-            if (m := self.masters.get(id(s.param))) is not None
-        ):
+        offloaded = (c for c in self.manager.chunks if c.index not in self.manager.persistent)
+        # ``_copy_back`` (made once per chunk) names a host view only where the master is not
+        # the host store's bytes: an fp32 master.
+        if any(host is not None for c in offloaded for host, _ in self._copy_back(c)):
             return "fp32 master weights are on (AUTOOFFLOAD_MASTER_WEIGHTS)"
         return None
 

@@ -98,3 +98,19 @@ def test_a_failed_update_is_raised_where_its_chunk_is_next_needed(
             offload_cpu,
             attach={"n_persist": 0, "gpu_update_chunks": 1},
         )
+
+
+def test_gpu_update_setting_with_fp32_masters_is_a_clear_error(
+    make_llama, make_batches, offload_cpu
+):
+    def bf16(model):
+        model.to(torch.bfloat16)
+
+    with pytest.raises(PlanError, match=r"GPU_UPDATE_CHUNKS=1 .* fp32 master weights"):
+        compare(
+            make_llama,
+            make_batches,
+            offload_cpu,
+            prepare=bf16,
+            attach={"n_persist": 0, "gpu_update_chunks": 1, "master_weights": True},
+        )
