@@ -47,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma list of {', '.join(public_peers())}; autooffload[k=v,...] for a fixed plan",
     )
     parser.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=8,
+        help="untimed warm-up steps (autooffload: 2 profile, 5 planned, the calibration, 1)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="repeats (peers alternate: ABAB)")
     parser.add_argument("--bs", type=int, help="batch size (default: the workload's)")
     parser.add_argument("--seq", type=int, help="sequence length (default: the workload's)")

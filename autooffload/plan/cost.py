@@ -453,3 +453,47 @@ def calibrate(
             " pass the peak predict_peak_bytes returned and the same context bytes"
         )
     return max(1.0, (measured_peak - cuda_context_bytes) / predicted_alloc)
+
+
+# ``calibrate_compute``: the range of the compute factor, and how close the scaled prediction
+# must come to the measured step for the factor to count as the explanation of the miss.
+COMPUTE_SCALE_RANGE = (0.25, 4.0)
+COMPUTE_SCALE_FIT = 0.02
+_BISECTIONS = 40
+
+
+def calibrate_compute(
+    profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, measured_step_s: float
+) -> float | None:
+    """The factor f by which the units' compute times must be scaled
+    (``profile.with_compute_scaled(f)``) for ``predict_step_time`` at ``knobs`` to equal a
+    measured step, or None when no f in ``COMPUTE_SCALE_RANGE`` brings the prediction within
+    ``COMPUTE_SCALE_FIT`` of it (the miss lies elsewhere: a CPU-bound step whose stall no
+    compute time changes, or a step longer than four times the compute).
+
+    The probe times each block alone; in the step the same blocks run beside the CPU update's
+    threads, the copies and the other launching thread, and a launch-bound block (a small
+    model at a short batch) runs slower there than alone. The step time is non-decreasing in f
+    (every window is a max of terms, each non-decreasing in compute), so the smallest f whose
+    prediction reaches the measurement is found by bisection.
+    """
+    if measured_step_s <= 0:
+        raise PlanError(f"measured_step_s={measured_step_s} must be > 0 seconds")
+    tables = chunk_tables(profile)
+
+    def predicted(factor: float) -> float:
+        return predict_step_time(profile.with_compute_scaled(factor), hw, knobs, tables)[0]
+
+    low, high = COMPUTE_SCALE_RANGE
+    if predicted(high) < measured_step_s:
+        low = high
+    elif predicted(low) < measured_step_s:
+        for _ in range(_BISECTIONS):
+            middle = (low * high) ** 0.5
+            if predicted(middle) < measured_step_s:
+                low = middle
+            else:
+                high = middle
+        low = high
+    fitted = predicted(low)
+    return low if abs(fitted / measured_step_s - 1) <= COMPUTE_SCALE_FIT else None

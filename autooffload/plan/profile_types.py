@@ -196,6 +196,21 @@ class ModelProfile:
         frag[self.weight_dtype] = float(factor)
         return replace(self, fragmentation=frag)
 
+    def with_compute_scaled(self, factor: float) -> ModelProfile:
+        """A copy whose units' forward and backward times are ``factor`` times the profiled
+        ones (``cost.calibrate_compute``: the step runs its blocks slower or faster than the
+        probe timed them alone)."""
+
+        def scaled(unit: UnitProfile) -> UnitProfile:
+            return replace(unit, fwd_s=unit.fwd_s * factor, bwd_s=unit.bwd_s * factor)
+
+        return replace(
+            self,
+            blocks=tuple(scaled(b) for b in self.blocks),
+            pre=scaled(self.pre),
+            post=scaled(self.post),
+        )
+
     def with_batch_scaled(self, ratio: float) -> ModelProfile:
         """A copy for a batch ``ratio`` times larger: activation bytes grow linearly (attention
         that is quadratic in the sequence grows more; the OOM retry's budget cut is the margin)."""

@@ -3,14 +3,16 @@ against what the plan assumed, and the one re-plan that follows when they differ
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger
-from autooffload.plan.profile_types import ModelProfile
+from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
 
@@ -21,9 +23,52 @@ if TYPE_CHECKING:
 # Steps run under the searched plan before its measured peak and CPU update rate are compared
 # with what the plan assumed; how far above the predicted peak the measured one may be, and how
 # far from the planned rate the measured one, before the model is calibrated.
-CALIBRATE_AFTER_STEPS = 2
+CALIBRATE_AFTER_STEPS = 5
 CALIBRATION_MARGIN = 0.02
 CPU_RATE_MARGIN = 0.10
+# How far the measured step time may be from the prediction (with the calibrated peak and CPU
+# rate) before the units' compute times are scaled to it (``cost.calibrate_compute``).
+STEP_MARGIN = 0.10
+
+
+class StepTimer:
+    """The planned steps' times, from one ``optimizer.step()`` to the next: CUDA events on the
+    compute stream (the GPU's timeline, which a host running ahead does not shorten), host
+    clock readings on a CPU device. Started at the plan switch for that plan; a step with more
+    than one backward (gradient accumulation, which the cost model does not time as one step)
+    leaves it without a measurement."""
+
+    def __init__(self, plan: Plan, cuda: bool) -> None:
+        self.plan = plan
+        self.cuda = cuda
+        self.marks: list[Any] = []
+        self.one_backward_each = True
+
+    def mark(self, backwards: int) -> None:
+        """At an ``optimizer.step()`` of a step that ran ``backwards`` backward passes."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        # The first mark closes the switch step (its forward ran the switch): not timed.
+        if len(self.marks) > 1:
+            self.one_backward_each &= backwards == 1
+
+    def median_step_s(self, plan: Plan) -> float | None:
+        """Median seconds per step between the marks (steps of one plan vary by 20-40% on a
+        launch-bound model: a mean of a few is moved by one slow step), or None with fewer than
+        two marks, a step of several backwards, or another plan than the one timed (an OOM
+        retry's)."""
+        if len(self.marks) < 2 or not self.one_backward_each or plan is not self.plan:
+            return None
+        if self.cuda:
+            self.marks[-1].synchronize()
+            spans = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            spans = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return statistics.median(spans)
 
 
 def fresh_peak(device: torch.device) -> None:
@@ -47,29 +92,39 @@ def worker_rate(mark: tuple[float, int], optimizer: CpuOptimizer) -> float | Non
 
 
 def calibrate_after_steps(
-    runtime: Runtime, measured_peak: int, measured_cpu_rate: float | None = None
+    runtime: Runtime,
+    measured_peak: int,
+    measured_cpu_rate: float | None = None,
+    measured_step_s: float | None = None,
 ) -> Plan | None:
-    """Check the planned steps against what their plan assumed, once: the measured peak
-    (bytes reserved by the allocator) above the prediction by more than ``CALIBRATION_MARGIN``
-    calibrates the fragmentation factor (``cost.calibrate``); the CPU worker's measured rate
-    (``worker_rate``: the update contended by the running step, gradient accumulation included)
-    off the planned one by more than ``CPU_RATE_MARGIN`` replaces it. Either re-runs the search,
-    which may promote chunks but never demotes one (that would move live optimizer state back).
-    Returns the new plan, or None when the assumptions held or the plan stays. Logged once
-    whenever it acts.
+    """Check the planned steps against what their plan assumed, once, in this order:
+    - the measured peak (bytes reserved by the allocator) above the prediction by more than
+      ``CALIBRATION_MARGIN`` calibrates the fragmentation factor (``cost.calibrate``);
+    - the CPU worker's measured rate (``worker_rate``: the update contended by the running step,
+      gradient accumulation included) off the planned one by more than ``CPU_RATE_MARGIN``
+      replaces it;
+    - the measured step time (``StepTimer``) off the plan's step as predicted with the two
+      above by more than ``STEP_MARGIN`` scales the units' compute times
+      (``cost.calibrate_compute``), when a scale explains it.
+    Any of them re-runs the search, which may promote chunks but never demotes one (that would
+    move live optimizer state back). Returns the new plan, or None when the assumptions held or
+    the plan stays. Logged once whenever it acts.
 
     Under data parallelism every rank calls this at the same step (a collective): the ranks
-    judge the largest peak and the slowest CPU update of any rank, and all take rank 0's
-    outcome, as they take rank 0's plan at the switch, so their collectives stay in step."""
+    judge the largest peak, the slowest CPU update and the slowest step of any rank, and all
+    take rank 0's outcome, as they take rank 0's plan at the switch, so their collectives stay
+    in step."""
     dp = runtime.data_parallel
     if dp is not None:
-        measured = dp.gather_object((int(measured_peak), measured_cpu_rate))
-        measured_peak = max(peak for peak, _ in measured)
-        rates = [rate for _, rate in measured if rate]
+        measured = dp.gather_object((int(measured_peak), measured_cpu_rate, measured_step_s))
+        measured_peak = max(peak for peak, _, _ in measured)
+        rates = [rate for _, rate, _ in measured if rate]
         measured_cpu_rate = min(rates) if rates else None
+        steps = [step for _, _, step in measured]
+        measured_step_s = max(steps) if all(steps) else None  # type: ignore[type-var]
     decision: _Calibration | None = None
     if dp is None or dp.rank == 0:
-        decision = _calibration(runtime, measured_peak, measured_cpu_rate)
+        decision = _calibration(runtime, measured_peak, measured_cpu_rate, measured_step_s)
     if dp is not None:
         decision = dp.agree_object(decision)
     return None if decision is None else _apply_calibration(runtime, decision)
@@ -86,7 +141,10 @@ class _Calibration:
 
 
 def _calibration(
-    runtime: Runtime, measured_peak: int, measured_cpu_rate: float | None
+    runtime: Runtime,
+    measured_peak: int,
+    measured_cpu_rate: float | None,
+    measured_step_s: float | None = None,
 ) -> _Calibration | None:
     """The calibrated profile and hardware, and the plan searched with them; None when the
     measurements are within the margins of what the plan assumed."""
@@ -114,6 +172,11 @@ def _calibration(
             f"CPU update {measured_cpu_rate / 1e9:.2f} Gparam/s measured vs"
             f" {planned_rate / 1e9:.2f} planned"
         )
+    if measured_step_s:
+        step = _step_calibration(plan, calibrated, hw, measured_step_s)
+        if step is not None:
+            calibrated, what = step
+            found.append(what)
     if not found:
         return None
     new_request = SearchRequest(
@@ -134,6 +197,33 @@ def _calibration(
     except PlanError as error:
         outcome = str(error)
     return _Calibration("; ".join(found), calibrated, new_request, outcome)
+
+
+def _step_calibration(
+    plan: Plan, profile: ModelProfile, hw: HardwareProfile, measured_step_s: float
+) -> tuple[ModelProfile, str] | None:
+    """``profile`` with its compute scaled to the measured step, and the log's words for it;
+    None when the step is within ``STEP_MARGIN`` of the prediction, or no scale explains it."""
+    from autooffload.plan.cost import (
+        calibrate_compute,
+        predict_step_time,
+        with_checkpoint_inputs_on_cpu,
+    )
+
+    # The plan's own variant: its checkpointed blocks may keep their inputs in host memory.
+    variant = profile
+    if "checkpoint_cpu" in plan.block_policies:
+        variant = with_checkpoint_inputs_on_cpu(profile, hw)
+    predicted = predict_step_time(variant, hw, plan.knobs)[0]
+    if abs(measured_step_s / predicted - 1) <= STEP_MARGIN:
+        return None
+    factor = calibrate_compute(variant, hw, plan.knobs, measured_step_s)
+    if factor is None:
+        return None
+    return profile.with_compute_scaled(factor), (
+        f"measured step {measured_step_s * 1e3:.0f} ms vs predicted {predicted * 1e3:.0f} ms"
+        f" (compute x{factor:.2f})"
+    )
 
 
 def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:

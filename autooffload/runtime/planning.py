@@ -16,7 +16,7 @@ from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
-from autooffload.runtime.calibration import CALIBRATE_AFTER_STEPS, fresh_peak
+from autooffload.runtime.calibration import CALIBRATE_AFTER_STEPS, StepTimer, fresh_peak
 from autooffload.runtime.chunks import ALIGN, ChunkLayout
 from autooffload.runtime.host import HostMemory, host_memory
 from autooffload.settings import Settings
@@ -404,6 +404,7 @@ def switch_to_searched_plan(
         runtime.profiling_peak_bytes = torch.cuda.max_memory_reserved(runtime.device)
         fresh_peak(runtime.device)
         runtime.calibrate_at_step = runtime.steps_taken + CALIBRATE_AFTER_STEPS
+        runtime.step_timer = StepTimer(plan, cuda=True)
         # The worker is idle here (the last profiling step waited for its update).
         runtime.cpu_mark = runtime.cpu_optim.mark()
     from autooffload import runtime as rt

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
@@ -24,7 +22,7 @@ from autooffload.runtime.activations import (
 from autooffload.runtime.adapters import adapter_params
 from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import Group, discover_groups
-from autooffload.runtime.calibration import calibrate_after_steps, worker_rate
+from autooffload.runtime.calibration import StepTimer, calibrate_after_steps, worker_rate
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.distributed import attach_data_parallel
 from autooffload.runtime.hooks import GroupHooks
@@ -126,7 +124,8 @@ class Runtime(GroupHooks):
         # The CPU worker's (busy_s, updated_params) when it was last known idle: the start of
         # the window its rate is measured over (``calibration.worker_rate``).
         self.cpu_mark: tuple[float, int] = (0.0, 0)
-        self._step_started = time.perf_counter()
+        # The planned steps' times from the switch to the calibration (CUDA only).
+        self.step_timer: StepTimer | None = None
         self.swapper: ActivationSwapper | None = None
         self.hf_checkpointing_taken = False
         self.profiler: StepProfiler | None = None
@@ -300,14 +299,18 @@ class Runtime(GroupHooks):
         if profile is not None:
             # Switched at the next forward: other optimizers of this model step after this one.
             self._pending_profile = (profile, measured_rate)
+        if self.step_timer is not None:
+            self.step_timer.mark(self._backwards_this_step)
         self._backwards_this_step = 0
         if self._steps == self.calibrate_at_step:
             self.calibrate_at_step = None
+            timer, self.step_timer = self.step_timer, None
             self.cpu_optim.wait()  # this step's update belongs to the measured window
             calibrate_after_steps(
                 self,
                 torch.cuda.max_memory_reserved(self.device),
                 worker_rate(self.cpu_mark, self.cpu_optim),
+                timer.median_step_s(self.plan) if timer is not None else None,
             )
         # Updates in the backward start once the conservative profiling steps are over.
         self.cpu_optim.update_in_backward = (

@@ -9,8 +9,10 @@ from plan_profiles import MiB, make_hardware, make_profile
 
 from autooffload.errors import PlanError
 from autooffload.plan.cost import (
+    COMPUTE_SCALE_RANGE,
     assign_block_policies,
     calibrate,
+    calibrate_compute,
     peak_breakdown,
     predict_peak_bytes,
     predict_step_time,
@@ -123,6 +125,31 @@ def test_slow_cpu_optimizer_stalls_the_next_forward(profile):
     # The update of all offloaded params (minus what the forward hides) is on the critical path.
     assert slow_step - fast_step == pytest.approx(slow_breakdown["cpu_optim_stall_s"], rel=0.05)
     assert slow_breakdown["cpu_optim_stall_s"] > 0.5 * slow_breakdown["cpu_optim_s"]
+
+
+@pytest.mark.parametrize("factor", [0.6, 1.0, 1.37, 2.5])
+def test_calibrate_compute_recovers_the_scale_of_a_measured_step(profile, hw, factor):
+    knobs = _knobs(profile, n_checkpoint=2)
+    measured, _, _ = _time(profile.with_compute_scaled(factor), hw, knobs)
+    found = calibrate_compute(profile, hw, knobs, measured)
+    assert found == pytest.approx(factor, rel=1e-3)
+    scaled = profile.with_compute_scaled(found)
+    assert scaled.blocks[0].fwd_s == pytest.approx(profile.blocks[0].fwd_s * found)
+    assert scaled.post.bwd_s == pytest.approx(profile.post.bwd_s * found)
+
+
+def test_calibrate_compute_declines_a_miss_no_compute_time_explains(profile):
+    """A step bound by the CPU update: a measured step below that stall cannot be reached by
+    any compute scale, and one far above every scale's prediction is not the compute's."""
+    slow = make_hardware(cpu_optim_params_per_s=1e7)
+    knobs = _knobs(profile, n_persist=0)
+    step, breakdown, _ = _time(profile, slow, knobs)
+    assert breakdown["cpu_optim_stall_s"] > 0.5 * step
+    assert calibrate_compute(profile, slow, knobs, 0.5 * step) is None
+    ceiling, _, _ = _time(profile.with_compute_scaled(COMPUTE_SCALE_RANGE[1]), slow, knobs)
+    assert calibrate_compute(profile, slow, knobs, 1.5 * ceiling) is None
+    with pytest.raises(PlanError, match="measured_step_s"):
+        calibrate_compute(profile, slow, knobs, 0.0)
 
 
 def test_fast_links_make_the_step_compute_bound(profile, hw):

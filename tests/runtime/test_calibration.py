@@ -10,9 +10,12 @@ import torch
 
 from autooffload import runtime as rt
 from autooffload.plan.cost import predict_peak_bytes
+from autooffload.runtime import calibration
 from autooffload.runtime.calibration import (
     CALIBRATION_MARGIN,
     CPU_RATE_MARGIN,
+    STEP_MARGIN,
+    StepTimer,
     calibrate_after_steps,
 )
 
@@ -120,18 +123,73 @@ def test_the_runtime_checks_the_peak_two_steps_after_the_switch(
     monkeypatch.setattr(
         runtime_module,
         "calibrate_after_steps",
-        lambda r, peak, rate: seen.append((r, peak, rate)),
+        lambda r, peak, rate, step_s: seen.append((r, peak, rate, step_s)),
     )
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 123)
     runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
-    runtime.calibrate_at_step = runtime.steps_taken + 2
+    runtime.calibrate_at_step = runtime.steps_taken + 3
+    runtime.step_timer = StepTimer(runtime.plan, cuda=False)
     model = runtime.model
     optimizer = runtime.optimizers[0]
-    for ids in make_batches(3):
+    for ids in make_batches(4):
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    assert seen == [(runtime, 123, PLANNED_RATE)], "checked never, or more than once"
+    assert len(seen) == 1, "checked never, or more than once"
+    (r, peak, rate, step_s) = seen[0]
+    assert (r, peak, rate) == (runtime, 123, PLANNED_RATE)
+    # Two steps timed between the three marks, on the host clock here.
+    assert step_s is not None and 0 < step_s < 60
+    assert runtime.step_timer is None
+
+
+def test_the_step_timer_times_one_plan_of_one_backward_per_step(monkeypatch):
+    clock = iter([10.0, 10.5, 10.7, 11.0, 11.9, 12.2])
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: next(clock))
+    plan = object()
+    timer = StepTimer(plan, cuda=False)
+    timer.mark(backwards=1)
+    assert timer.median_step_s(plan) is None, "one mark is no step"
+    for _ in range(4):
+        timer.mark(backwards=1)
+    # Steps of 0.5, 0.2, 0.3, 0.9 s: the median, not the mean (0.475) one slow step moves.
+    assert timer.median_step_s(plan) == pytest.approx(0.4)
+    assert timer.median_step_s(object()) is None, "another plan (an OOM retry's) was timed"
+    timer.mark(backwards=2)
+    assert timer.median_step_s(plan) is None, "a step of two micro-batches counted as one"
+
+
+def test_a_slower_step_than_predicted_scales_the_compute(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    """The planned steps ran 1.5x the predicted step: the units' compute times are scaled so
+    that the plan's step, predicted again, is the measured one; within the margin, nothing."""
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    plan = runtime.plan
+    peak, predicted = plan.predicted_peak_bytes, plan.predicted_step_s
+    near = predicted * (1 + STEP_MARGIN / 2)
+    assert calibrate_after_steps(runtime, peak, PLANNED_RATE, near) is None
+    assert runtime.plan is plan
+    fwd_s = runtime.profile.blocks[0].fwd_s
+    logger, records = logging.getLogger("autooffload"), _Records()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(records)
+    try:
+        calibrate_after_steps(runtime, peak, PLANNED_RATE, 1.5 * predicted)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert len(records.lines) == 1 and "measured step" in records.lines[0], records.lines
+    factor = runtime.profile.blocks[0].fwd_s / fwd_s
+    assert factor > 1.05, factor
+    assert f"compute x{factor:.2f}" in records.lines[0]
+    calibrated = rt.last_plan()
+    assert calibrated.source == "search, calibrated"
+    if calibrated.configures_like(plan):
+        assert calibrated.predicted_step_s == pytest.approx(1.5 * predicted, rel=0.02)
+    else:  # a faster configuration under the new compute times
+        assert calibrated.predicted_step_s <= 1.5 * predicted * 1.02
 
 
 def test_a_slower_cpu_update_than_planned_replans_and_promotes(
