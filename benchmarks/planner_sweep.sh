@@ -25,7 +25,7 @@ PARTS=${PARTS:-1b 3.6b vlm 8b-lora vanilla} # which of the bench commands below 
 STOP_S=${STOP_S:-450}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-120}
 STEPS=${STEPS:-4}
-WARMUP=${WARMUP:-3} # autooffload profiles steps 1-2 and switches to its plan in step 3
+WARMUP=${WARMUP:-8} # autooffload: steps 1-2 profile, 3 switches, 7 calibrates, 8 may re-plan
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/planner-sweep.XXXXXX")
 mkdir -p "$OUT" "$WORK/parts" "$WORK/logs"
 START=$(date +%s)
@@ -49,9 +49,9 @@ bench() { # NAME WORKLOADS CAPS PEERS: one bench command, if there is time left 
 parts=()
 
 bench 1b llama-1b-full 8GiB,12GiB,16GiB,24GiB,48GiB autooffload
-bench 3.6b llama-3.6b-full 12GiB,16GiB,24GiB,48GiB autooffload
-bench vlm qwen2vl-7b-lora 12GiB,24GiB autooffload
-bench 8b-lora llama-8b-lora 8GiB,12GiB,16GiB,24GiB autooffload
+bench 3.6b llama-3.6b-full 8GiB,12GiB,16GiB,24GiB,48GiB autooffload
+bench vlm qwen2vl-7b-lora 12GiB,16GiB,24GiB autooffload
+bench 8b-lora llama-8b-lora 8GiB,12GiB,16GiB,24GiB,48GiB autooffload
 bench vanilla llama-1b-full,llama-3.6b-full,qwen2vl-7b-lora,llama-8b-lora 48GiB vanilla
 
 merged=$(IFS=,; echo "${parts[*]}")

@@ -28,7 +28,7 @@ CALIBRATION_MARGIN = 0.02
 CPU_RATE_MARGIN = 0.10
 # How far the measured step time may be from the prediction (with the calibrated peak and CPU
 # rate) before the units' compute times are scaled to it (``cost.calibrate_compute``).
-STEP_MARGIN = 0.10
+STEP_MARGIN = 0.05
 
 
 class StepTimer:
