@@ -459,6 +459,9 @@ def calibrate(
 # must come to the measured step for the factor to count as the explanation of the miss.
 COMPUTE_SCALE_RANGE = (0.25, 4.0)
 COMPUTE_SCALE_FIT = 0.02
+# The least share of a change in compute time that must show in the predicted step (its
+# elasticity at the profiled times) for a step miss to be laid on compute at all.
+COMPUTE_ELASTICITY_MIN = 0.5
 _BISECTIONS = 40
 
 
@@ -467,9 +470,14 @@ def calibrate_compute(
 ) -> float | None:
     """The factor f by which the units' compute times must be scaled
     (``profile.with_compute_scaled(f)``) for ``predict_step_time`` at ``knobs`` to equal a
-    measured step, or None when no f in ``COMPUTE_SCALE_RANGE`` brings the prediction within
-    ``COMPUTE_SCALE_FIT`` of it (the miss lies elsewhere: a CPU-bound step whose stall no
-    compute time changes, or a step longer than four times the compute).
+    measured step, or None when compute is not what the step is made of or no f in
+    ``COMPUTE_SCALE_RANGE`` brings the prediction within ``COMPUTE_SCALE_FIT`` of it.
+
+    Compute must be most of the step: a 10% change of every unit's time must change the
+    predicted step by at least ``COMPUTE_ELASTICITY_MIN`` x 10%. A step bound by the CPU update
+    (3.6B at 16 GiB: elasticity ~0.3) that misses by 13% would otherwise be "explained" by
+    halving every block's time, and the search would then trade memory for recompute it
+    thinks is cheap; that miss is the CPU update's, whose rate is calibrated on its own.
 
     The probe times each block alone; in the step the same blocks run beside the CPU update's
     threads, the copies and the other launching thread, and a launch-bound block (a small
@@ -484,6 +492,9 @@ def calibrate_compute(
     def predicted(factor: float) -> float:
         return predict_step_time(profile.with_compute_scaled(factor), hw, knobs, tables)[0]
 
+    base = predicted(1.0)
+    if predicted(1.1) - base < COMPUTE_ELASTICITY_MIN * 0.1 * base:
+        return None
     low, high = COMPUTE_SCALE_RANGE
     if predicted(high) < measured_step_s:
         low = high

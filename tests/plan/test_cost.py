@@ -9,6 +9,7 @@ from plan_profiles import MiB, make_hardware, make_profile
 
 from autooffload.errors import PlanError
 from autooffload.plan.cost import (
+    COMPUTE_ELASTICITY_MIN,
     COMPUTE_SCALE_RANGE,
     assign_block_policies,
     calibrate,
@@ -145,11 +146,19 @@ def test_calibrate_compute_declines_a_miss_no_compute_time_explains(profile):
     knobs = _knobs(profile, n_persist=0)
     step, breakdown, _ = _time(profile, slow, knobs)
     assert breakdown["cpu_optim_stall_s"] > 0.5 * step
+    # Compute times 10% longer move this step by less than half of 10%: not compute's miss,
+    # even where some scale would reach the measurement.
+    longer, _, _ = _time(profile.with_compute_scaled(1.1), slow, knobs)
+    assert longer - step < COMPUTE_ELASTICITY_MIN * 0.1 * step
+    assert calibrate_compute(profile, slow, knobs, longer) is None
     assert calibrate_compute(profile, slow, knobs, 0.5 * step) is None
-    ceiling, _, _ = _time(profile.with_compute_scaled(COMPUTE_SCALE_RANGE[1]), slow, knobs)
-    assert calibrate_compute(profile, slow, knobs, 1.5 * ceiling) is None
+    # A compute-bound step measured beyond every scale's reach.
+    hw = make_hardware()
+    knobs = _knobs(profile, n_checkpoint=2)
+    ceiling, _, _ = _time(profile.with_compute_scaled(COMPUTE_SCALE_RANGE[1]), hw, knobs)
+    assert calibrate_compute(profile, hw, knobs, 1.5 * ceiling) is None
     with pytest.raises(PlanError, match="measured_step_s"):
-        calibrate_compute(profile, slow, knobs, 0.0)
+        calibrate_compute(profile, hw, knobs, 0.0)
 
 
 def test_fast_links_make_the_step_compute_bound(profile, hw):
