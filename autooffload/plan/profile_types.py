@@ -13,6 +13,7 @@ pre and post always keep their activations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -200,15 +201,20 @@ class ModelProfile:
         """A copy whose units' forward and backward times are ``factor`` times the profiled
         ones (``cost.calibrate_compute``: the step runs its blocks slower or faster than the
         probe timed them alone)."""
+        return self._with_units(
+            lambda unit: replace(unit, fwd_s=unit.fwd_s * factor, bwd_s=unit.bwd_s * factor)
+        )
 
-        def scaled(unit: UnitProfile) -> UnitProfile:
-            return replace(unit, fwd_s=unit.fwd_s * factor, bwd_s=unit.bwd_s * factor)
-
+    def _with_units(
+        self, change: Callable[[UnitProfile], UnitProfile], **fields: Any
+    ) -> ModelProfile:
+        """A copy with ``change`` applied to every unit (pre, blocks, post) and ``fields`` set."""
         return replace(
             self,
-            blocks=tuple(scaled(b) for b in self.blocks),
-            pre=scaled(self.pre),
-            post=scaled(self.post),
+            blocks=tuple(change(b) for b in self.blocks),
+            pre=change(self.pre),
+            post=change(self.post),
+            **fields,
         )
 
     def with_batch_scaled(self, ratio: float) -> ModelProfile:
@@ -224,13 +230,7 @@ class ModelProfile:
                 bwd_transient_bytes=int(unit.bwd_transient_bytes * ratio),
             )
 
-        return replace(
-            self,
-            blocks=tuple(scaled(b) for b in self.blocks),
-            pre=scaled(self.pre),
-            post=scaled(self.post),
-            batch_tokens=int(self.batch_tokens * ratio),
-        )
+        return self._with_units(scaled, batch_tokens=int(self.batch_tokens * ratio))
 
     def validate(self) -> None:
         """Raise ``PlanError`` if the profile is inconsistent (unit out of range, negative size)."""
