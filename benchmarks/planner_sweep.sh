@@ -8,8 +8,9 @@
 #
 # Runs start only while fewer than STOP_S seconds have passed (the rest are recorded "skipped"),
 # each run is killed after RUN_TIMEOUT_S, so the whole command ends within
-# STOP_S + RUN_TIMEOUT_S + ~15 s (merge and plots); on an H100 expect ~8 min, with the vanilla
-# references the first to be cut. Results of two commands merge with
+# STOP_S + RUN_TIMEOUT_S + ~15 s (merge and plots). All parts take ~17 min on an H100 (8 warm-up
+# steps each run): split them over commands with PARTS ("1b 8b-lora", "3.6b vlm", "vanilla"),
+# each under a device command's 10 minutes. Results of two commands merge with
 # `python -m autooffload.bench --from-json A.json,B.json --out AB.json --plot`. In $OUT (5 files):
 #   planner-sweep.json            every run (merged), summary rows, candidates per autooffload run
 #   planner-sweep.md              the table and the predicted-vs-measured summary
