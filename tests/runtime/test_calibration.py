@@ -232,3 +232,36 @@ def test_the_optimizer_step_temporaries_follow_the_optimizer_implementation():
     assert optim_step_bytes(torch.optim.SGD(params, lr=0.1), bf16, cuda) == 0
     assert optim_step_bytes(torch.optim.SGD(params, lr=0.1, weight_decay=0.1), bf16, cuda) == 2
     assert optim_step_bytes(None, bf16, cuda) == 0
+
+
+class _TwoRanks:
+    """Rank 0 of two, the other rank's measurements given: ``gather_object`` returns both."""
+
+    rank = 0
+
+    def __init__(self, other: tuple) -> None:
+        self.other = other
+
+    def gather_object(self, mine: tuple) -> list[tuple]:
+        return [mine, self.other]
+
+    def agree_object(self, decision):
+        return decision
+
+
+def test_under_data_parallelism_the_slowest_ranks_step_is_judged(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    peak = runtime.plan.predicted_peak_bytes
+    judged = []
+    monkeypatch.setattr(
+        calibration, "_calibration", lambda r, p, rate, step: judged.append((p, rate, step))
+    )
+    monkeypatch.setattr(runtime, "data_parallel", _TwoRanks((peak + 5, PLANNED_RATE / 2, 0.3)))
+    calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2)
+    assert judged[-1] == (peak + 5, PLANNED_RATE / 2, 0.3), "not the worst rank's figures"
+    # A rank without a step measurement (a step of several backwards there): none is judged.
+    monkeypatch.setattr(runtime, "data_parallel", _TwoRanks((peak, PLANNED_RATE, None)))
+    calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2)
+    assert judged[-1] == (peak, PLANNED_RATE, None)
