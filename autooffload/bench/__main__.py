@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup",
         type=int,
         default=8,
-        help="untimed warm-up steps (autooffload: 2 profile, 5 planned, the calibration, 1)",
+        help="untimed warm-up steps (autooffload: 2 profile, 5 planned, the calibration, 1;"
+        " up to 15 more while a re-planned plan is checked again)",
     )
     parser.add_argument("--repeat", type=int, default=1, help="repeats (peers alternate: ABAB)")
     parser.add_argument("--bs", type=int, help="batch size (default: the workload's)")

@@ -90,6 +90,11 @@ def _memory(device: str, before_timing: tuple[float, float] | None = None) -> di
     return out
 
 
+# Warm-up steps the bench adds, at most, while a peer is not settled (``Trainee.settled``): an
+# autooffload plan that re-plans at every check (three in a row at most) settles within 15.
+EXTRA_WARMUP_LIMIT = 15
+
+
 def _train(
     trainee: Any, spec: dict[str, Any], workload: Any, result: dict[str, Any]
 ) -> dict[str, Any]:
@@ -107,6 +112,7 @@ def _train(
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     batch_cpu = accepted_batch(trainee.model, make_batch(workload, seed=spec["seed"]))
     warmup, steps = spec["warmup"], spec["steps"]
+    warmup_limit = warmup + EXTRA_WARMUP_LIMIT
     step_s: list[float] = []
     losses: list[float] = []
     # The allocator's retries per step (it freed its cache and synchronised to fit a request).
@@ -114,8 +120,11 @@ def _train(
         (lambda: torch.cuda.memory_stats().get("num_alloc_retries", 0)) if cuda else (lambda: 0)
     )
     step_retries: list[int] = []
-    for index in range(warmup + steps):
+    index = 0
+    while index < warmup + steps:
         result["_step_index"] = index  # where a failure happened (0-based, warm-up included)
+        if index == warmup and warmup < warmup_limit and not trainee.settled():
+            warmup += 1  # not in its steady state yet (autooffload re-planned): warm up on
         if index == warmup:
             trainee.on_timing_start()
             if cuda:
@@ -132,6 +141,7 @@ def _train(
         trainee.on_step_end()
         step_retries.append(retries() - before)
         losses.append(float(loss))
+        index += 1
     timed = step_s[warmup:]
     median = statistics.median(timed)
     world = _world_size()
@@ -143,11 +153,16 @@ def _train(
         "step_alloc_retries": step_retries,
         "losses": losses,
         "step_s_median": median,
+        # The warm-up steps run: the requested ones, and more while the peer was not settled.
+        "warmup": warmup,
         # Every rank trains its own batch of the workload's shape: global throughput.
         "tokens_per_s": world * workload.tokens_per_step / median,
         "tokens_per_s_per_gpu": workload.tokens_per_step / median,
         "loss_first": losses[0],
-        "loss_final": losses[-1],
+        # After as many steps as every peer runs (the warm-up asked for, then the timed steps),
+        # so that a peer whose warm-up went on is compared at the same step.
+        "loss_final": losses[spec["warmup"] + steps - 1],
+        "loss_last": losses[-1],
     }
 
 

@@ -57,6 +57,11 @@ class Trainee:
     def on_step_end(self) -> None:
         """Called after every step (warm-up included), once the device is synchronised."""
 
+    def settled(self) -> bool:
+        """Whether the peer has reached its steady state (the warm-up goes on until then, up
+        to a limit): autooffload's plan has passed its first checks."""
+        return True
+
     def report(self, timed_steps: int) -> dict[str, Any]:
         """Peer-specific fields for the result (breakdown, plan); never raises."""
         return {}
@@ -160,6 +165,10 @@ class AutoOffloadTrainee(Trainee):
         if cpu is not None:
             totals = (cpu.busy_s, cpu.updated_params, cpu.kernel_s)
             self.cpu_totals = [*(self.cpu_totals or []), totals]
+
+    def settled(self) -> bool:
+        runtime = _safe(lambda: _runtime_of(self.model))
+        return runtime is None or bool(getattr(runtime, "plan_settled", True))
 
     def _stats(self) -> dict[str, Any] | None:
         runtime = _safe(lambda: _runtime_of(self.model))

@@ -29,6 +29,18 @@ CPU_RATE_MARGIN = 0.10
 # How far the measured step time may be from the prediction (with the calibrated peak and CPU
 # rate) before the units' compute times are scaled to it (``cost.calibrate_compute``).
 STEP_MARGIN = 0.05
+# A calibration that switches the plan checks the new plan the same way, CALIBRATE_AFTER_STEPS
+# later (the new plan's prediction is otherwise never measured: a swap-heavy re-plan ran 23%
+# slower than predicted); at most CALIBRATION_ROUNDS switches in a row, then the plan settles.
+CALIBRATION_ROUNDS = 3
+# Once settled, every DRIFT_WINDOW_STEPS steps the window's median step is compared with the
+# prediction: the host drifts within a run (the CPU update 2.6 -> 3.9 Gparam/s over 20 steps).
+# Beyond DRIFT_MARGIN the model is calibrated again; the plan then changes only where the
+# calibrated search finds one faster than the running plan by REPLAN_GAIN, or where the running
+# plan no longer fits, since a switch costs a synchronisation and the chunks' moves.
+DRIFT_WINDOW_STEPS = 50
+DRIFT_MARGIN = 0.10
+REPLAN_GAIN = 0.05
 
 
 class StepTimer:
@@ -71,6 +83,47 @@ class StepTimer:
         return statistics.median(spans)
 
 
+def arm_calibration(runtime: Runtime, plan: Plan) -> None:
+    """A searched ``plan`` starts to run (CUDA): its first check comes CALIBRATE_AFTER_STEPS
+    steps on, its steps are timed, its peak measured from here (``fresh_peak``) and the CPU
+    worker's rate from this mark (the worker is idle: whoever switched waited for it)."""
+    fresh_peak(runtime.device)
+    runtime.calibrate_at_step = runtime.steps_taken + CALIBRATE_AFTER_STEPS
+    runtime.step_timer = StepTimer(plan, cuda=True)
+    runtime.cpu_mark = runtime.cpu_optim.mark()
+    runtime.calibration_settled = False
+
+
+def check_planned_steps(runtime: Runtime) -> Plan | None:
+    """At ``runtime.calibrate_at_step``: calibrate on the steps since the last check, and set
+    the next one. A check that switched the plan checks the new one CALIBRATE_AFTER_STEPS on
+    (up to CALIBRATION_ROUNDS switches in a row); a plan that stays is settled and checked
+    every DRIFT_WINDOW_STEPS for drift. Every rank calls this at the same step (a collective
+    under data parallelism). Returns the plan switched to, or None."""
+    timer = runtime.step_timer
+    drift = runtime.calibration_settled
+    runtime.cpu_optim.wait()  # this step's update belongs to the measured window
+    new_plan = calibrate_after_steps(
+        runtime,
+        torch.cuda.max_memory_reserved(runtime.device),
+        worker_rate(runtime.cpu_mark, runtime.cpu_optim),
+        timer.median_step_s(runtime.plan) if timer is not None else None,
+        drift=drift,
+    )
+    if new_plan is not None:
+        runtime.calibration_switches += 1
+    else:
+        runtime.calibration_switches = 0
+    runtime.calibration_settled = (
+        new_plan is None or runtime.calibration_switches >= CALIBRATION_ROUNDS
+    )
+    window = DRIFT_WINDOW_STEPS if runtime.calibration_settled else CALIBRATE_AFTER_STEPS
+    runtime.calibrate_at_step = runtime.steps_taken + window
+    runtime.step_timer = StepTimer(runtime.plan, cuda=runtime.manager.is_cuda)
+    runtime.cpu_mark = runtime.cpu_optim.mark()
+    return new_plan
+
+
 def fresh_peak(device: torch.device) -> None:
     """Start measuring a new plan's peak: give the allocator's cached blocks back, then reset
     the peak counters. Without the ``empty_cache`` the reserved peak keeps what the previous
@@ -96,8 +149,9 @@ def calibrate_after_steps(
     measured_peak: int,
     measured_cpu_rate: float | None = None,
     measured_step_s: float | None = None,
+    drift: bool = False,
 ) -> Plan | None:
-    """Check the planned steps against what their plan assumed, once, in this order:
+    """Check the planned steps against what their plan assumed, in this order:
     - the measured peak (bytes reserved by the allocator) above the prediction by more than
       ``CALIBRATION_MARGIN`` calibrates the fragmentation factor (``cost.calibrate``);
     - the CPU worker's measured rate (``worker_rate``: the update contended by the running step,
@@ -109,6 +163,11 @@ def calibrate_after_steps(
     Any of them re-runs the search, which may promote chunks but never demotes one (that would
     move live optimizer state back). Returns the new plan, or None when the assumptions held or
     the plan stays. Logged once whenever it acts.
+
+    ``drift``: a settled plan's periodic check (``check_planned_steps``). It acts only on a step
+    off the prediction by more than ``DRIFT_MARGIN`` (or a peak over it), switches only to a
+    plan ``REPLAN_GAIN`` faster than the running one (unless that one no longer fits), and logs
+    at debug level when the plan stays.
 
     Under data parallelism every rank calls this at the same step (a collective): the ranks
     judge the largest peak, the slowest CPU update and the slowest step of any rank, and all
@@ -124,7 +183,7 @@ def calibrate_after_steps(
         measured_step_s = max(steps) if all(steps) else None  # type: ignore[type-var]
     decision: _Calibration | None = None
     if dp is None or dp.rank == 0:
-        decision = _calibration(runtime, measured_peak, measured_cpu_rate, measured_step_s)
+        decision = _calibration(runtime, measured_peak, measured_cpu_rate, measured_step_s, drift)
     if dp is not None:
         decision = dp.agree_object(decision)
     return None if decision is None else _apply_calibration(runtime, decision)
@@ -138,6 +197,7 @@ class _Calibration:
     profile: ModelProfile
     request: SearchRequest
     outcome: Plan | str
+    drift: bool = False
 
 
 def _calibration(
@@ -145,6 +205,7 @@ def _calibration(
     measured_peak: int,
     measured_cpu_rate: float | None,
     measured_step_s: float | None = None,
+    drift: bool = False,
 ) -> _Calibration | None:
     """The calibrated profile and hardware, and the plan searched with them; None when the
     measurements are within the margins of what the plan assumed."""
@@ -153,6 +214,8 @@ def _calibration(
     plan, request, profile = runtime.plan, runtime.search_request, runtime.profile
     predicted = plan.predicted_peak_bytes
     if request is None or profile is None or not predicted:
+        return None
+    if drift and not _drifted(plan, measured_peak, measured_step_s):
         return None
     gib = 1 << 30
     found = []
@@ -192,11 +255,49 @@ def _calibration(
         outcome = replace(
             new_request.plan(),
             chunk_size=runtime.layout.chunk_size,
-            source=f"{plan.source}, calibrated",
+            source=_calibrated_source(plan.source),
         )
     except PlanError as error:
         outcome = str(error)
-    return _Calibration("; ".join(found), calibrated, new_request, outcome)
+    if drift and isinstance(outcome, Plan) and not outcome.configures_like(plan):
+        outcome = _unless_faster(plan, outcome, new_request, runtime.layout.chunk_size)
+    return _Calibration("; ".join(found), calibrated, new_request, outcome, drift)
+
+
+def _calibrated_source(source: str) -> str:
+    """The plan's source after a calibration (once, however many calibrations it had)."""
+    return source if source.endswith(", calibrated") else f"{source}, calibrated"
+
+
+def _drifted(plan: Plan, measured_peak: int, measured_step_s: float | None) -> bool:
+    """A settled plan's window measured a step off its prediction by more than
+    ``DRIFT_MARGIN``, or a peak above it by more than ``CALIBRATION_MARGIN``."""
+    if measured_peak > plan.predicted_peak_bytes * (1 + CALIBRATION_MARGIN):
+        return True
+    predicted = plan.predicted_step_s
+    return bool(measured_step_s and predicted) and (
+        abs(measured_step_s / predicted - 1) > DRIFT_MARGIN
+    )
+
+
+def _unless_faster(plan: Plan, found: Plan, request: SearchRequest, chunk_size: int) -> Plan:
+    """``found`` when the running ``plan``'s configuration no longer fits the calibrated model
+    or ``found`` is predicted ``REPLAN_GAIN`` faster than it; else the running configuration
+    with its calibrated prediction."""
+    knobs = plan.knobs
+    fixed = {
+        "n_persist": knobs.n_persist,
+        "n_buffer": knobs.n_buffer,
+        "n_swap": knobs.n_swap,
+        "n_checkpoint": knobs.n_checkpoint,
+    }
+    try:
+        stay = replace(request, fixed=fixed).plan()
+    except PlanError:
+        return found
+    if found.predicted_step_s < stay.predicted_step_s * (1 - REPLAN_GAIN):
+        return found
+    return replace(stay, chunk_size=chunk_size, source=found.source)
 
 
 def _step_calibration(
@@ -247,7 +348,7 @@ def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
     rt._last_plan[:] = [new_plan]
     if new_plan.configures_like(plan):
         runtime.plan = new_plan
-        logger.info(
+        (logger.debug if found.drift else logger.info)(
             "%s; the plan stays (predicted step now %.0f ms)", what, new_plan.predicted_step_s * 1e3
         )
         return None

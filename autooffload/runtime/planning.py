@@ -16,7 +16,7 @@ from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
-from autooffload.runtime.calibration import CALIBRATE_AFTER_STEPS, StepTimer, fresh_peak
+from autooffload.runtime.calibration import arm_calibration
 from autooffload.runtime.chunks import ALIGN, ChunkLayout
 from autooffload.runtime.host import HostMemory, host_memory
 from autooffload.settings import Settings
@@ -402,11 +402,9 @@ def switch_to_searched_plan(
         # The planned steps' peak, not the profiling steps', is compared with the prediction;
         # the profiling steps' own is kept (the least memory a run of this model needs).
         runtime.profiling_peak_bytes = torch.cuda.max_memory_reserved(runtime.device)
-        fresh_peak(runtime.device)
-        runtime.calibrate_at_step = runtime.steps_taken + CALIBRATE_AFTER_STEPS
-        runtime.step_timer = StepTimer(plan, cuda=True)
         # The worker is idle here (the last profiling step waited for its update).
-        runtime.cpu_mark = runtime.cpu_optim.mark()
+        runtime.calibration_switches = 0
+        arm_calibration(runtime, plan)
     from autooffload import runtime as rt
 
     rt._last_plan[:] = [plan]

@@ -22,7 +22,7 @@ from autooffload.runtime.activations import (
 from autooffload.runtime.adapters import adapter_params
 from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import Group, discover_groups
-from autooffload.runtime.calibration import StepTimer, calibrate_after_steps, worker_rate
+from autooffload.runtime.calibration import StepTimer, check_planned_steps, worker_rate
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.distributed import attach_data_parallel
 from autooffload.runtime.hooks import GroupHooks
@@ -117,14 +117,18 @@ class Runtime(GroupHooks):
         self._steps = 0
         # zero_grad() since the last optimizer step (a backward without one is warned once).
         self.cleared_since_step = True
-        # The step after which the searched plan's measured peak is checked (CUDA only).
+        # The step after which the searched plan's measured peak and step are next checked
+        # (CUDA only; ``calibration.check_planned_steps``), whether the plan has settled (its
+        # first checks are over: the next is a drift check) and the switches in a row so far.
         self.calibrate_at_step: int | None = None
+        self.calibration_settled = False
+        self.calibration_switches = 0
         # Device bytes the allocator held in the profiling steps (CUDA only, once measured).
         self.profiling_peak_bytes: int | None = None
         # The CPU worker's (busy_s, updated_params) when it was last known idle: the start of
         # the window its rate is measured over (``calibration.worker_rate``).
         self.cpu_mark: tuple[float, int] = (0.0, 0)
-        # The planned steps' times from the switch to the calibration (CUDA only).
+        # The planned steps' times since the last check (CUDA only).
         self.step_timer: StepTimer | None = None
         self.swapper: ActivationSwapper | None = None
         self.hf_checkpointing_taken = False
@@ -303,15 +307,7 @@ class Runtime(GroupHooks):
             self.step_timer.mark(self._backwards_this_step)
         self._backwards_this_step = 0
         if self._steps == self.calibrate_at_step:
-            self.calibrate_at_step = None
-            timer, self.step_timer = self.step_timer, None
-            self.cpu_optim.wait()  # this step's update belongs to the measured window
-            calibrate_after_steps(
-                self,
-                torch.cuda.max_memory_reserved(self.device),
-                worker_rate(self.cpu_mark, self.cpu_optim),
-                timer.median_step_s(self.plan) if timer is not None else None,
-            )
+            check_planned_steps(self)
         # Updates in the backward start once the conservative profiling steps are over.
         self.cpu_optim.update_in_backward = (
             self.settings.update_in_backward and self.profiler is None
@@ -319,6 +315,17 @@ class Runtime(GroupHooks):
 
     def _switch_to_searched_plan(self, profile: ModelProfile, cpu_rate: float | None) -> None:
         switch_to_searched_plan(self, profile, cpu_rate)
+
+    @property
+    def plan_settled(self) -> bool:
+        """The searched plan runs and its first checks against the measurement are over (no
+        profiling step and no first-round calibration pending): the steady state, which a
+        benchmark times."""
+        return (
+            self.profiler is None
+            and self._pending_profile is None
+            and (self.calibrate_at_step is None or self.calibration_settled)
+        )
 
     @property
     def steps_taken(self) -> int:

@@ -12,8 +12,13 @@ from autooffload import runtime as rt
 from autooffload.plan.cost import predict_peak_bytes
 from autooffload.runtime import calibration
 from autooffload.runtime.calibration import (
+    CALIBRATE_AFTER_STEPS,
     CALIBRATION_MARGIN,
+    CALIBRATION_ROUNDS,
     CPU_RATE_MARGIN,
+    DRIFT_MARGIN,
+    DRIFT_WINDOW_STEPS,
+    REPLAN_GAIN,
     STEP_MARGIN,
     StepTimer,
     calibrate_after_steps,
@@ -31,6 +36,7 @@ def _planned(make_llama, offload_cpu, make_batches, budget, monkeypatch):
     from autooffload.runtime import runtime as runtime_module
 
     monkeypatch.setattr(runtime_module, "worker_rate", lambda mark, optimizer: PLANNED_RATE)
+    monkeypatch.setattr(calibration, "worker_rate", lambda mark, optimizer: PLANNED_RATE)
     model = make_llama(n_layers=4)
     offload_cpu(budget=budget)
     model.to("cpu")
@@ -117,13 +123,11 @@ def test_the_runtime_checks_the_peak_two_steps_after_the_switch(
 ):
     """On a GPU the check runs by itself; here the step counter is armed by hand (the CPU
     simulation has no device peak) and the measurement is injected."""
-    from autooffload.runtime import runtime as runtime_module
-
     seen = []
     monkeypatch.setattr(
-        runtime_module,
+        calibration,
         "calibrate_after_steps",
-        lambda r, peak, rate, step_s: seen.append((r, peak, rate, step_s)),
+        lambda r, peak, rate, step_s, drift: seen.append((r, peak, rate, step_s)),
     )
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 123)
     runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
@@ -140,7 +144,10 @@ def test_the_runtime_checks_the_peak_two_steps_after_the_switch(
     assert (r, peak, rate) == (runtime, 123, PLANNED_RATE)
     # Two steps timed between the three marks, on the host clock here.
     assert step_s is not None and 0 < step_s < 60
-    assert runtime.step_timer is None
+    # The plan stayed: it is settled, and checked for drift a window later, timed afresh.
+    assert runtime.calibration_settled
+    assert runtime.calibrate_at_step == runtime.steps_taken - 1 + DRIFT_WINDOW_STEPS
+    assert runtime.step_timer is not None and len(runtime.step_timer.marks) == 1
 
 
 def test_the_step_timer_times_one_plan_of_one_backward_per_step(monkeypatch):
@@ -256,7 +263,7 @@ def test_under_data_parallelism_the_slowest_ranks_step_is_judged(
     peak = runtime.plan.predicted_peak_bytes
     judged = []
     monkeypatch.setattr(
-        calibration, "_calibration", lambda r, p, rate, step: judged.append((p, rate, step))
+        calibration, "_calibration", lambda r, p, rate, step, drift: judged.append((p, rate, step))
     )
     monkeypatch.setattr(runtime, "data_parallel", _TwoRanks((peak + 5, PLANNED_RATE / 2, 0.3)))
     calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2)
@@ -265,3 +272,102 @@ def test_under_data_parallelism_the_slowest_ranks_step_is_judged(
     monkeypatch.setattr(runtime, "data_parallel", _TwoRanks((peak, PLANNED_RATE, None)))
     calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2)
     assert judged[-1] == (peak, PLANNED_RATE, None)
+
+
+def test_a_switch_is_checked_again_and_a_kept_plan_settles_into_drift_checks(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    """The schedule of checks, with the calibration's outcome scripted: a switch is checked
+    CALIBRATE_AFTER_STEPS later, a kept plan is settled and checked a drift window later, and
+    after CALIBRATION_ROUNDS switches in a row the plan settles anyway."""
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    monkeypatch.setattr(calibration, "CALIBRATE_AFTER_STEPS", 2)
+    monkeypatch.setattr(calibration, "DRIFT_WINDOW_STEPS", 4)
+    switched = runtime.plan  # the scripted outcome "re-planned" (the plan object is not used)
+    outcomes = iter([switched, None, switched, switched, switched, None])
+    calls: list[tuple[int, bool]] = []
+
+    def scripted(r, peak, rate, step_s, drift):
+        calls.append((r.steps_taken - start, drift))
+        return next(outcomes)
+
+    monkeypatch.setattr(calibration, "calibrate_after_steps", scripted)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 0)
+    start = runtime.steps_taken
+    runtime.calibrate_at_step = start + 2
+    runtime.step_timer = StepTimer(runtime.plan, cuda=False)
+    model, optimizer = runtime.model, runtime.optimizers[0]
+    settled = []
+    for ids in make_batches(16):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        settled.append(runtime.plan_settled)
+    assert CALIBRATION_ROUNDS == 3, "the script below assumes three switches in a row"
+    assert calls == [(2, False), (4, False), (8, True), (10, False), (12, False), (16, True)]
+    # Settled from the kept plan at step 4 to the switch at 8, and after the third switch.
+    assert [i + 1 for i, s in enumerate(settled) if s] == [4, 5, 6, 7, 12, 13, 14, 15, 16]
+    assert runtime.calibrate_at_step == start + 16 + 4
+
+
+def test_a_drift_check_acts_only_beyond_its_margin_and_keeps_the_plan_quietly(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    """Within DRIFT_MARGIN a settled plan's check changes nothing, even with the CPU rate far
+    off (the step holds); beyond it the model is calibrated, and a plan that stays is logged at
+    debug level only."""
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    plan, profile = runtime.plan, runtime.profile
+    peak, predicted = plan.predicted_peak_bytes, plan.predicted_step_s
+    inside = predicted * (1 + (STEP_MARGIN + DRIFT_MARGIN) / 2)  # a first check would act
+    assert calibrate_after_steps(runtime, peak, PLANNED_RATE / 2, inside, drift=True) is None
+    assert runtime.profile is profile and runtime.plan is plan
+    logger, records = logging.getLogger("autooffload"), _Records()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(records)
+    try:
+        new_plan = calibrate_after_steps(runtime, peak, PLANNED_RATE, 1.5 * predicted, drift=True)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert runtime.profile.blocks[0].fwd_s > profile.blocks[0].fwd_s * 1.05, "not calibrated"
+    if new_plan is None:
+        assert records.lines == [], "a drift check that kept the plan logged at info"
+        assert runtime.plan.configures_like(plan)
+        assert runtime.plan.predicted_step_s == pytest.approx(1.5 * predicted, rel=0.02)
+    else:
+        assert len(records.lines) == 1 and "re-planned" in records.lines[0], records.lines
+        assert new_plan.predicted_step_s < 1.5 * predicted * (1 - REPLAN_GAIN)
+
+
+def test_a_drift_replan_needs_a_faster_plan_or_a_running_plan_that_no_longer_fits(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    from dataclasses import replace
+
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    plan, request, chunk = runtime.plan, runtime.search_request, runtime.layout.chunk_size
+    other = replace(plan, n_buffer=plan.n_buffer + 1)  # another configuration
+    slightly = replace(other, predicted_step_s=plan.predicted_step_s * (1 - REPLAN_GAIN / 2))
+    kept = calibration._unless_faster(plan, slightly, request, chunk)
+    assert kept.configures_like(plan), "switched for a gain under REPLAN_GAIN"
+    assert kept.predicted_step_s == pytest.approx(plan.predicted_step_s)
+    assert kept.source == slightly.source and kept.chunk_size == chunk
+    faster = replace(other, predicted_step_s=plan.predicted_step_s * (1 - 2 * REPLAN_GAIN))
+    assert calibration._unless_faster(plan, faster, request, chunk) is faster
+    # The running configuration over the (calibrated) budget: the found plan, however slow.
+    tight = replace(request, budget_bytes=plan.predicted_peak_bytes - 1)
+    assert calibration._unless_faster(plan, slightly, tight, chunk) is slightly
+
+
+def test_arming_the_calibration_times_the_plan_from_the_switch(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    monkeypatch.setattr(calibration, "fresh_peak", lambda device: None)
+    runtime.calibration_settled = True
+    calibration.arm_calibration(runtime, runtime.plan)
+    assert runtime.calibrate_at_step == runtime.steps_taken + CALIBRATE_AFTER_STEPS
+    assert runtime.step_timer.plan is runtime.plan and not runtime.step_timer.marks
+    assert not runtime.calibration_settled and not runtime.plan_settled
