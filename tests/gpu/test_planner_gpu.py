@@ -23,7 +23,8 @@ GiB = 1 << 30
 # (max reserved) during the timed steps; the timed steps run the searched plan as calibrated:
 # steps 1-2 profile, step 3 switches to the searched plan, after step 7 the calibration may
 # re-plan (peak, CPU rate, step time), step 8 may switch to that plan (the allocator's cache is
-# emptied at each switch, so the timed peak is this plan's).
+# emptied at each switch, so the timed peak is this plan's); a switched plan is checked again
+# five steps on, and the bench's warm-up goes on until the plan has settled.
 PEAK_TOLERANCE = 0.05
 STEP_TOLERANCE = 0.15
 WARMUP, STEPS = 8, 4
