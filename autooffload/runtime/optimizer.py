@@ -14,12 +14,8 @@ forward's copy of that chunk to the GPU waits for the update (``ChunkManager.hos
 from __future__ import annotations
 
 import inspect
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -64,47 +60,6 @@ def _twin_group(group: dict, cls: type) -> dict:
     return hyper
 
 
-class _Worker(ThreadPoolExecutor):
-    """The one worker thread, counting the tasks submitted and not yet started: a task that
-    sees none behind it knows the worker would otherwise idle (``CpuOptimizer._run_early``)."""
-
-    def __init__(self, threads: int) -> None:
-        super().__init__(
-            max_workers=1,
-            thread_name_prefix="autooffload-cpu-optim",
-            initializer=torch.set_num_threads,
-            initargs=(threads,),
-        )
-        self._count_lock = threading.Lock()
-        self._waiting = 0
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        with self._count_lock:
-            self._waiting += 1
-        return super().submit(self._started, fn, args, kwargs)
-
-    def _started(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        with self._count_lock:
-            self._waiting -= 1
-        return fn(*args, **kwargs)
-
-    def nothing_queued(self) -> bool:
-        with self._count_lock:
-            return self._waiting == 0
-
-
-@dataclass
-class _EarlyUpdate:
-    """A chunk's update in the backward, registered when its gradients are ready (on the main
-    thread) and run on the worker once they are accumulated; ``future`` is the chunk's
-    ``host_busy`` until then."""
-
-    chunk: Chunk
-    twin: torch.optim.Optimizer
-    hyper: list[dict]
-    future: Future
-
-
 def update_threads(setting: int | None, on_gpu: bool) -> int:
     """Threads of the CPU updates: the setting, else torch's intra-op threads, less one on a
     GPU run. The main thread launches every kernel of the forward the update overlaps; with as
@@ -127,18 +82,17 @@ class CpuOptimizer(HostGradNorms):
         self.threads = update_threads(threads, manager.is_cuda)
         # OpenMP's thread count is per calling thread: set on the worker, it leaves the main
         # thread's own CPU ops as they were.
-        self.worker = _Worker(self.threads)
+        self.worker = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="autooffload-cpu-optim",
+            initializer=torch.set_num_threads,
+            initargs=(self.threads,),
+        )
         self.masters: dict[int, torch.Tensor] = {}
         # AUTOOFFLOAD_UPDATE_IN_BACKWARD: armed by the runtime once the plan is searched; the
         # chunks updated in this backward, with the optimizer and hyperparameters used.
         self.update_in_backward = False
         self.early: dict[int, tuple[torch.optim.Optimizer, list[dict]]] = {}
-        # Early updates registered and not yet taken by the worker, and those of them whose
-        # gradients are accumulated (the worker's choice: the lowest index, which the next
-        # forward needs first); under the lock (main thread registers, worker takes).
-        self.early_pending: dict[int, _EarlyUpdate] = {}
-        self.early_ready: set[int] = set()
-        self.early_lock = threading.Lock()
         self.grad_buffers: dict[int, torch.Tensor] = {}
         # Per param id, views made once: the pinned gradient staging, and the host store's
         # compute copy where the update writes a master back (none for a master that is it).
@@ -236,74 +190,28 @@ class CpuOptimizer(HostGradNorms):
         alias = all(self._aliasable(slot) for slot in slots)
         if alias:
             self.aliased.add(chunk.index)
-        early = self._register_early(chunk) if self.update_in_backward else None
-        future = self.worker.submit(
-            self._accumulate, chunk, slots, event, alias, presence, early is not None
-        )
+        future = self.worker.submit(self._accumulate, chunk, slots, event, alias, presence)
         self.manager.staging_busy[chunk.index] = future
         self.manager.host_busy[chunk.index] = future
-        if early is not None:
-            self.manager.host_busy[chunk.index] = early.future
-            self._hold_staging(chunk.index, early.future)
+        if self.update_in_backward:
+            self._update_now(chunk)
 
-    def _register_early(self, chunk: Chunk) -> _EarlyUpdate | None:
-        """Register ``chunk``'s update in this backward (ProTrain's overlap of the CPU update
-        with the backward), to run once its gradients are accumulated: exact when ``step()``
-        follows this backward with the same hyperparameters and nothing between them reads or
-        scales the gradients, which ``step``, ``clip_``, ``host_grads`` and ``zero_grad``
-        check. The worker runs the registered updates whenever nothing else is queued, the
-        lowest chunk index first (``_run_early``): the backward delivers gradients in the
-        reverse of the order the next forward needs the chunks, and in arrival order the chunk
-        the forward needs first was updated last."""
+    def _update_now(self, chunk: Chunk) -> None:
+        """Queue ``chunk``'s update right behind its gradients (ProTrain's overlap of the CPU
+        update with the backward): exact when ``step()`` follows this backward with the same
+        hyperparameters and nothing between them reads or scales the gradients, which
+        ``step``, ``clip_``, ``host_grads`` and ``zero_grad`` check."""
         owners = {self.optimizer_of_param.get(id(s.param)) for s in chunk.trainable_slots}
         if len(owners) != 1 or None in owners:
-            return None  # no optimizer bound yet, or several: left to step()
+            return  # no optimizer bound yet, or several: left to step()
         optimizer = owners.pop()
         assert optimizer is not None
         twin = self._twin(chunk, optimizer)
         if twin is None or self.clip_coef != 1.0:
-            return None
+            return
         hyper = self._hyper(chunk, optimizer)
         self.early[chunk.index] = (optimizer, hyper)
-        self.manager.before_host_write(chunk.index)
-        early = _EarlyUpdate(chunk, twin, hyper, Future())
-        with self.early_lock:
-            self.early_pending[chunk.index] = early
-        return early
-
-    def _run_early(self, index: int | None = None) -> None:
-        """On the worker: chunk ``index``'s early update if no one took it yet; None: the
-        accumulated early updates, lowest index first, as long as no other task is queued."""
-        while True:
-            with self.early_lock:
-                if index is None:
-                    ready = self.early_ready & self.early_pending.keys()
-                    if not ready or not self.worker.nothing_queued():
-                        return
-                    take = min(ready)
-                else:
-                    take = index
-                early = self.early_pending.pop(take, None)
-                self.early_ready.discard(take)
-            if early is None:
-                return
-            if early.future.set_running_or_notify_cancel():
-                try:
-                    self._update(early.chunk, early.twin, early.hyper, 1.0)
-                except BaseException as error:  # read by whoever waits on the chunk
-                    early.future.set_exception(error)
-                else:
-                    early.future.set_result(None)
-            if index is not None:
-                return
-
-    def _flush_early(self) -> None:
-        """Queue every registered early update not taken yet, in forward order: what comes
-        after them on the worker (the next updates, zero_grad's clear, a wait) runs after."""
-        with self.early_lock:
-            indices = sorted(self.early_pending)
-        for index in indices:
-            self.worker.submit(self._run_early, index)
+        self._queue_update(chunk, twin, hyper, 1.0)
 
     def _hyper(self, chunk: Chunk, optimizer: torch.optim.Optimizer) -> list[dict]:
         """The user's hyperparameters for ``chunk``'s twin groups, as the twin takes them."""
@@ -339,23 +247,6 @@ class CpuOptimizer(HostGradNorms):
         event: torch.cuda.Event | None,
         alias: bool = False,
         presence: torch.Tensor | None = None,
-        early: bool = False,
-    ) -> None:
-        """On the worker: the chunk's staged gradients into its host gradients; then, with an
-        early update registered for it, the early updates while the worker has nothing else."""
-        self._accumulate_grads(chunk, slots, event, alias, presence)
-        if early:
-            with self.early_lock:
-                self.early_ready.add(chunk.index)
-            self._run_early()
-
-    def _accumulate_grads(
-        self,
-        chunk: Chunk,
-        slots: list[ParamSlot],
-        event: torch.cuda.Event | None,
-        alias: bool,
-        presence: torch.Tensor | None,
     ) -> None:
         if event is not None:
             event.synchronize()
@@ -447,7 +338,6 @@ class CpuOptimizer(HostGradNorms):
 
     def wait(self) -> None:
         """Block until every queued accumulation and update is done."""
-        self._flush_early()
         self.worker.submit(lambda: None).result()
         self.gpu.wait()
 
@@ -593,10 +483,6 @@ class CpuOptimizer(HostGradNorms):
                         f" backward with {early[1]}; change them before backward (schedulers"
                         " stepping after optimizer.step() do) or set it to 0"
                     )
-                with self.early_lock:
-                    pending = chunk.index in self.early_pending
-                if pending:  # not taken by the worker yet: now, in forward order
-                    self.worker.submit(self._run_early, chunk.index)
                 continue  # updated in the backward
             self._queue_update(chunk, twin, hyper, self.clip_coef)
             queued = True
@@ -756,8 +642,6 @@ class CpuOptimizer(HostGradNorms):
         for table in (*tables, self.staged_views, self.copy_back):
             table.clear()
         self.early.clear()
-        self.early_pending.clear()
-        self.early_ready.clear()
         self.aliased.clear()
         self.device_norms.clear()
         self.accumulations.clear()

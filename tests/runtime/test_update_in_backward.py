@@ -8,7 +8,6 @@ it does something only an update at ``step()`` could honour.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -115,50 +114,4 @@ def test_it_refuses_to_combine_with_the_oom_retry(make_llama, offload_cpu):
     offload_cpu(n_persist=1, update_in_backward=True, oom_retry=True)
     with pytest.raises(AttachError, match="AUTOOFFLOAD_UPDATE_IN_BACKWARD=1"):
         model.to("cpu")
-    autooffload.disable()
-
-
-def test_ready_updates_run_in_the_order_the_next_forward_needs_them(
-    make_llama, offload_cpu, make_batches
-):
-    """The backward delivers gradients from the last chunk to the first; updates that wait for
-    the worker run lowest chunk first (the next forward's order), not in arrival order."""
-    torch.manual_seed(0)
-    model = make_llama(n_layers=4)
-    offload_cpu(n_persist=1, activation_mode="keep", update_in_backward=True)
-    model.to("cpu")
-    runtime = rt.runtime_of(model)
-    cpu = runtime.cpu_optim
-    offloaded = [
-        c.index for c in runtime.layout.chunks if c.index not in runtime.manager.persistent
-    ]
-    assert len(offloaded) >= 3, "the test needs several offloaded chunks"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = make_batches(1)[0]
-    model(input_ids=ids, labels=ids).loss.backward()  # the step that arms the setting
-    optimizer.step()
-    optimizer.zero_grad()
-    runtime.synchronize()
-    order: list[int] = []
-    update = cpu._update
-
-    def recorded(chunk, *args):
-        order.append(chunk.index)
-        return update(chunk, *args)
-
-    cpu._update = recorded
-    # The worker busy through the whole backward: every chunk's gradients and update queue up.
-    release = threading.Event()
-    cpu.worker.submit(release.wait, 30)
-    model(input_ids=ids, labels=ids).loss.backward()
-    assert sorted(cpu.early) == offloaded and order == []
-    release.set()
-    # Nothing submitted behind them: the last accumulation runs every update, before step().
-    deadline = time.monotonic() + 30
-    while len(order) < len(offloaded) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert order == sorted(offloaded), order
-    optimizer.step()
-    runtime.synchronize()
-    assert order == sorted(offloaded), "step() updated a chunk again"
     autooffload.disable()
