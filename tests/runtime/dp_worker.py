@@ -403,8 +403,13 @@ def main() -> None:
         report["dp_vs_averaged"] = max_diff(dp, averaged)
         report["dp_vs_whole_batch"] = max_diff(dp, whole)
         report["averaged_vs_whole_batch"] = max_diff(averaged, whole)
-        calibrated, report["calibration"] = case_calibrate(device, dtype, rank, world)
-        report["calibrate_vs_averaged"] = max_diff(calibrated, averaged)
+        if device == "cpu":
+            # Its 900 kB budget is below the 256 MiB a CUDA device keeps free, and on CUDA this
+            # tiny model's plans all peak within a few % of each other (2 MiB segments), so no
+            # budget leaves room for a smaller plan. The calibration's collectives are the same
+            # code on either backend: the gloo run checks them.
+            calibrated, report["calibration"] = case_calibrate(device, dtype, rank, world)
+            report["calibrate_vs_averaged"] = max_diff(calibrated, averaged)
         ddp = case_ddp(device, dtype, rank, world)
         report["ddp_vs_averaged"] = max_diff(ddp, averaged_clip)
         report["no_sync_vs_averaged"] = max_diff(
