@@ -239,30 +239,35 @@ def prefetched_bytes(
     return sum(profile.chunks[c].bytes for c in queue if ends[c] == upcoming)
 
 
-def backward_update_ready(profile: ModelProfile, tables: ChunkTables, rate: float) -> np.ndarray:
-    """Under ``update_in_backward``: per ``n_persist`` p, when (seconds after ``step()``, 0 if
-    before it, as without offloaded trainable chunks) every offloaded chunk is updated.
+def backward_update_done(
+    profile: ModelProfile,
+    tables: ChunkTables,
+    rate: float,
+    p: int,
+    left_after: np.ndarray,
+) -> float:
+    """Under ``update_in_backward``: when (seconds after ``step()``, 0 if before it, as without
+    offloaded trainable chunks) every offloaded chunk of plan ``n_persist = p`` is updated.
 
     Updates run in arrival order, chunk n-1 (the first whose gradients arrive) to chunk p (the
     last, and the first the next forward needs), so the forward waits for all of them. With
-    H(c) = sum(bwd_s[v] for v < first_unit(c)) the backward left after chunk c's gradients
-    arrive (compute only: recompute and copies make it longer, so this errs slow):
-        done[p] = max(offload_numel[p] / rate - H(n-1), numel[p] / rate - H(p))
+    ``left_after[u]`` the backward's wall time left once unit u's backward is done (the sum of
+    the windows of the units before u: recompute and exposed copies included) and H(c) =
+    ``left_after[first_unit(c)]`` the backward left after chunk c's gradients arrive:
+        done[p] = max(offload_numel[p] / rate - H(n-1), numel[p] / rate - H(p), 0)
+    (before the fifteenth session H counted the units' backward compute only; the step then
+    was predicted 25-44% slow on 3.6B, whose 28 checkpointed blocks recompute 55 ms.)
     """
+    if tables.offload_numel[p] <= 0:
+        return 0.0
     first, _ = chunk_spans(profile)
-    bwd_before = np.concatenate([[0.0], np.cumsum([u.bwd_s for u in profile.units])])
     n = profile.n_chunks
-    numel = np.array([c.trainable_numel for c in profile.chunks], dtype=float)
-    done = np.zeros(n + 1)
-    for p in range(n):
-        if tables.offload_numel[p] <= 0:
-            continue
-        done[p] = max(
-            tables.offload_numel[p] / rate - bwd_before[first[n - 1]],
-            numel[p] / rate - bwd_before[first[p]],
-            0.0,
-        )
-    return done
+    numel = float(profile.chunks[p].trainable_numel)
+    return max(
+        float(tables.offload_numel[p]) / rate - float(left_after[first[n - 1]]),
+        numel / rate - float(left_after[first[p]]),
+        0.0,
+    )
 
 
 @dataclass(frozen=True)
@@ -324,17 +329,6 @@ def step_windows(
     stalls["pcie_h2d"] += max(0.0, first_gather_s - gpu_optim_s)
     unconstrained = max(gpu_optim_s, first_gather_s) + sum(fwd_windows)
     suffix = np.cumsum(fwd_windows[::-1])[::-1]
-    t_fwd = unconstrained
-    early = None
-    if profile.update_in_backward:
-        early = backward_update_ready(profile, tables, hw.cpu_optim_params_per_s)[p]
-    split_ready, gpu_chunks, _, cpu_s, gpu_s, _ = update_split_row(profile, hw, p)
-    for u in range(n_units):
-        if tables.cpu_ready_numel[p, u] >= 0:
-            ready = split_ready[u] if early is None else early
-            ready += float(tables.fwd_gather_bytes[p, u]) / hw.h2d_bps
-            t_fwd = max(t_fwd, ready + float(suffix[u]))
-    stalls["cpu_optimizer"] = t_fwd - unconstrained
 
     bwd_windows = []
     recompute_s = 0.0
@@ -351,6 +345,19 @@ def step_windows(
     tail_s = float(tables.grad_d2h_bytes[p, 0]) / hw.d2h_bps
     stalls["pcie_d2h"] += tail_s
     t_bwd = sum(bwd_windows) + tail_s
+
+    t_fwd = unconstrained
+    early = None
+    if profile.update_in_backward:
+        left_after = np.concatenate([[0.0], np.cumsum(bwd_windows)])
+        early = backward_update_done(profile, tables, hw.cpu_optim_params_per_s, p, left_after)
+    split_ready, gpu_chunks, _, cpu_s, gpu_s, _ = update_split_row(profile, hw, p)
+    for u in range(n_units):
+        if tables.cpu_ready_numel[p, u] >= 0:
+            ready = split_ready[u] if early is None else early
+            ready += float(tables.fwd_gather_bytes[p, u]) / hw.h2d_bps
+            t_fwd = max(t_fwd, ready + float(suffix[u]))
+    stalls["cpu_optimizer"] = t_fwd - unconstrained
     return StepWindows(
         tuple(float(w) for w in fwd_windows),
         tuple(float(w) for w in bwd_windows),
@@ -378,7 +385,8 @@ def predict_step_time(
     The CPU optimizer updates offloaded chunks in order from t=0; gathers of u wait for them:
         ready[u]   = update_ready_s[u] + gather_bytes[u] / B_h2d
     (``plan/update_split.py``: cpu_ready_numel[u] / cpu_rate when the CPU updates every chunk)
-    (under ``update_in_backward``: ``backward_update_ready`` + gather_bytes[u] / B_h2d)
+    (under ``update_in_backward``: ``backward_update_done``, from the backward windows below,
+    + gather_bytes[u] / B_h2d)
         T_fwd      = max(max(gpu_optim, gather_bytes[0] / B_h2d) + sum_u w_f[u],
                          max_u (ready[u] + sum_{v >= u} w_f[v]))                             (s)
     with gpu_optim = persist_numel / gpu_rate (the user's optimizer on persistent chunks).

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autooffload.plan.cost import (
-    backward_update_ready,
     optimizer_step_bytes,
 )
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
-from autooffload.plan.residency import ChunkTables, chunk_tables, queued_bytes
+from autooffload.plan.residency import ChunkTables, chunk_spans, chunk_tables, queued_bytes
 from autooffload.plan.types import Knobs
 from autooffload.plan.update_split import update_split
 
@@ -102,14 +101,24 @@ def search_layout(
     first_gather = tables.fwd_gather_bytes[persist, 0] / h2d
     ready_numel = tables.cpu_ready_numel[persist]
     split = update_split(profile, hw, persist)
-    if profile.update_in_backward:
-        done = backward_update_ready(profile, tables, hw.cpu_optim_params_per_s)[persist]
-        cpu_done = np.broadcast_to(done[:, None], ready_numel.shape)
-    else:
-        cpu_done = split.ready_s
+    in_backward = profile.update_in_backward
+    # Under update_in_backward one time ``done`` (per K, P, D: it depends on the backward's
+    # windows) holds for every chunk, so the forward's wait is done + max over the ready units
+    # of (gather + the forward after it); otherwise each unit has its own ready time.
+    cpu_done = np.zeros(ready_numel.shape) if in_backward else split.ready_s
     ready = np.where(ready_numel >= 0, cpu_done + tables.fwd_gather_bytes[persist] / h2d, -np.inf)[
         :, None, :
     ]
+    if in_backward:
+        rate = hw.cpu_optim_params_per_s
+        first_unit, _ = chunk_spans(profile)
+        offload_s = tables.offload_numel[persist] / rate
+        # Per n_persist p (p = n_chunks included: nothing offloaded, no update to wait for).
+        numel = np.array([c.trainable_numel for c in profile.chunks] + [0], dtype=float)
+        own_s = numel[persist] / rate
+        last_first = int(first_unit[profile.n_chunks - 1])
+        own_first = np.append(first_unit, 0)[persist]
+        has_update = tables.offload_numel[persist] > 0
     tail = tables.grad_d2h_bytes[persist, 0] / d2h
     start = np.maximum(gpu_optim, first_gather)
 
@@ -152,7 +161,26 @@ def search_layout(
         t_bwd = tail[:, None] + (base + bwd_exposed).sum(axis=-1)
         extra_before = np.concatenate([np.zeros((*extra.shape[:2], 1)), extra.cumsum(-1)], -1)
         recompute = extra_before[..., n_swap + 1 + checkpoints] - extra_before[..., [n_swap + 1]]
-        step = (t_fwd + t_bwd)[None] + np.moveaxis(recompute, -1, 0) + profile.other_s
+        if in_backward:
+            # ``cost.backward_update_done`` for every (K, P, D): H(c) is the backward's windows
+            # before chunk c's first unit, with the recompute of the checkpointed ones.
+            windows_before = np.concatenate(
+                [np.zeros((*base.shape[:2], 1)), (base + bwd_exposed).cumsum(-1)], -1
+            )
+            ckpt_end = n_swap + 1 + checkpoints
+            left = [
+                _backward_left(windows_before, extra_before, unit, n_swap + 1, ckpt_end)
+                for unit in (np.full(persist.size, last_first), own_first)
+            ]
+            done = np.maximum(
+                np.maximum(offload_s[None, :, None] - left[0], own_s[None, :, None] - left[1]),
+                0.0,
+            )
+            done = np.where(has_update[None, :, None], done, 0.0)
+            t_fwd = np.maximum(t_fwd[None], done + (ready + after).max(axis=-1)[None])
+        else:
+            t_fwd = t_fwd[None]
+        step = t_fwd + t_bwd[None] + np.moveaxis(recompute, -1, 0) + profile.other_s
 
         # Peak memory, shape (K, P, D), for every n_checkpoint at once without a K x P x D x U
         # array: with k checkpoints, units u <= n_swap + k + 1 see every non-swapped block before
@@ -199,6 +227,29 @@ def search_layout(
                 )
             )
     return best
+
+
+def _backward_left(
+    windows_before: np.ndarray,
+    extra_before: np.ndarray,
+    unit: np.ndarray,
+    ckpt_start: int,
+    ckpt_end: np.ndarray,
+) -> np.ndarray:
+    """The backward's wall time after ``unit[p]``'s backward, shape (K, P, D): the windows of
+    the units before it (``windows_before``, cumulative, P x D x U+1) plus the recompute of
+    those of them checkpointed, units ``ckpt_start`` to ``ckpt_end[k] - 1`` (``extra_before``,
+    cumulative, P x D x U+1)."""
+    at = np.broadcast_to(unit[:, None], windows_before.shape[:2])[..., None]
+    plain = np.take_along_axis(windows_before, at, -1)[..., 0]
+    low = np.minimum(at, ckpt_start)
+    high = np.minimum(at[None], ckpt_end[:, None, None, None])
+    high = np.broadcast_to(high, (ckpt_end.size, *at.shape))
+    upto = np.take_along_axis(
+        np.broadcast_to(extra_before, high.shape[:-1] + extra_before.shape[-1:]), high, -1
+    )
+    recompute = upto[..., 0] - np.take_along_axis(extra_before, low, -1)[..., 0][None]
+    return plain[None] + recompute
 
 
 def _split_max(
