@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autooffload.errors import PlanError
-from autooffload.log import logger
+from autooffload.log import logger, warn_once
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
@@ -330,16 +330,18 @@ def _step_calibration(
 def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
     """Take the calibrated profile, and the new plan when it changes anything (logged once)."""
     plan, new_plan, what = runtime.plan, found.outcome, found.what
-    runtime.profile = found.profile
     if isinstance(new_plan, str):
-        logger.warning(
-            "%s, and no plan keeping the %d persistent chunks fits the budget (%s); set"
-            " AUTOOFFLOAD_BUDGET lower to leave the allocator more room",
-            what,
-            plan.n_persist,
-            new_plan,
+        # The running plan and its profile stay as they were: a calibrated profile kept beside
+        # the plan's old prediction would be calibrated again from it at the next check, each
+        # time on top of the last (the drift checks repeat every window).
+        warn_once(
+            "calibration-no-plan",
+            f"autooffload: {what}, and no plan keeping the {plan.n_persist} persistent chunks"
+            f" fits the budget ({new_plan}); set AUTOOFFLOAD_BUDGET lower to leave the"
+            " allocator more room",
         )
         return None
+    runtime.profile = found.profile
     runtime.search_request = found.request
     from autooffload import runtime as rt
 

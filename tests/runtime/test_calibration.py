@@ -4,6 +4,7 @@ fragmentation factor and re-plans (issue 13), keeping the persistent chunks."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -371,3 +372,22 @@ def test_arming_the_calibration_times_the_plan_from_the_switch(
     assert runtime.calibrate_at_step == runtime.steps_taken + CALIBRATE_AFTER_STEPS
     assert runtime.step_timer.plan is runtime.plan and not runtime.step_timer.marks
     assert not runtime.calibration_settled and not runtime.plan_settled
+
+
+def test_a_calibration_that_no_plan_fits_warns_once_and_changes_nothing(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    """A peak so far over the prediction that no plan keeping the persistent chunks fits: the
+    plan and its profile stay (a kept calibrated profile would be calibrated again on top of
+    itself at every drift check), with one warning naming the setting."""
+    runtime = _planned(make_llama, offload_cpu, make_batches, 900_000, monkeypatch)
+    plan, profile = runtime.plan, runtime.profile
+    far = int(plan.predicted_peak_bytes * 50)
+    with pytest.warns(UserWarning, match="AUTOOFFLOAD_BUDGET"):
+        assert calibrate_after_steps(runtime, far) is None
+    assert runtime.plan is plan and runtime.profile is profile
+    for drift in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a second warning would raise here
+            assert calibrate_after_steps(runtime, far, drift=drift) is None
+    assert runtime.profile.fragmentation_factor == profile.fragmentation_factor
