@@ -154,7 +154,8 @@ def search_layout(
         fwd_xfer = _transfer(fwd_prefetch, swap_out, h2d, d2h, duplex)
         fwd_windows = np.maximum(fwd_s, fwd_xfer) + fwd_exposed
         after = np.cumsum(fwd_windows[..., ::-1], axis=-1)[..., ::-1]
-        t_fwd = np.maximum(start[:, None] + after[..., 0], (ready + after).max(axis=-1))
+        waits = (ready + after).max(axis=-1)
+        t_fwd = np.maximum(start[:, None] + after[..., 0], waits)
         bwd_xfer = _transfer(bwd_prefetch + swap_in, grads_out, h2d, d2h, duplex)
         base = np.maximum(bwd_s, bwd_xfer)
         extra = np.maximum(bwd_s + fwd_s, bwd_xfer) - base
@@ -177,7 +178,7 @@ def search_layout(
                 0.0,
             )
             done = np.where(has_update[None, :, None], done, 0.0)
-            t_fwd = np.maximum(t_fwd[None], done + (ready + after).max(axis=-1)[None])
+            t_fwd = np.maximum(t_fwd[None], done + waits[None])
         else:
             t_fwd = t_fwd[None]
         step = t_fwd + t_bwd[None] + np.moveaxis(recompute, -1, 0) + profile.other_s
@@ -244,7 +245,6 @@ def _backward_left(
     plain = np.take_along_axis(windows_before, at, -1)[..., 0]
     low = np.minimum(at, ckpt_start)
     high = np.minimum(at[None], ckpt_end[:, None, None, None])
-    high = np.broadcast_to(high, (ckpt_end.size, *at.shape))
     upto = np.take_along_axis(
         np.broadcast_to(extra_before, high.shape[:-1] + extra_before.shape[-1:]), high, -1
     )
