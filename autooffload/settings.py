@@ -88,8 +88,14 @@ class Settings:
         update_in_backward: Update each offloaded chunk on the CPU as soon as its gradients
             arrive in the backward (ProTrain's overlap), instead of from ``optimizer.step()``
             on. Exact only for loops that step after every backward without clipping, a
-            GradScaler or changing hyperparameters between backward and step; autooffload
-            raises ``UpdateInBackwardError`` if the loop does any of these. Off by default.
+            GradScaler, reading the gradients or changing hyperparameters between backward and
+            step. ``None``/``auto`` (the default): on from the first planned step when both
+            profiling steps showed such a loop on one process (no data parallelism, no GPU
+            update path), and off for a step whose batch is larger than any trained so far (its
+            OOM retry stays possible); ``True``: on without looking (single process, no OOM
+            retry); ``False``: off. Once on, a loop that later clips, accumulates, reads the
+            gradients or changes hyperparameters between backward and step gets
+            ``UpdateInBackwardError``.
         gpu_update_chunks: Offloaded chunks whose update at ``optimizer.step()`` runs on the
             GPU beside the CPU's, their optimizer state streamed from pinned memory over the
             PCIe link the CPU-bound step leaves idle (torch.optim.Adam/AdamW, no fp32 masters,
@@ -138,7 +144,7 @@ class Settings:
         oom_retry: After a device OOM in the attached model's forward, or in ``backward()`` of
             its own loss, re-plan under a smaller budget (a batch more than twice the profiled
             size: profile it again) and retry the step once. ``None``/``auto``: on, except with
-            ``update_in_backward`` (a retried backward would update twice); ``False``: a device
+            ``update_in_backward=True`` (a retried backward would update twice); ``False``: a device
             OOM is raised as torch raises it, after the usual clean-up.
         data_parallel: ``auto``: when a ``torch.distributed`` process group of several ranks
             exists (torchrun, accelerate launch), every rank's attached replica averages its
@@ -212,11 +218,12 @@ class Settings:
     master_weights: bool = _knob(
         False, "AUTOOFFLOAD_MASTER_WEIGHTS", parse_bool, "fp32 masters for offloaded bf16 params"
     )
-    update_in_backward: bool = _knob(
-        False,
+    update_in_backward: bool | None = _knob(
+        None,
         "AUTOOFFLOAD_UPDATE_IN_BACKWARD",
-        parse_bool,
-        "update offloaded chunks during backward (no clipping/accumulation/scaler)",
+        parse_optional_bool,
+        "update offloaded chunks during backward; auto = when the profiling steps show no"
+        " clipping, accumulation, gradient reads or hyperparameter changes before step()",
     )
     gpu_update_chunks: int | None = _knob(
         0,
@@ -293,13 +300,16 @@ class Settings:
         "AUTOOFFLOAD_OOM_RETRY",
         parse_optional_bool,
         "retry a step once under a smaller plan after a device OOM; auto = on unless"
-        " AUTOOFFLOAD_UPDATE_IN_BACKWARD=1",
+        " AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 (auto keeps it)",
     )
 
     @property
     def oom_retry_on(self) -> bool:
-        """Whether the OOM retry runs: the setting, else on unless ``update_in_backward``."""
-        return self.oom_retry if self.oom_retry is not None else not self.update_in_backward
+        """Whether the OOM retry runs: the setting, else on unless ``update_in_backward`` is
+        forced on (its auto mode keeps the retry: ``Runtime.note_forward``)."""
+        if self.oom_retry is not None:
+            return self.oom_retry
+        return self.update_in_backward is not True
 
     data_parallel: str = _knob(
         "auto",

@@ -428,6 +428,7 @@ def predict_step_time(
         "d2h_bytes": float(tables.grad_d2h_bytes[p].sum()) + swap_bytes,
         "swap_bytes": float(swap_bytes),
         "tokens_per_s": profile.batch_tokens / step_s if step_s > 0 else math.inf,
+        "update_in_backward": float(profile.update_in_backward),
     }
     breakdown = {key: float(value) for key, value in breakdown.items()}
     return float(step_s), breakdown, _bottleneck(step_s, recompute_s, stalls)

@@ -350,7 +350,7 @@ class StepProfiler:
             optim_step_bytes_per_param=optim_step_bytes,
             weight_dtype=str(runtime.weight_dtype()).replace("torch.", ""),
             grad_accumulation=grad_accumulation,
-            update_in_backward=runtime.settings.update_in_backward,
+            update_in_backward=runtime.backward_update.on,
             expandable_segments=runtime.expandable_segments,
         )
 

@@ -83,6 +83,11 @@ class Plan:
             f" through {self.n_buffer} GPU buffers",
         ]
         k = self.gpu_update_chunks
+        if self.breakdown.get("update_in_backward") and n_off:
+            lines.append(
+                "  optimizer: offloaded chunks updated on the CPU as their gradients arrive in the"
+                " backward (AUTOOFFLOAD_UPDATE_IN_BACKWARD)"
+            )
         if k:
             lines.append(
                 f"  optimizer: {k} offloaded chunks updated on the GPU (state streamed from pinned"

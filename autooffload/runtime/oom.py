@@ -169,6 +169,7 @@ class OomRetry:
         )
         if isinstance(self.runtime.profiler, StepProfiler):
             self.profiled_numel = self.input_numel
+        self.runtime.backward_update.note_forward(self.input_numel)
         self.last_call = None
         try:
             output = state.inner_forward(*args, **kwargs)
@@ -422,6 +423,13 @@ class OomRetry:
     ) -> Any:
         """After an OOM in backward: discard its partial gradients, re-plan, re-run the forward
         and ``run`` the backward of the new loss (once)."""
+        early = len(self.runtime.cpu_optim.early)
+        if early and not isinstance(replay, str):
+            replay = (
+                f"the update in the backward had already updated {early} offloaded chunks with"
+                " this backward's gradients (a retry would update them twice; set"
+                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 to keep OOMs in the backward retryable)"
+            )
         if isinstance(replay, str):
             self.runtime.recover_interrupted()
             raise self._error(f"in backward, not retried because {replay},", message)
@@ -457,6 +465,8 @@ class OomRetry:
         runtime.recover_interrupted()
         for param in runtime.model.parameters():
             param.grad = None
+        # The retry's own zero_grad, not the loop's: no reason against the update in the backward.
+        runtime.cpu_optim.backward_since_step = False
         runtime.cpu_optim.zero_grad(set_to_none=True)
 
     def backward_done(self) -> None:

@@ -90,9 +90,19 @@ class CpuOptimizer(HostGradNorms):
         )
         self.masters: dict[int, torch.Tensor] = {}
         # AUTOOFFLOAD_UPDATE_IN_BACKWARD: armed by the runtime once the plan is searched; the
-        # chunks updated in this backward, with the optimizer and hyperparameters used.
+        # chunks updated in this backward, with the optimizer and hyperparameters used; what
+        # turned it on (named in the errors).
         self.update_in_backward = False
         self.early: dict[int, tuple[torch.optim.Optimizer, list[dict]]] = {}
+        self.update_in_backward_origin = "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1"
+        # The loop as the auto mode observes it (``Runtime.observe_loop``): a backward since
+        # the last step, what the loop did between a backward and its step that an update in
+        # the backward could not honour, and (while ``observing``) the hyperparameters of every
+        # bound optimizer when the step's first gradients arrived.
+        self.backward_since_step = False
+        self.loop_reasons: set[str] = set()
+        self.observing = False
+        self.hyper_at_backward: dict[int, list[dict]] | None = None
         self.grad_buffers: dict[int, torch.Tensor] = {}
         # Per param id, views made once: the pinned gradient staging, and the host store's
         # compute copy where the update writes a master back (none for a master that is it).
@@ -180,9 +190,15 @@ class CpuOptimizer(HostGradNorms):
         if chunk.index in self.early:
             raise UpdateInBackwardError(
                 f"a second backward reached chunk {chunk.index} before optimizer.step(), but"
-                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 already applied its update in the first:"
-                " gradient accumulation needs AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
+                f" the update in the backward ({self.update_in_backward_origin}) already"
+                " applied its update in the first: gradient accumulation needs"
+                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
             )
+        if self.observing and self.hyper_at_backward is None:
+            self.hyper_at_backward = {
+                id(o): [_twin_group(g, type(o)) for g in o.param_groups] for o in self.optimizers
+            }
+        self.backward_since_step = True
         for slot, norm in zip(slots, norms, strict=False):
             pid = id(slot.param)
             self.accumulations[pid] = self.accumulations.get(pid, 0) + 1
@@ -222,15 +238,30 @@ class CpuOptimizer(HostGradNorms):
 
     def check_no_early_update(self, what: str) -> None:
         """Raise if a chunk was updated in this backward: ``what`` needs the gradients before
-        any update."""
+        any update. Between a backward and its step, ``what`` is also a reason the loop cannot
+        take the update in the backward (``loop_reasons``, for the auto mode)."""
+        if self.backward_since_step:
+            self.loop_reasons.add(what)
         if self.early:
             raise UpdateInBackwardError(
-                f"{what} after a backward in which AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 already"
-                f" updated {len(self.early)} offloaded chunks with that backward's raw gradients"
-                " (not unscaled by a GradScaler, not clipped); set"
-                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 for loops that clip, use a GradScaler, skip"
+                f"{what} after a backward in which the update in the backward"
+                f" ({self.update_in_backward_origin}) already updated {len(self.early)} offloaded"
+                " chunks with that backward's raw gradients (not unscaled by a GradScaler, not"
+                " clipped); optimizer.step() applies the rest of that update, and"
+                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 suits loops that clip, use a GradScaler, skip"
                 " steps or read the gradients before step()"
             )
+
+    def note_step_hyper(self, optimizer: torch.optim.Optimizer) -> None:
+        """At ``optimizer.step()`` while observing: hyperparameters changed since the step's
+        first gradients arrived are a reason against the update in the backward (it would
+        have used the old ones)."""
+        before = (self.hyper_at_backward or {}).get(id(optimizer))
+        if before is None:
+            return
+        now = [_twin_group(g, type(optimizer)) for g in optimizer.param_groups]
+        if now != before:
+            self.loop_reasons.add("hyperparameters changed between backward and optimizer.step()")
 
     def _aliasable(self, slot: ParamSlot) -> bool:
         """Whether ``slot``'s host gradient can be its staging: the first backward since
@@ -479,9 +510,10 @@ class CpuOptimizer(HostGradNorms):
                 if early[1] != hyper:
                     raise UpdateInBackwardError(
                         f"optimizer.step() runs chunk {chunk.index} with hyperparameters"
-                        f" {hyper} but AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 updated it during"
-                        f" backward with {early[1]}; change them before backward (schedulers"
-                        " stepping after optimizer.step() do) or set it to 0"
+                        f" {hyper} but the update in the backward"
+                        f" ({self.update_in_backward_origin}) updated it during backward with"
+                        f" {early[1]}; change them before backward (schedulers stepping after"
+                        " optimizer.step() do) or set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
                     )
                 continue  # updated in the backward
             self._queue_update(chunk, twin, hyper, self.clip_coef)

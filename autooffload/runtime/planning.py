@@ -333,6 +333,7 @@ def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> Mo
     # probe's kernels and inflate the measured block times.
     runtime.profiler = None
     runtime.cpu_optim.wait()
+    runtime.backward_update.decide()
     profile = profiler.build(
         optim_bytes_per_param=optim_state_bytes(optimizer, runtime.weight_dtype()),
         grad_accumulation=runtime._backwards_this_step > 1,
@@ -349,8 +350,8 @@ def gpu_update_mode(runtime: Runtime) -> int:
     if setting == 0:
         return GPU_UPDATE_OFF
     problem = None
-    if runtime.settings.update_in_backward:
-        problem = "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 updates every chunk on the CPU"
+    if runtime.backward_update.on:
+        problem = "AUTOOFFLOAD_UPDATE_IN_BACKWARD updates every chunk on the CPU"
     elif not runtime.manager.is_cuda and setting is None:
         problem = "the model is not on a CUDA device"
     else:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from autooffload.errors import AttachError, DetachStateError, PlanError
-from autooffload.log import logger
+from autooffload.log import logger, warn_once
 from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import Candidates, SearchRequest
@@ -43,6 +43,7 @@ from autooffload.runtime.state import (
     load_offloaded_state,
     twin_states,
 )
+from autooffload.runtime.update_mode import BackwardUpdateMode
 from autooffload.settings import Settings
 
 # Below this share of the model's bytes, trainable params stay resident (see Runtime).
@@ -85,7 +86,9 @@ class Runtime(GroupHooks):
         # Under torchrun: rank 0's plan on every rank, same layout and settings checked.
         self.data_parallel = attach_data_parallel(self, settings)
         # An explicit oom_retry=True only: auto (None) leaves the retry off in this mode.
-        if settings.update_in_backward and (self.data_parallel is not None or settings.oom_retry):
+        if settings.update_in_backward is True and (
+            self.data_parallel is not None or settings.oom_retry
+        ):
             raise AttachError(
                 "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 is single-process and excludes"
                 " AUTOOFFLOAD_OOM_RETRY=1 (a retried backward would update twice); found"
@@ -112,6 +115,7 @@ class Runtime(GroupHooks):
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
         self.cpu_optim = CpuOptimizer(self.manager, settings.master_weights, settings.cpu_threads)
+        self.backward_update = BackwardUpdateMode(self)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.init_hooks()
         self._steps = 0
@@ -143,7 +147,8 @@ class Runtime(GroupHooks):
         # detach with the other hooks).
         self._handles.extend(ModelStateHooks(self).install())
         # A device OOM inside the model's forward or backward is retried once (runtime/oom.py;
-        # on by default, off with AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 unless set explicitly).
+        # on by default, off with AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 unless set explicitly; its
+        # auto mode keeps it, ``BackwardUpdateMode.note_forward``).
         self.oom = OomRetry(self).install() if settings.oom_retry_on else None
         if self.profiler is not None:
             self.profiler = StepProfiler(self)
@@ -278,6 +283,7 @@ class Runtime(GroupHooks):
     def after_step(self, optimizer: torch.optim.Optimizer, apply_update: bool = True) -> None:
         """The user's optimizer stepped the GPU params; queue the CPU update of the rest
         (none when ``apply_update`` is False: a step skipped for non-finite gradients)."""
+        self.backward_update.observe(optimizer, self._backwards_this_step)
         profile = profile_after_step(self, optimizer)
         measured_rate = None
         if apply_update and any(o is optimizer for o in self.cpu_optim.optimizers):
@@ -308,10 +314,7 @@ class Runtime(GroupHooks):
         self._backwards_this_step = 0
         if self._steps == self.calibrate_at_step:
             check_planned_steps(self)
-        # Updates in the backward start once the conservative profiling steps are over.
-        self.cpu_optim.update_in_backward = (
-            self.settings.update_in_backward and self.profiler is None
-        )
+        self.backward_update.end_step(self.oom.input_numel if self.oom is not None else 0)
 
     def _switch_to_searched_plan(self, profile: ModelProfile, cpu_rate: float | None) -> None:
         switch_to_searched_plan(self, profile, cpu_rate)
@@ -384,6 +387,14 @@ class Runtime(GroupHooks):
     def detach(self, device: torch.device | str | None = None) -> nn.Module:
         """Return the ordinary model, trained weights on ``device`` (default: the attach device)."""
         target = torch.device(device) if device is not None else self.device
+        if self.cpu_optim.early:
+            warn_once(
+                "detach-early-updates",
+                f"autooffload: {len(self.cpu_optim.early)} offloaded chunks were updated in a"
+                " backward that no optimizer.step() followed (an interrupted one, or one the loop"
+                " stopped after), and the returned weights include that part of a step;"
+                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 leaves such steps without any update",
+            )
         self.cpu_optim.wait()
         refresh_hosts(self)  # a collective under sharding: every rank detaches
         for handle in self._handles:

@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import autooffload
 from autooffload import runtime as rt
+from autooffload.errors import UpdateInBackwardError
 
 STEPS = 6
 FAIL_AT = 3
@@ -82,11 +83,15 @@ def train_through_fault(
     return losses, weights(model)
 
 
+# The update at step(): a step skipped after a fault updates nothing. (With the update in the
+# backward, the auto mode's pick for these plain loops, part of the step has run by then:
+# ``test_under_the_update_in_the_backward_only_a_step_completes_an_interrupted_one``.)
+AT_STEP = {"update_in_backward": False}
 SETTINGS = {
-    "none-persistent": {"n_persist": 0, "activation_mode": "keep"},
-    "one-persistent-checkpointed": {"n_persist": 1, "activation_mode": "checkpoint"},
+    "none-persistent": {"n_persist": 0, "activation_mode": "keep", **AT_STEP},
+    "one-persistent-checkpointed": {"n_persist": 1, "activation_mode": "checkpoint", **AT_STEP},
     # No knobs: the fault hits the profiling steps, then the searched plan takes over.
-    "auto-plan": {},
+    "auto-plan": AT_STEP,
 }
 
 
@@ -103,6 +108,39 @@ def test_fault_then_training_matches_plain(settings, where, kind, then):
     initial = weights(base)
     moved = max((plain[1][k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-2, "the reference did not train; the comparison proves nothing"
+
+
+@pytest.mark.parametrize("kind", [Boom, KeyboardInterrupt], ids=["exception", "ctrl-c"])
+def test_under_the_update_in_the_backward_only_a_step_completes_an_interrupted_one(kind):
+    """The auto mode turns the update in the backward on for this loop, so the chunks whose
+    gradients were done before the fault are updated already: ``step()`` then applies the rest,
+    exactly as plain torch steps on the partial gradients; skipping the step is an error that
+    says so (plain torch would have updated nothing); ``disable()`` warns that the weights
+    hold part of a step."""
+    base = tiny_llama()
+    settings = {"n_persist": 1, "activation_mode": "keep"}
+    plain = train_through_fault(copy.deepcopy(base), "backward", kind, "step", attach=None)
+    attached = train_through_fault(copy.deepcopy(base), "backward", kind, "step", settings)
+    assert_same_weights(plain[1], attached[1])
+    with pytest.raises(UpdateInBackwardError, match=r"optimizer.step\(\) applies the rest"):
+        train_through_fault(copy.deepcopy(base), "backward", kind, "zero_grad", settings)
+    with pytest.warns(UserWarning, match="include that part of a step"):
+        autooffload.disable()
+    model = copy.deepcopy(base)
+    enable_cpu(**settings)
+    model.to("cpu")
+    fault = Fault(model.model.layers[1].mlp, "backward", kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for ids in batches(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    fault.armed = True
+    with pytest.raises(kind):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert rt.runtime_of(model).cpu_optim.early
+    with pytest.warns(UserWarning, match="include that part of a step"):
+        autooffload.disable()
 
 
 @pytest.mark.parametrize("kind", [Boom, KeyboardInterrupt], ids=["exception", "ctrl-c"])
@@ -145,7 +183,7 @@ def test_disable_right_after_a_fault_returns_the_trained_model(where, kind):
     for attach in (False, True):
         model = copy.deepcopy(base)
         if attach:
-            enable_cpu(n_persist=1, activation_mode="keep")
+            enable_cpu(n_persist=1, activation_mode="keep", **AT_STEP)
             model.to("cpu")
         fault = Fault(model.model.layers[1].mlp, where, kind)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -173,7 +211,7 @@ def test_disable_frees_the_host_store_without_waiting_for_gc(where, kind):
     (pinned, on a GPU) memory is freed at once: with the cyclic gc off, nothing the runtime
     built keeps it alive, whether or not a fault interrupted a step."""
     model = tiny_llama()
-    enable_cpu(n_persist=1, activation_mode="swap")
+    enable_cpu(n_persist=1, activation_mode="swap", **AT_STEP)
     model.to("cpu")
     runtime = rt.runtime_of(model)
     manager = runtime.manager

@@ -23,6 +23,7 @@ from _faults import (
     worker_idle,
 )
 
+import autooffload
 from autooffload import runtime as rt
 from autooffload.plan.search import make_plan
 from autooffload.runtime.oom import (
@@ -128,13 +129,17 @@ def train(
     }
 
 
+# The update at step(): an OOM in a planned step's backward is retryable. (The auto mode turns
+# the update in the backward on for these plain loops; then it is not:
+# ``test_an_oom_after_updates_in_the_backward_is_not_retried_but_a_longer_batchs_is``.)
+AT_STEP = {"update_in_backward": False}
 SETTINGS = {
     # The searched plan: the retry checkpoints more blocks under a smaller budget.
-    "searched-plan": ({}, 4),
+    "searched-plan": (AT_STEP, 4),
     # During the conservative profiling steps: fewer streaming buffers.
     "profiling-step": ({}, 0),
     # Everything fixed by the user but the buffers.
-    "fixed-plan": ({"n_persist": 1, "activation_mode": "keep"}, 2),
+    "fixed-plan": ({"n_persist": 1, "activation_mode": "keep", **AT_STEP}, 2),
 }
 
 
@@ -222,6 +227,52 @@ def test_oom_in_a_later_micro_batch_backward_is_not_retried_but_forward_is():
     assert attached["steps"] == STEPS
     with pytest.raises(OutOfMemoryRetryError, match="gradient accumulation"):
         train(copy.deepcopy(base), attach, "backward", fail_at=3, accum=2)
+
+
+def test_an_oom_after_updates_in_the_backward_is_not_retried_but_a_longer_batchs_is():
+    """A retry after early updates would update those chunks twice: the OOM is raised with the
+    setting that keeps backward OOMs retryable. A batch longer than any trained runs its step
+    without the update in the backward, so its OOM is retried and training matches plain."""
+    model = tiny_llama()
+    enable_cpu(oom_retry=True, n_persist=1, activation_mode="keep")
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    fault = OomFault(model.model.layers[0].mlp, "backward")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = long_batches(1)[0][:, :16]
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert runtime.backward_update.on
+    fault.times = 1
+    with pytest.raises(OutOfMemoryRetryError, match="AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert runtime.oom.retries == 0
+    with pytest.warns(UserWarning, match="include that part of a step"):
+        autooffload.disable()
+
+    base = tiny_llama()
+    data = [ids[:, :16] for ids in long_batches(3)] + long_batches(2, seed=2)
+    runs = []
+    for attach in (False, True):
+        model = copy.deepcopy(base)
+        if attach:
+            enable_cpu(oom_retry=True, n_persist=1, activation_mode="keep")
+            model.to("cpu")
+        fault = OomFault(model.model.layers[0].mlp, "backward")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for step, ids in enumerate(data):
+            fault.times = 1 if attach and step == 3 else 0
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append(weights(model))
+        if attach:
+            assert rt.runtime_of(model).oom.retries == 1
+            assert rt.runtime_of(model).backward_update.on
+        autooffload.disable()
+    assert_same_weights(*runs)
 
 
 def test_disable_restores_the_model_forward():

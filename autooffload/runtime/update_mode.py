@@ -1,0 +1,126 @@
+"""When the CPU update of offloaded chunks runs in the backward: the setting, or the loop's say.
+
+An update in the backward (ProTrain's overlap; ``CpuOptimizer._update_now``) starts each
+offloaded chunk's CPU update as soon as its gradients arrive, so the CPU works through the
+backward instead of idling until ``optimizer.step()``. It is exact only when ``step()`` follows
+every backward and nothing between them reads or changes what the update uses: no clipping, no
+GradScaler, no gradient accumulation, no zero_grad without a step, no hyperparameter change.
+
+``AUTOOFFLOAD_UPDATE_IN_BACKWARD=auto`` (the default) watches the profiling steps (or the first
+step of a fixed plan) for those events (``CpuOptimizer.check_no_early_update`` records each one
+seen between a backward and its step; ``observe`` adds accumulation and hyperparameter
+changes). A loop that showed none gets the update in the backward from the first planned step,
+and the search costs it that way. Two more guards keep it safe to have on by default:
+
+- A step whose forward input is larger than any trained so far runs without it, so an OOM in
+  its backward can still be retried (a retry after early updates would update twice).
+- A reason seen later in a step that updated nothing early turns it off for the rest of the
+  run; one seen after early updates raises ``UpdateInBackwardError``, as under ``=1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from autooffload.log import logger
+
+if TYPE_CHECKING:
+    from autooffload.runtime.runtime import Runtime
+
+AUTO_ORIGIN = (
+    "AUTOOFFLOAD_UPDATE_IN_BACKWARD=auto, on since the profiling steps neither clipped,"
+    " accumulated nor read the gradients before optimizer.step()"
+)
+
+
+class BackwardUpdateMode:
+    """Whether the runtime's CPU update runs in the backward, step by step."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.setting = runtime.settings.update_in_backward
+        # True/False once known: the setting, else the auto mode's decision (None: observing).
+        self.decided: bool | None = self.setting
+        # Largest forward input (elements) of a completed step: a larger one may not fit the
+        # plan, and its backward must stay retryable.
+        self.trained_numel = 0
+        cpu_optim = runtime.cpu_optim
+        if self.setting is None:
+            cpu_optim.update_in_backward_origin = AUTO_ORIGIN
+            static = self._static_reasons()
+            if static:
+                self._settle(False, static)
+        cpu_optim.observing = self.decided is None
+
+    def _static_reasons(self) -> list[str]:
+        reasons = []
+        if self.runtime.data_parallel is not None:
+            reasons.append("data parallelism (gradients are reduced across ranks first)")
+        if self.runtime.settings.gpu_update_chunks != 0:
+            reasons.append("the GPU update path (AUTOOFFLOAD_GPU_UPDATE_CHUNKS) updates at step()")
+        return reasons
+
+    @property
+    def on(self) -> bool:
+        """Whether the plan is searched, and the planned steps run, with the update in the
+        backward."""
+        return bool(self.decided)
+
+    def observe(self, optimizer: torch.optim.Optimizer, backwards: int) -> None:
+        """At ``optimizer.step()``, first: what this step did that the auto mode must know."""
+        cpu_optim = self.runtime.cpu_optim
+        if cpu_optim.observing:
+            cpu_optim.note_step_hyper(optimizer)
+        if backwards > 1:
+            cpu_optim.loop_reasons.add(
+                f"{backwards} backward passes per optimizer step (gradient accumulation)"
+            )
+
+    def decide(self) -> None:
+        """End of the observation (the profile is about to be built): on when nothing seen
+        so far argues against it."""
+        if self.decided is None:
+            reasons = self.runtime.cpu_optim.loop_reasons
+            self._settle(not reasons, reasons)
+
+    def _settle(self, on: bool, reasons: list[str] | set[str]) -> None:
+        self.decided = on
+        self.runtime.cpu_optim.observing = False
+        if not on:
+            logger.debug("update in the backward off: %s", "; ".join(sorted(reasons)))
+
+    def note_forward(self, input_numel: int) -> None:
+        """A forward of the whole model (``OomRetry``): no update in the backward of a batch
+        larger than any trained, so an OOM there can be retried."""
+        if self.setting is None and input_numel > self.trained_numel:
+            self.runtime.cpu_optim.update_in_backward = False
+
+    def end_step(self, input_numel: int) -> None:
+        """At the end of the runtime's step: settle the auto mode, arm the next step."""
+        runtime = self.runtime
+        cpu_optim = runtime.cpu_optim
+        profiling = runtime.profiler is not None
+        if self.decided is None and not profiling:
+            self.decide()  # a fixed plan: no profiling steps, the first step decides
+        elif self.setting is None and self.decided and cpu_optim.loop_reasons:
+            # Seen in a step that updated nothing early (else it raised): off from now on.
+            reasons = "; ".join(sorted(cpu_optim.loop_reasons))
+            logger.info(
+                "autooffload: offloaded chunks are updated at optimizer.step() from now on: the"
+                " loop did this between a backward and its step: %s",
+                reasons,
+            )
+            self.decided = False
+            profile = getattr(runtime, "profile", None)
+            if profile is not None:  # the next calibration re-predicts without it
+                runtime.profile = replace(profile, update_in_backward=False)
+        if not cpu_optim.observing:
+            cpu_optim.loop_reasons.clear()
+        cpu_optim.backward_since_step = False
+        cpu_optim.hyper_at_backward = None
+        self.trained_numel = max(self.trained_numel, input_numel)
+        # Updates in the backward start once the conservative profiling steps are over.
+        cpu_optim.update_in_backward = self.on and not profiling

@@ -1,0 +1,188 @@
+"""AUTOOFFLOAD_UPDATE_IN_BACKWARD=auto (the default): the update in the backward is turned on for
+loops that neither clip, accumulate, scale, read the gradients nor change hyperparameters between
+backward and step, and left off for every other loop, which then trains exactly like plain
+PyTorch. Once on, a larger batch runs without it (its OOM stays retryable), a later reason seen
+in such a step turns it off, and one seen after early updates is a clear error."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from runtime_models import BATCH, SEQ, VOCAB
+
+from autooffload import runtime as rt
+from autooffload.errors import UpdateInBackwardError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LR = 1e-2
+
+
+def _pair(make_llama, offload_cpu, **settings):
+    """A plain model and an attached copy (a fixed plan: the first step decides)."""
+    torch.manual_seed(0)
+    plain = make_llama(n_layers=2)
+    model = make_llama(n_layers=2)
+    model.load_state_dict(plain.state_dict())
+    offload_cpu(**{"n_persist": 1, "activation_mode": "keep", **settings})
+    model.to("cpu")
+    return plain, model, rt.runtime_of(model)
+
+
+def _step(net, optimizer, ids, loop: str, step: int, scaler=None, seen=None) -> None:
+    """One step of ``loop``; ``seen()`` runs after the backward passes."""
+    micro = 2 if loop == "accumulate" else 1
+    for _ in range(micro):
+        loss = net(input_ids=ids, labels=ids).loss / micro
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    if seen is not None:
+        seen()
+    if loop == "clip":
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+    if loop == "lr_change":  # set between backward and step, as some scripts do
+        for group in optimizer.param_groups:
+            group["lr"] = LR * 0.9 ** (step + 1)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad()
+
+
+def _assert_same_weights(model, plain) -> None:
+    reference = plain.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("loop", ["plain", "clip", "accumulate", "lr_change", "scaler"])
+def test_auto_turns_it_on_only_for_loops_it_is_exact_for(
+    make_llama, offload_cpu, make_batches, loop
+):
+    plain, model, runtime = _pair(make_llama, offload_cpu)
+    offloaded = sorted(
+        c.index for c in runtime.layout.chunks if c.index not in runtime.manager.persistent
+    )
+    early = []
+    for net in (plain, model):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
+        scaler = torch.amp.GradScaler("cpu") if loop == "scaler" else None
+        seen = (lambda: early.append(sorted(runtime.cpu_optim.early))) if net is model else None
+        for step, ids in enumerate(make_batches(5)):
+            _step(net, optimizer, ids, loop, step, scaler, seen)
+    runtime.synchronize()
+    _assert_same_weights(model, plain)
+    if loop == "plain":
+        assert runtime.backward_update.on
+        assert early[0] == [] and all(e == offloaded for e in early[1:]), early
+    else:
+        assert not runtime.backward_update.on
+        assert all(e == [] for e in early), early
+
+
+def test_the_profiled_plan_is_searched_and_summarised_with_it():
+    from runtime_models import batches, enable_cpu, tiny_llama
+
+    enable_cpu(n_persist=0)  # the default plan: two profiling steps, then the search
+    model = tiny_llama(tied=False).to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    armed = []
+    for ids in batches(4):
+        model(input_ids=ids, labels=ids).loss.backward()
+        armed.append(bool(runtime.cpu_optim.early))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert "search" in runtime.plan.source
+    assert runtime.profile.update_in_backward
+    assert armed == [False, False, True, True]  # the profiling steps update at step()
+    assert "as their gradients arrive in the backward" in runtime.plan.summary()
+
+
+def test_a_batch_larger_than_any_trained_runs_without_it(make_llama, offload_cpu, make_batches):
+    plain, model, runtime = _pair(make_llama, offload_cpu)
+    generator = torch.Generator().manual_seed(5)
+    longer = torch.randint(0, VOCAB, (BATCH, SEQ * 2), generator=generator)
+    data = make_batches(2) + [longer] + make_batches(2, seed=3)
+    early = []
+    for net in (plain, model):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
+        for ids in data:
+            net(input_ids=ids, labels=ids).loss.backward()
+            if net is model:
+                early.append(bool(runtime.cpu_optim.early))
+            optimizer.step()
+            optimizer.zero_grad()
+    runtime.synchronize()
+    _assert_same_weights(model, plain)
+    # Step 3's batch was the longest yet; the shorter ones after it are covered by it.
+    assert early == [False, True, False, True, True]
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_reason_seen_in_a_step_without_early_updates_turns_it_off(
+    make_llama, offload_cpu, make_batches
+):
+    plain, model, runtime = _pair(make_llama, offload_cpu, log="info")
+    generator = torch.Generator().manual_seed(5)
+    longer = torch.randint(0, VOCAB, (BATCH, SEQ * 2), generator=generator)
+    data = make_batches(2) + [longer] + make_batches(2, seed=3)
+    lines = _Lines()
+    logging.getLogger("autooffload").addHandler(lines)
+    try:
+        for net in (plain, model):
+            optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
+            for step, ids in enumerate(data):
+                net(input_ids=ids, labels=ids).loss.backward()
+                if step == 2:  # the longer batch's step clips: nothing was updated early
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+                if net is model and step > 2:
+                    assert not runtime.cpu_optim.early
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        logging.getLogger("autooffload").removeHandler(lines)
+    runtime.synchronize()
+    _assert_same_weights(model, plain)
+    assert not runtime.backward_update.on
+    assert any("from now on" in line and "clip_grad_norm_" in line for line in lines.lines)
+
+
+def test_a_reason_seen_after_early_updates_is_a_clear_error(make_llama, offload_cpu, make_batches):
+    _, model, runtime = _pair(make_llama, offload_cpu)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ids = make_batches(1)[0]
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert runtime.cpu_optim.early
+    optimizer.param_groups[0]["lr"] = LR / 2  # a schedule that starts late, set before step()
+    with pytest.raises(UpdateInBackwardError, match="AUTOOFFLOAD_UPDATE_IN_BACKWARD=auto.*=0"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("setting", [False, True])
+def test_the_setting_overrides_the_loop(make_llama, offload_cpu, make_batches, setting):
+    """``False``: never on, even for a plain loop; ``True``: on from the first step, without
+    looking (``test_update_in_backward.py`` covers the rest of the forced mode)."""
+    _, model, runtime = _pair(make_llama, offload_cpu, update_in_backward=setting)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for ids in make_batches(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert runtime.backward_update.on is setting
+    assert runtime.cpu_optim.update_in_backward is setting
