@@ -89,10 +89,12 @@ class Settings:
             arrive in the backward (ProTrain's overlap), instead of from ``optimizer.step()``
             on. Exact only for loops that step after every backward without clipping, a
             GradScaler, reading the gradients or changing hyperparameters between backward and
-            step. ``None``/``auto`` (the default): on from the first planned step when both
-            profiling steps showed such a loop on one process (no data parallelism, no GPU
-            update path), and off for a step whose batch is larger than any trained so far (its
-            OOM retry stays possible); ``True``: on without looking (single process, no OOM
+            step. ``None``/``auto`` (the default): when both profiling steps showed such a loop
+            on one process (no data parallelism, no GPU update path), the first search is run
+            with and without it, and it is on from the first planned step if its plan is
+            predicted 5% faster (a fixed plan: on); off for a step whose batch is larger than
+            any trained so far (its OOM retry stays possible); ``True``: on without looking
+            (single process, no OOM
             retry); ``False``: off. Once on, a loop that later clips, accumulates, reads the
             gradients or changes hyperparameters between backward and step gets
             ``UpdateInBackwardError``.

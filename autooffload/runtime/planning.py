@@ -381,6 +381,8 @@ def switch_to_searched_plan(
     request = replace(request, min_persist=floor)
     try:
         plan = replace(request.plan(), chunk_size=runtime.layout.chunk_size)
+        if not floor:
+            request, profile, plan = runtime.backward_update.choose(request, profile, plan)
     except PlanError as error:
         if not floor:
             raise

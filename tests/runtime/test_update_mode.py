@@ -14,6 +14,7 @@ from runtime_models import BATCH, SEQ, VOCAB
 
 from autooffload import runtime as rt
 from autooffload.errors import UpdateInBackwardError
+from autooffload.runtime.update_mode import CHOOSE_GAIN
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,7 +84,7 @@ def test_auto_turns_it_on_only_for_loops_it_is_exact_for(
         assert all(e == [] for e in early), early
 
 
-def test_the_profiled_plan_is_searched_and_summarised_with_it():
+def test_the_first_search_takes_it_only_when_predicted_faster():
     from runtime_models import batches, enable_cpu, tiny_llama
 
     enable_cpu(n_persist=0)  # the default plan: two profiling steps, then the search
@@ -97,9 +98,38 @@ def test_the_profiled_plan_is_searched_and_summarised_with_it():
         optimizer.step()
         optimizer.zero_grad()
     assert "search" in runtime.plan.source
-    assert runtime.profile.update_in_backward
-    assert armed == [False, False, True, True]  # the profiling steps update at step()
-    assert "as their gradients arrive in the backward" in runtime.plan.summary()
+    with_s, without_s = runtime.backward_update.predicted
+    on = with_s <= (1 - CHOOSE_GAIN) * without_s
+    assert runtime.backward_update.on is on
+    assert runtime.profile.update_in_backward is on
+    assert runtime.plan.predicted_step_s == pytest.approx(with_s if on else without_s)
+    assert armed == [False, False, on, on]  # the profiling steps update at step()
+    summary = runtime.plan.summary()
+    assert ("as their gradients arrive in the backward" in summary) is on
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_choose_keeps_the_faster_plan(make_llama, offload_cpu, make_batches, faster):
+    """The choice itself, on one profiled model with the predictions scripted."""
+    from dataclasses import replace
+
+    _, model, runtime = _pair(make_llama, offload_cpu, n_persist=None, activation_mode="auto")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for ids in make_batches(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    mode = runtime.backward_update
+    mode.decided, mode.predicted = True, None
+    runtime.cpu_optim.update_in_backward = True
+    request, profile = runtime.search_request, replace(runtime.profile, update_in_backward=True)
+    without_s = request.plan().predicted_step_s
+    with_s = without_s * (0.9 if faster else 0.97)
+    plan = replace(runtime.plan, predicted_step_s=with_s)
+    _, chosen_profile, chosen = mode.choose(request, profile, plan)
+    assert mode.on is faster and runtime.cpu_optim.update_in_backward is faster
+    assert chosen_profile.update_in_backward is faster
+    assert chosen.predicted_step_s == pytest.approx(with_s if faster else without_s)
 
 
 def test_a_batch_larger_than_any_trained_runs_without_it(make_llama, offload_cpu, make_batches):
