@@ -95,7 +95,7 @@ class CpuOptimizer(HostGradNorms):
         self.update_in_backward = False
         self.early: dict[int, tuple[torch.optim.Optimizer, list[dict]]] = {}
         self.update_in_backward_origin = "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1"
-        # The loop as the auto mode observes it (``Runtime.observe_loop``): a backward since
+        # The loop as the auto mode observes it (runtime/update_mode.py): a backward since
         # the last step, what the loop did between a backward and its step that an update in
         # the backward could not honour, and (while ``observing``) the hyperparameters of every
         # bound optimizer when the step's first gradients arrived.
