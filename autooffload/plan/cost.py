@@ -147,12 +147,15 @@ def peak_breakdown(
     static   = persist_bytes[p] + optim_bytes_per_param * persist_numel[p] + static_bytes
                (+ persist_grad_total[p] if accumulating)
     grads[u] = offload_grad_bytes[p, u] + persist_grad_bytes[p, u]   (backward only)
+               (under the update in the backward, ``persist_grads_in_backward``: the
+               persistent grads live at u only, plus one chunk's optimizer temporaries)
     fwd[u]   = fwd_act[u] + scratch_bytes[p] + in_flight_fwd[u]   (``activation_events``,
     bwd[u]   = bwd_act[u] + grads[u] + in_flight_bwd[u]    ``chunk_bytes_in_flight``)
     step     = persist_grad_total[p] (unless in static) + optim_step_bytes_per_param
                * persist_numel[p]       (the user's optimizer.step(): activations are gone, the
                                          persistent grads and the optimizer's temporaries live)
                + scratch_bytes[p]       (the GPU update path's, ``plan/update_split.py``)
+               (0 under the update in the backward: the persistent chunks were stepped in it)
     allocated = static + max(max_u fwd[u], max_u bwd[u], step)     (bytes live at once)
     pooled   = static + max(max_u fwd_act[u], max_u (bwd_act[u] + grads[u]), step)
                + max_u max(in_flight_fwd[u], in_flight_bwd[u])
@@ -181,8 +184,7 @@ def peak_breakdown(
     )
     if profile.grad_accumulation:
         static += int(tables.persist_grad_total[p])
-    else:
-        grads = grads + tables.persist_grad_bytes[p]
+    grads = grads + persist_grads_in_backward(profile, tables)[p]
     fwd, bwd = fwd_act + in_fwd, bwd_act + grads + in_bwd
     fwd_peak, bwd_peak = int(fwd.max()), int(bwd.max())
     in_backward = bwd_peak > fwd_peak
@@ -216,9 +218,26 @@ def optimizer_step_bytes(
     profile: ModelProfile, tables: ChunkTables, p: int | np.ndarray
 ) -> int | np.ndarray:
     """Bytes above ``static`` while the user's optimizer steps the persistent chunks (see
-    ``peak_breakdown``); ``p`` an n_persist or an array of them."""
+    ``peak_breakdown``); ``p`` an n_persist or an array of them. None under the update in the
+    backward, which stepped them in the backward (``runtime/persistent_update.py``)."""
+    if profile.update_in_backward and not profile.grad_accumulation:
+        return 0 * tables.persist_numel[p]
     grads = 0 if profile.grad_accumulation else tables.persist_grad_total[p]
     return grads + profile.optim_step_bytes_per_param * tables.persist_numel[p]
+
+
+def persist_grads_in_backward(profile: ModelProfile, tables: ChunkTables) -> np.ndarray:
+    """Persistent gradient bytes live in each unit's backward beside the activations, per
+    n_persist (shape (n_chunks + 1, n_units)): none when accumulating (they are static); under
+    the update in the backward those of the persistent chunks live at the unit only, plus the
+    optimizer's temporaries for the largest chunk it steps there; else all since their last
+    unit's backward."""
+    if profile.grad_accumulation:
+        return np.zeros_like(tables.persist_grad_bytes)
+    if profile.update_in_backward:
+        temporaries = profile.optim_step_bytes_per_param * tables.persist_numel_max
+        return tables.persist_grad_live + temporaries[:, None]
+    return tables.persist_grad_bytes
 
 
 def predict_peak_bytes(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs) -> int:
@@ -252,7 +271,8 @@ def backward_update_done(
     Updates run in arrival order, chunk n-1 (the first whose gradients arrive) to chunk p (the
     last, and the first the next forward needs), so the forward waits for all of them. With
     ``left_after[u]`` the backward's wall time left once unit u's backward is done (the sum of
-    the windows of the units before u: recompute and exposed copies included) and H(c) =
+    the windows of the units before u: recompute and exposed copies included, plus the
+    persistent chunks' steps, which come after every offloaded chunk's gradients) and H(c) =
     ``left_after[first_unit(c)]`` the backward left after chunk c's gradients arrive:
         done[p] = max(offload_numel[p] / rate - H(n-1), numel[p] / rate - H(p), 0)
     (before the fifteenth session H counted the units' backward compute only; the step then
@@ -325,9 +345,12 @@ def step_windows(
         exposed = (gather_bytes - prefetched) / hw.h2d_bps
         fwd_windows.append(window(units[u].fwd_s, float(prefetched), swap_out, exposed))
     gpu_optim_s = float(tables.persist_numel[p]) / hw.gpu_optim_params_per_s
+    # The user's optimizer steps the persistent chunks at step(), before the next forward;
+    # under the update in the backward it steps them in the backward (counted in T_bwd).
+    at_step_s = 0.0 if profile.update_in_backward else gpu_optim_s
     first_gather_s = float(tables.fwd_gather_bytes[p, 0]) / hw.h2d_bps
-    stalls["pcie_h2d"] += max(0.0, first_gather_s - gpu_optim_s)
-    unconstrained = max(gpu_optim_s, first_gather_s) + sum(fwd_windows)
+    stalls["pcie_h2d"] += max(0.0, first_gather_s - at_step_s)
+    unconstrained = max(at_step_s, first_gather_s) + sum(fwd_windows)
     suffix = np.cumsum(fwd_windows[::-1])[::-1]
 
     bwd_windows = []
@@ -344,12 +367,14 @@ def step_windows(
         bwd_windows.append(window(compute, prefetched + swap_in, grads_out, exposed))
     tail_s = float(tables.grad_d2h_bytes[p, 0]) / hw.d2h_bps
     stalls["pcie_d2h"] += tail_s
-    t_bwd = sum(bwd_windows) + tail_s
+    t_bwd = sum(bwd_windows) + tail_s + (gpu_optim_s - at_step_s)
 
     t_fwd = unconstrained
     early = None
     if profile.update_in_backward:
-        left_after = np.concatenate([[0.0], np.cumsum(bwd_windows)])
+        # The persistent chunks are stepped after every offloaded chunk's gradients arrived
+        # (they come first in the forward, last in the backward): the CPU works through that too.
+        left_after = np.concatenate([[0.0], np.cumsum(bwd_windows)]) + gpu_optim_s
         early = backward_update_done(profile, tables, hw.cpu_optim_params_per_s, p, left_after)
     split_ready, gpu_chunks, _, cpu_s, gpu_s, _ = update_split_row(profile, hw, p)
     for u in range(n_units):
@@ -389,7 +414,8 @@ def predict_step_time(
     + gather_bytes[u] / B_h2d)
         T_fwd      = max(max(gpu_optim, gather_bytes[0] / B_h2d) + sum_u w_f[u],
                          max_u (ready[u] + sum_{v >= u} w_f[v]))                             (s)
-    with gpu_optim = persist_numel / gpu_rate (the user's optimizer on persistent chunks).
+    with gpu_optim = persist_numel / gpu_rate (the user's optimizer on persistent chunks; under
+    ``update_in_backward`` it steps them in the backward: 0 here, added to T_bwd).
     Per backward window u (reverse order; prefetch gathers and swap-in of u-1, grads of u+1 out):
         pre_b[u]   = prefetched_bytes(u, room = n_buffer - resident[u], backward)  (of u-1's)
         xfer_b[u]  = transfer_s(pre_b[u] + swap_in[u-1], grad_d2h[u+1])

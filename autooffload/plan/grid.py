@@ -16,6 +16,7 @@ import numpy as np
 
 from autooffload.plan.cost import (
     optimizer_step_bytes,
+    persist_grads_in_backward,
 )
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import ChunkTables, chunk_spans, chunk_tables, queued_bytes
@@ -120,14 +121,15 @@ def search_layout(
         own_first = np.append(first_unit, 0)[persist]
         has_update = tables.offload_numel[persist] > 0
     tail = tables.grad_d2h_bytes[persist, 0] / d2h
-    start = np.maximum(gpu_optim, first_gather)
+    if in_backward:  # the persistent chunks are stepped in the backward (``cost.step_windows``)
+        start, tail = first_gather, tail + gpu_optim
+    else:
+        start = np.maximum(gpu_optim, first_gather)
 
     # Memory terms per (P, D, U): chunks on the device (live + prefetched) and, in the backward,
     # the live grads; the static bytes per P.
     live = tables.resident_bytes[persist][:, None, :]
-    grads = tables.offload_grad_bytes[persist]
-    if not profile.grad_accumulation:
-        grads = grads + tables.persist_grad_bytes[persist]
+    grads = tables.offload_grad_bytes[persist] + persist_grads_in_backward(profile, tables)[persist]
     # ``cost.peak_breakdown``'s ``pooled``: the chunk buffers' peak over the step, plus the rest's
     # (activations, plus the gradients in the backward).
     chunk_pool = np.maximum((live + fwd_window).max(-1), (live + bwd_window).max(-1))
@@ -169,8 +171,10 @@ def search_layout(
                 [np.zeros((*base.shape[:2], 1)), (base + bwd_exposed).cumsum(-1)], -1
             )
             ckpt_end = n_swap + 1 + checkpoints
+            # + the persistent chunks' steps, after every offloaded chunk's gradients arrived.
             left = [
                 _backward_left(windows_before, extra_before, unit, n_swap + 1, ckpt_end)
+                + gpu_optim[None, :, None]
                 for unit in (np.full(persist.size, last_first), own_first)
             ]
             done = np.maximum(

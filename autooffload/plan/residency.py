@@ -115,6 +115,10 @@ class ChunkTables:
     """Offloaded grads live during u's backward: chunks live at u, or at u+1 (D2H in flight)."""
     persist_grad_bytes: np.ndarray
     """Persistent grads live during u's backward: persistent chunks whose highest unit is >= u."""
+    persist_grad_live: np.ndarray
+    """Persistent grads live during u's backward under the update in the backward, which steps a
+    persistent chunk and drops its grads once the backward is past its lowest unit
+    (``runtime/persistent_update.py``): persistent chunks live at u."""
     cpu_ready_numel: np.ndarray
     """Elements the CPU optimizer updates before u's forward gathers may start; -1: no gather."""
     persist_bytes: np.ndarray
@@ -123,6 +127,8 @@ class ChunkTables:
     """Trainable elements in the first p chunks (the GPU optimizer's work)."""
     persist_grad_total: np.ndarray
     """Grad bytes of the first p chunks."""
+    persist_numel_max: np.ndarray
+    """Shape (n_chunks + 1,): the most trainable elements of one of the first p chunks."""
     offload_numel: np.ndarray
     """Trainable elements in chunks >= p (the CPU optimizer's work)."""
     min_buffers: np.ndarray
@@ -198,10 +204,12 @@ def chunk_tables(profile: ModelProfile) -> ChunkTables:
         grad_d2h_bytes=from_p(lowest * grad[:, None]),
         offload_grad_bytes=from_p((live | live_after) * grad[:, None]),
         persist_grad_bytes=below_p(highest_at_or_after * grad[:, None]),
+        persist_grad_live=below_p(live * grad[:, None]),
         cpu_ready_numel=ready,
         persist_bytes=below_p(size),
         persist_numel=below_p(numel),
         persist_grad_total=below_p(grad),
+        persist_numel_max=np.concatenate([[0], np.maximum.accumulate(numel)]).astype(np.int64),
         offload_numel=from_p(numel),
         min_buffers=min_buffers,
         useful_buffers=useful,

@@ -83,10 +83,14 @@ class Plan:
             f" through {self.n_buffer} GPU buffers",
         ]
         k = self.gpu_update_chunks
-        if self.breakdown.get("update_in_backward") and n_off:
+        if self.breakdown.get("update_in_backward") and (n_off or self.n_persist):
+            parts = ["offloaded chunks updated on the CPU as their gradients arrive"] * bool(n_off)
+            parts += ["persistent chunks stepped on the GPU as their backward ends"] * bool(
+                self.n_persist
+            )
             lines.append(
-                "  optimizer: offloaded chunks updated on the CPU as their gradients arrive in the"
-                " backward (AUTOOFFLOAD_UPDATE_IN_BACKWARD)"
+                f"  optimizer: in the backward, {' and '.join(parts)}"
+                " (AUTOOFFLOAD_UPDATE_IN_BACKWARD)"
             )
         if k:
             lines.append(

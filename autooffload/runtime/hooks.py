@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from autooffload.runtime.chunks import ChunkLayout
     from autooffload.runtime.distributed import DataParallel
     from autooffload.runtime.manager import ChunkManager
+    from autooffload.runtime.optimizer import CpuOptimizer
     from autooffload.settings import Settings
 
 
@@ -62,6 +63,7 @@ class GroupHooks:
     groups: list[Group]
     layout: ChunkLayout
     manager: ChunkManager
+    cpu_optim: CpuOptimizer
     swapper: ActivationSwapper | None
     profiler: StepProfiler | bool | None
     data_parallel: DataParallel | None
@@ -303,6 +305,12 @@ class GroupHooks:
                 users = self.layout.chunks[index].groups
                 if all(self._position.get(u, -1) > position for u in users):
                     self.manager.offload_grads(index)
+        elif self.cpu_optim.persistent_in_backward:
+            # ... or are stepped now, their gradients dropped (runtime/persistent_update.py).
+            for index in self.manager.persistent:
+                users = self.layout.chunks[index].groups
+                if all(self._position.get(u, -1) > position for u in users):
+                    self.cpu_optim.update_persistent(self.layout.chunks[index])
         # The profiler's mark comes before this group's gathers: a window's memory then starts
         # without the chunks it fetches, which the profiler tells apart (``copied_in_bytes``).
         if isinstance(self.profiler, StepProfiler):
@@ -361,6 +369,9 @@ class GroupHooks:
         for index in range(len(self.layout.chunks)):
             self.manager.offload_grads(index)
             self.manager.release(index)
+        if self.data_parallel is None and self.cpu_optim.persistent_in_backward:
+            for index in sorted(self.manager.persistent):
+                self.cpu_optim.update_persistent(self.layout.chunks[index])
         self.manager.flush_reductions()
         if self.data_parallel is not None:
             # Every trainable param outside chunks: resident ones and any PEFT added later.

@@ -423,10 +423,10 @@ class OomRetry:
     ) -> Any:
         """After an OOM in backward: discard its partial gradients, re-plan, re-run the forward
         and ``run`` the backward of the new loss (once)."""
-        early = len(self.runtime.cpu_optim.early)
+        early = self.runtime.cpu_optim.early_count
         if early and not isinstance(replay, str):
             replay = (
-                f"the update in the backward had already updated {early} offloaded chunks with"
+                f"the update in the backward had already updated {early} chunks with"
                 " this backward's gradients (a retry would update them twice; set"
                 " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 to keep OOMs in the backward retryable)"
             )

@@ -25,6 +25,7 @@ from autooffload.runtime.chunks import Chunk, ParamSlot
 from autooffload.runtime.gpu_update import GpuUpdater
 from autooffload.runtime.host_grads import HostGradNorms
 from autooffload.runtime.manager import ChunkManager
+from autooffload.runtime.persistent_update import step_params
 
 # torch.optim classes that run on CPU tensors; the fused CPU kernels are the fast path.
 CPU_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam")
@@ -94,6 +95,11 @@ class CpuOptimizer(HostGradNorms):
         # turned it on (named in the errors).
         self.update_in_backward = False
         self.early: dict[int, tuple[torch.optim.Optimizer, list[dict]]] = {}
+        # The persistent chunks stepped on the GPU in this backward (runtime/persistent_update.py),
+        # per chunk: each owner, the indices of its groups stepped and their hyperparameters.
+        self.persistent_in_backward = False
+        self.persistent_early: dict[int, list[tuple[torch.optim.Optimizer, list[int], list[dict]]]]
+        self.persistent_early = {}
         self.update_in_backward_origin = "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1"
         # The loop as the auto mode observes it (runtime/update_mode.py): a backward since
         # the last step, what the loop did between a backward and its step that an update in
@@ -242,15 +248,73 @@ class CpuOptimizer(HostGradNorms):
         take the update in the backward (``loop_reasons``, for the auto mode)."""
         if self.backward_since_step:
             self.loop_reasons.add(what)
-        if self.early:
+        if self.early_count:
             raise UpdateInBackwardError(
                 f"{what} after a backward in which the update in the backward"
-                f" ({self.update_in_backward_origin}) already updated {len(self.early)} offloaded"
+                f" ({self.update_in_backward_origin}) already updated {self.early_count}"
                 " chunks with that backward's raw gradients (not unscaled by a GradScaler, not"
                 " clipped); optimizer.step() applies the rest of that update, and"
                 " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 suits loops that clip, use a GradScaler, skip"
                 " steps or read the gradients before step()"
             )
+
+    @property
+    def early_count(self) -> int:
+        """Chunks updated in this backward, offloaded and persistent."""
+        return len(self.early) + len(self.persistent_early)
+
+    def update_persistent(self, chunk: Chunk) -> None:
+        """Persistent ``chunk``'s backward is complete: step its params that have a gradient
+        with their optimizers now and drop the gradients (runtime/persistent_update.py)."""
+        with_grad = [s.param for s in chunk.trainable_slots if s.param.grad is not None]
+        if not with_grad:
+            return
+        if chunk.index in self.persistent_early:
+            raise UpdateInBackwardError(
+                f"gradients reached persistent chunk {chunk.index} after the update in the"
+                f" backward ({self.update_in_backward_origin}) applied its update (a second"
+                " backward before optimizer.step(), as gradient accumulation runs): set"
+                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
+            )
+        by_owner: dict[int, tuple[torch.optim.Optimizer, set[int]]] = {}
+        for param in with_grad:
+            owner = self.optimizer_of_param.get(id(param))
+            if owner is not None:
+                by_owner.setdefault(id(owner), (owner, set()))[1].add(id(param))
+        entries = []
+        for owner, ids in by_owner.values():
+            groups = step_params(owner, ids)
+            hyper = [_twin_group(owner.param_groups[g], type(owner)) for g in groups]
+            entries.append((owner, groups, hyper))
+            for param in with_grad:
+                if id(param) in ids:
+                    param.grad = None
+        if entries:
+            self.persistent_early[chunk.index] = entries
+
+    def settle_persistent(self, optimizer: torch.optim.Optimizer) -> None:
+        """At ``optimizer.step()``: its persistent params were stepped in the backward (the
+        step skipped them, having no gradient); raise if that used other hyperparameters."""
+        for index in list(self.persistent_early):
+            kept = []
+            for owner, groups, hyper in self.persistent_early[index]:
+                if owner is not optimizer:
+                    kept.append((owner, groups, hyper))
+                    continue
+                now = [_twin_group(optimizer.param_groups[g], type(optimizer)) for g in groups]
+                if now != hyper:
+                    del self.persistent_early[index]
+                    raise UpdateInBackwardError(
+                        f"optimizer.step() runs with hyperparameters {now} but the update in the"
+                        f" backward ({self.update_in_backward_origin}) stepped persistent chunk"
+                        f" {index} during backward with {hyper}; change them before backward"
+                        " (schedulers stepping after optimizer.step() do) or set"
+                        " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
+                    )
+            if kept:
+                self.persistent_early[index] = kept
+            else:
+                del self.persistent_early[index]
 
     def note_step_hyper(self, optimizer: torch.optim.Optimizer) -> None:
         """At ``optimizer.step()`` while observing: hyperparameters changed since the step's
@@ -674,6 +738,7 @@ class CpuOptimizer(HostGradNorms):
         for table in (*tables, self.staged_views, self.copy_back):
             table.clear()
         self.early.clear()
+        self.persistent_early.clear()
         self.aliased.clear()
         self.device_norms.clear()
         self.accumulations.clear()

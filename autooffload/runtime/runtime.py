@@ -284,6 +284,7 @@ class Runtime(GroupHooks):
         """The user's optimizer stepped the GPU params; queue the CPU update of the rest
         (none when ``apply_update`` is False: a step skipped for non-finite gradients)."""
         self.backward_update.observe(optimizer, self._backwards_this_step)
+        self.cpu_optim.settle_persistent(optimizer)
         profile = profile_after_step(self, optimizer)
         measured_rate = None
         if apply_update and any(o is optimizer for o in self.cpu_optim.optimizers):
@@ -387,10 +388,10 @@ class Runtime(GroupHooks):
     def detach(self, device: torch.device | str | None = None) -> nn.Module:
         """Return the ordinary model, trained weights on ``device`` (default: the attach device)."""
         target = torch.device(device) if device is not None else self.device
-        if self.cpu_optim.early:
+        if self.cpu_optim.early_count:
             warn_once(
                 "detach-early-updates",
-                f"autooffload: {len(self.cpu_optim.early)} offloaded chunks were updated in a"
+                f"autooffload: {self.cpu_optim.early_count} chunks were updated in a"
                 " backward that no optimizer.step() followed (an interrupted one, or one the loop"
                 " stopped after), and the returned weights include that part of a step;"
                 " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 leaves such steps without any update",

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from autooffload.errors import PlanError
-from autooffload.log import logger
+from autooffload.log import logger, warn_once
+from autooffload.runtime.persistent_update import raw_step
 
 if TYPE_CHECKING:
     from autooffload.plan.profile_types import ModelProfile
@@ -95,8 +96,26 @@ class BackwardUpdateMode:
         """End of the observation (the profile is about to be built): on when nothing seen
         so far argues against it."""
         if self.decided is None:
-            reasons = self.runtime.cpu_optim.loop_reasons
+            reasons = self.runtime.cpu_optim.loop_reasons | set(self._unstepped())
             self._settle(not reasons, reasons)
+
+    def _unstepped(self) -> list[str]:
+        """Why some trained chunk param could not be stepped in the backward: the update in
+        the backward steps persistent chunks with their owners (runtime/persistent_update.py),
+        and the plan counts their gradients as dropped there."""
+        cpu_optim = self.runtime.cpu_optim
+        owners = cpu_optim.optimizer_of_param
+        for chunk in self.runtime.layout.chunks:
+            for slot in chunk.trainable_slots:
+                owner = owners.get(id(slot.param))
+                if owner is None:
+                    return [
+                        f"trained parameter {slot.name} is in no optimizer that autooffload"
+                        " binds (a torch.optim one that also holds offloaded parameters)"
+                    ]
+                if raw_step(owner) is None:
+                    return [f"{type(owner).__name__}.step is not wrapped by torch's step hooks"]
+        return []
 
     def choose(
         self, request: SearchRequest, profile: ModelProfile, plan: Plan
@@ -125,6 +144,7 @@ class BackwardUpdateMode:
             [f"predicted {with_s * 1e3:.0f} ms per step with it, {without_s * 1e3:.0f} ms without"],
         )
         self.runtime.cpu_optim.update_in_backward = False
+        self.runtime.cpu_optim.persistent_in_backward = False
         return without_request, without_profile, without
 
     def _settle(self, on: bool, reasons: list[str] | set[str]) -> None:
@@ -158,6 +178,7 @@ class BackwardUpdateMode:
             profile = getattr(runtime, "profile", None)
             if profile is not None:  # the next calibration re-predicts without it
                 runtime.profile = replace(profile, update_in_backward=False)
+                self._warn_if_over_budget(runtime.profile)
         if not cpu_optim.observing:
             cpu_optim.loop_reasons.clear()
         cpu_optim.backward_since_step = False
@@ -165,3 +186,30 @@ class BackwardUpdateMode:
         self.trained_numel = max(self.trained_numel, input_numel)
         # Updates in the backward start once the conservative profiling steps are over.
         cpu_optim.update_in_backward = self.on and not profiling
+        # Persistent chunks are stepped in every backward under it, larger batches too: the
+        # plan counts on their gradients being dropped, and they are stepped late in the
+        # backward, when an OOM is least likely (the retry refuses a backward after them).
+        cpu_optim.persistent_in_backward = self.on
+
+    def _warn_if_over_budget(self, profile: ModelProfile) -> None:
+        """The plan was searched with the persistent gradients dropped in the backward: say
+        so if, kept to step() now, they take it over its budget."""
+        from autooffload.plan.cost import predict_peak_bytes
+        from autooffload.runtime.planning import hardware_profile, profile_for_plan
+
+        plan = self.runtime.plan
+        if not plan.budget_bytes or profile.chunk_size != self.runtime.layout.chunk_size:
+            return
+        hw = hardware_profile(self.runtime)
+        try:
+            peak = predict_peak_bytes(profile_for_plan(profile, plan, hw), hw, plan.knobs)
+        except PlanError:
+            return
+        if peak > plan.budget_bytes:
+            warn_once(
+                "update-in-backward-off-over-budget",
+                f"autooffload: the plan was searched with the update in the backward, and without"
+                f" it the persistent gradients live until step(): predicted peak"
+                f" {peak / 2**30:.2f} GiB against a budget of {plan.budget_bytes / 2**30:.2f} GiB;"
+                " set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 so the plan is searched for this loop",
+            )

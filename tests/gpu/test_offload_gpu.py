@@ -7,6 +7,7 @@ import copy
 import gc
 import math
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -50,7 +51,13 @@ def tiny_bf16_llama(tied: bool = True) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).to(torch.bfloat16).train()
 
 
-def train_bf16(model: LlamaForCausalLM, attach: dict | None, steps: int = STEPS) -> list[float]:
+def train_bf16(
+    model: LlamaForCausalLM,
+    attach: dict | None,
+    steps: int = STEPS,
+    clip: bool = True,
+    after_backward: Callable[[], None] | None = None,
+) -> list[float]:
     if attach is not None:
         autooffload.enable(force_attach=True, chunk_size=1 << 20, mask=False, **attach)
     model.to("cuda")
@@ -65,7 +72,10 @@ def train_bf16(model: LlamaForCausalLM, attach: dict | None, steps: int = STEPS)
         ids = pool[step % len(pool)]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if after_backward is not None:
+            after_backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -84,6 +94,30 @@ def test_bf16_training_matches_plain_bf16(n_persist):
     assert plain[-1] < plain[0] - 0.5, "the reference did not learn; the comparison is moot"
     torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(plain), atol=LOSS_ATOL, rtol=0)
     assert math.isclose(offloaded[-1], plain[-1], rel_tol=FINAL_LOSS_RTOL)
+
+
+def test_the_update_in_the_backward_trains_like_plain_bf16():
+    """No clipping, so the update in the backward applies: offloaded chunks updated on the CPU
+    as their gradients arrive, persistent ones stepped by the user's fused CUDA AdamW on the
+    autograd thread as their backward ends, their gradients dropped (none left at step())."""
+    base = tiny_bf16_llama()
+    plain = train_bf16(copy.deepcopy(base), attach=None, clip=False)
+    stepped = []
+
+    def check() -> None:
+        runtime = rt.runtimes()[0]
+        persistent = [runtime.layout.chunks[i] for i in sorted(runtime.manager.persistent)]
+        grads = [s.param.grad for c in persistent for s in c.trainable_slots]
+        stepped.append((sorted(runtime.cpu_optim.persistent_early), all(g is None for g in grads)))
+
+    attach = {"n_persist": 3, "master_weights": False, "update_in_backward": True}
+    offloaded = train_bf16(copy.deepcopy(base), attach=attach, clip=False, after_backward=check)
+    assert plain[-1] < plain[0] - 0.5, "the reference did not learn; the comparison is moot"
+    torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(plain), atol=LOSS_ATOL, rtol=0)
+    assert math.isclose(offloaded[-1], plain[-1], rel_tol=FINAL_LOSS_RTOL)
+    # Armed from the second step on: every persistent chunk stepped, no gradient left.
+    assert stepped[0] == ([], False)
+    assert all(s == ([0, 1, 2], True) for s in stepped[1:]), stepped
 
 
 def test_gpu_updated_chunks_train_like_plain_bf16(gpu_updates):

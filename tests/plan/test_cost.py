@@ -21,6 +21,7 @@ from autooffload.plan.cost import (
 )
 from autooffload.plan.profile_types import ChunkProfile, ModelProfile, UnitProfile
 from autooffload.plan.residency import chunk_tables, prefetch_queue
+from autooffload.plan.search import search
 from autooffload.plan.types import Knobs
 
 
@@ -379,3 +380,48 @@ def test_chunks_no_backward_reads_are_neither_gathered_nor_prefetched_there(hw):
     saved = sum(profile.chunks[i].bytes for i in pre_only)
     assert after["h2d_bytes"] == before["h2d_bytes"] - saved
     assert after["step_s"] <= before["step_s"]
+
+
+def test_under_the_update_in_backward_persistent_grads_live_only_where_their_chunk_runs(hw):
+    """The update in the backward steps a persistent chunk as soon as the backward is past its
+    first unit and drops its gradients (``runtime/persistent_update.py``): no persistent
+    gradient and no optimizer temporaries are left for ``step()``, and in the backward only
+    the chunks live at the unit (a tied embedding's, from the head to the embedding) hold
+    theirs, beside one chunk's temporaries."""
+    tied = replace(make_profile(tied=True), optim_step_bytes_per_param=8)
+    early = replace(tied, update_in_backward=True)
+    tables = chunk_tables(tied)
+    knobs = _knobs(tied, n_persist=tied.n_chunks // 2, n_checkpoint=tied.n_blocks)
+    p = knobs.n_persist
+    at_step, in_backward = peak_breakdown(tied, hw, knobs), peak_breakdown(early, hw, knobs)
+    assert at_step["optimizer_step"] == tables.persist_grad_total[p] + 8 * tables.persist_numel[p]
+    assert in_backward["optimizer_step"] == 0
+    # Chunk 0 (the tied embedding, first and last unit) holds its gradient through the backward;
+    # a block's persistent chunks only while their block's backward runs.
+    live = tables.persist_grad_live[p]
+    for unit in range(tied.n_units):
+        expected = sum(
+            c.trainable_bytes for c in tied.chunks[:p] if c.units[0] <= unit <= c.units[-1]
+        )
+        assert live[unit] == expected, unit
+    assert live[tied.n_units - 1] == tied.chunks[0].trainable_bytes
+    assert (live <= tables.persist_grad_bytes[p]).all()
+    assert live.sum() < tables.persist_grad_bytes[p].sum()
+    assert in_backward["peak"] < at_step["peak"]
+    fused = [replace(x, optim_step_bytes_per_param=0) for x in (tied, early)]
+    bwd = [peak_breakdown(x, hw, knobs)["activations_bwd_peak"] for x in fused]
+    assert bwd[1] <= bwd[0]
+    # The vectorised search predicts the same peak.
+    found = search(
+        {tied.chunk_size: early},
+        hw,
+        None,
+        fixed={
+            "chunk_size": tied.chunk_size,
+            **{
+                name: getattr(knobs, name)
+                for name in ("n_persist", "n_buffer", "n_swap", "n_checkpoint")
+            },
+        },
+    )
+    assert found.predicted_peak_bytes == int(in_backward["peak"])

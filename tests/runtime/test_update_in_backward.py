@@ -53,17 +53,20 @@ def test_updates_run_in_the_backward_and_training_equals_plain(
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
         pairs.append((net, optimizer, schedule))
-    early_counts = []
+    early_counts, persistent = [], []
     for ids in make_batches(5):
         for net, optimizer, schedule in pairs:
             net(input_ids=ids, labels=ids).loss.backward()
             if net is model:
                 early_counts.append(sorted(runtime.cpu_optim.early))
+                persistent.append(sorted(runtime.cpu_optim.persistent_early))
             optimizer.step()
             schedule.step()
             optimizer.zero_grad()
-    # The first step arms it; every later backward queued each offloaded chunk's update.
+    # The first step arms it; every later backward queued each offloaded chunk's update and
+    # stepped the persistent chunk (runtime/persistent_update.py).
     assert early_counts[0] == [] and all(c == offloaded for c in early_counts[1:]), early_counts
+    assert persistent == [[]] + [sorted(runtime.manager.persistent)] * 4, persistent
     runtime.synchronize()
     reference = plain.state_dict()
     for name, value in model.state_dict().items():

@@ -105,7 +105,7 @@ def test_the_first_search_takes_it_only_when_predicted_faster():
     assert runtime.plan.predicted_step_s == pytest.approx(with_s if on else without_s)
     assert armed == [False, False, on, on]  # the profiling steps update at step()
     summary = runtime.plan.summary()
-    assert ("as their gradients arrive in the backward" in summary) is on
+    assert ("optimizer: in the backward, offloaded chunks updated" in summary) is on
 
 
 @pytest.mark.parametrize("faster", [True, False])
@@ -137,19 +137,25 @@ def test_a_batch_larger_than_any_trained_runs_without_it(make_llama, offload_cpu
     generator = torch.Generator().manual_seed(5)
     longer = torch.randint(0, VOCAB, (BATCH, SEQ * 2), generator=generator)
     data = make_batches(2) + [longer] + make_batches(2, seed=3)
-    early = []
+    early, persistent = [], []
     for net in (plain, model):
         optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
         for ids in data:
             net(input_ids=ids, labels=ids).loss.backward()
             if net is model:
                 early.append(bool(runtime.cpu_optim.early))
+                persistent.append(sorted(runtime.cpu_optim.persistent_early))
+                stepped = [s.param for s in runtime.layout.chunks[0].trainable_slots]
+                assert (persistent[-1] == [0]) is all(p.grad is None for p in stepped)
             optimizer.step()
             optimizer.zero_grad()
     runtime.synchronize()
     _assert_same_weights(model, plain)
-    # Step 3's batch was the longest yet; the shorter ones after it are covered by it.
+    # Step 3's batch was the longest yet; the shorter ones after it are covered by it. The
+    # persistent chunk is stepped in every backward once on, the longer batch's too: the plan
+    # counts on its gradients being dropped there.
     assert early == [False, True, False, True, True]
+    assert persistent == [[], [0], [0], [0], [0]]
 
 
 class _Lines(logging.Handler):
@@ -164,7 +170,8 @@ class _Lines(logging.Handler):
 def test_a_reason_seen_in_a_step_without_early_updates_turns_it_off(
     make_llama, offload_cpu, make_batches
 ):
-    plain, model, runtime = _pair(make_llama, offload_cpu, log="info")
+    # No persistent chunk: one would be stepped in the longer batch's backward (an early update).
+    plain, model, runtime = _pair(make_llama, offload_cpu, log="info", n_persist=0)
     generator = torch.Generator().manual_seed(5)
     longer = torch.randint(0, VOCAB, (BATCH, SEQ * 2), generator=generator)
     data = make_batches(2) + [longer] + make_batches(2, seed=3)
@@ -216,3 +223,26 @@ def test_the_setting_overrides_the_loop(make_llama, offload_cpu, make_batches, s
         optimizer.zero_grad()
     assert runtime.backward_update.on is setting
     assert runtime.cpu_optim.update_in_backward is setting
+
+
+def test_a_trained_chunk_param_outside_the_optimizer_keeps_it_off(
+    make_llama, offload_cpu, make_batches
+):
+    """The update in the backward steps persistent chunks with their params' optimizer, and the
+    plan counts their gradients as dropped there: a trained param that no bound optimizer holds
+    (here the persistent chunk's, left to the loop) keeps the mode off, and training exact."""
+    plain, model, runtime = _pair(make_llama, offload_cpu)
+    kept = {s.name for s in runtime.layout.chunks[0].trainable_slots}
+    assert kept and 0 in runtime.manager.persistent
+    for net in (plain, model):
+        params = [p for name, p in net.named_parameters() if name not in kept]
+        optimizer = torch.optim.AdamW(params, lr=LR)
+        for ids in make_batches(4):
+            net(input_ids=ids, labels=ids).loss.backward()
+            if net is model:
+                assert not runtime.cpu_optim.early_count
+            optimizer.step()
+            optimizer.zero_grad()
+    runtime.synchronize()
+    _assert_same_weights(model, plain)
+    assert not runtime.backward_update.on
