@@ -12,11 +12,14 @@ seen between a backward and its step; ``observe`` adds accumulation and hyperpar
 changes). For a loop that showed none, the first search is run both ways and the update in the
 backward is taken only when it is predicted ``CHOOSE_GAIN`` faster (``choose``): it makes the
 CPU update contend with the backward's own host work, which the cost model does not see
-(3.6B @ 16 GiB on an H100 measured it 0.94x-1.47x the update at step()). Two more guards keep
-it safe to have on by default:
+(3.6B @ 16 GiB on an H100 measured it 0.94x-1.47x the update at step()). Under it the
+persistent chunks are stepped in the backward too (``runtime/persistent_update.py``), so
+``decide`` also wants every trained chunk param in a bound optimizer. Two more guards keep it
+safe to have on by default:
 
-- A step whose forward input is larger than any trained so far runs without it, so an OOM in
-  its backward can still be retried (a retry after early updates would update twice).
+- A step whose forward input is larger than any trained so far runs without the CPU part, so
+  an OOM in its backward can still be retried (a retry after early updates would update
+  twice) until the persistent chunks' steps, which come late in the backward.
 - A reason seen later in a step that updated nothing early turns it off for the rest of the
   run; one seen after early updates raises ``UpdateInBackwardError``, as under ``=1``.
 """
