@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from autooffload.errors import PlanError
-from autooffload.log import logger, warn_once
+from autooffload.log import logger
 from autooffload.runtime.persistent_update import raw_step
 
 if TYPE_CHECKING:
@@ -170,7 +170,9 @@ class BackwardUpdateMode:
         if self.decided is None and not profiling:
             self.decide()  # a fixed plan: no profiling steps, the first step decides
         elif self.setting is None and self.decided and cpu_optim.loop_reasons:
-            # Seen in a step that updated nothing early (else it raised): off from now on.
+            # Seen in a step that updated nothing early (else it raised): off from now on. Such
+            # a step stepped no persistent chunk either (they stay armed), so none had
+            # gradients: keeping them to step() from now on needs no memory the plan lacks.
             reasons = "; ".join(sorted(cpu_optim.loop_reasons))
             logger.info(
                 "autooffload: offloaded chunks are updated at optimizer.step() from now on: the"
@@ -181,7 +183,6 @@ class BackwardUpdateMode:
             profile = getattr(runtime, "profile", None)
             if profile is not None:  # the next calibration re-predicts without it
                 runtime.profile = replace(profile, update_in_backward=False)
-                self._warn_if_over_budget(runtime.profile)
         if not cpu_optim.observing:
             cpu_optim.loop_reasons.clear()
         cpu_optim.backward_since_step = False
@@ -193,26 +194,3 @@ class BackwardUpdateMode:
         # plan counts on their gradients being dropped, and they are stepped late in the
         # backward, when an OOM is least likely (the retry refuses a backward after them).
         cpu_optim.persistent_in_backward = self.on
-
-    def _warn_if_over_budget(self, profile: ModelProfile) -> None:
-        """The plan was searched with the persistent gradients dropped in the backward: say
-        so if, kept to step() now, they take it over its budget."""
-        from autooffload.plan.cost import predict_peak_bytes
-        from autooffload.runtime.planning import hardware_profile, profile_for_plan
-
-        plan = self.runtime.plan
-        if not plan.budget_bytes or profile.chunk_size != self.runtime.layout.chunk_size:
-            return
-        hw = hardware_profile(self.runtime)
-        try:
-            peak = predict_peak_bytes(profile_for_plan(profile, plan, hw), hw, plan.knobs)
-        except PlanError:
-            return
-        if peak > plan.budget_bytes:
-            warn_once(
-                "update-in-backward-off-over-budget",
-                f"autooffload: the plan was searched with the update in the backward, and without"
-                f" it the persistent gradients live until step(): predicted peak"
-                f" {peak / 2**30:.2f} GiB against a budget of {plan.budget_bytes / 2**30:.2f} GiB;"
-                " set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 so the plan is searched for this loop",
-            )
