@@ -107,3 +107,55 @@ def test_trainer_checkpoints_reload_and_resume_like_an_uninterrupted_run(tmp_pat
     with torch.no_grad():
         plain_logits = plain(input_ids=ids).logits
     torch.testing.assert_close(plain_logits, attached_logits, rtol=RTOL, atol=ATOL)
+
+
+def test_trainer_without_clipping_trains_like_plain_and_reads_the_gradient_norm(
+    tmp_path: Path,
+) -> None:
+    """``max_grad_norm=0`` and no accumulation would suit the update in the backward, but the
+    Trainer still takes the gradient norm for its logs (``clip_grad_norm_(params, inf)``)
+    between backward and step: ``auto`` leaves the update at ``step()``, and the run ends
+    where a plain Trainer run ends."""
+
+    def run(output_dir: Path) -> Trainer:
+        args = TrainingArguments(
+            output_dir=str(output_dir),
+            max_steps=STEPS,
+            per_device_train_batch_size=2,
+            learning_rate=2e-2,
+            max_grad_norm=0.0,
+            lr_scheduler_type="linear",
+            weight_decay=0.1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+        )
+        job = Trainer(model=tiny_llama(0), args=args, train_dataset=dataset())
+        job.train()
+        return job
+
+    expected = weights(run(tmp_path / "plain").model)
+    autooffload.enable(
+        device="cpu",
+        force_attach=True,
+        chunk_size=20_000,
+        n_persist=1,
+        activation_mode="keep",
+        mask=False,
+        log="warning",
+    )
+    job = run(tmp_path / "attached")
+    runtime = rt.runtime_of(job.model)
+    assert runtime is not None and runtime.cpu_optim.updates > 0
+    # transformers 5.x logs the norm every step (``Trainer._get_grad_norm``); a version that
+    # did not would leave the loop plain, and auto would take the update in the backward.
+    reads_norm = hasattr(Trainer, "_get_grad_norm")
+    assert runtime.backward_update.decided is (not reads_norm)
+    assert runtime.cpu_optim.persistent_in_backward is (not reads_norm)
+    runtime.synchronize()
+    actual = weights(job.model)
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    autooffload.disable()
