@@ -54,23 +54,28 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def trainer(output_dir: Path, seed: int) -> Trainer:
-    """A Trainer over a fresh model; the move to the device inside attaches it."""
+def trainer(output_dir: Path, seed: int, **changes: object) -> Trainer:
+    """A Trainer over a fresh model (``changes``: TrainingArguments to override); the move to
+    the device inside attaches it."""
+    settings: dict = {
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 2e-2,
+        "max_grad_norm": 0.5,
+        "lr_scheduler_type": "linear",
+        "logging_steps": 1,
+        "save_steps": 4,
+        "save_strategy": "steps",
+        **changes,
+    }
     args = TrainingArguments(
         output_dir=str(output_dir),
         max_steps=STEPS,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=2e-2,
-        max_grad_norm=0.5,
-        lr_scheduler_type="linear",
-        logging_steps=1,
-        save_steps=4,
-        save_strategy="steps",
         report_to=[],
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
+        **settings,
     )
     return Trainer(model=tiny_llama(seed), args=args, train_dataset=dataset())
 
@@ -118,21 +123,14 @@ def test_trainer_without_clipping_trains_like_plain_and_reads_the_gradient_norm(
     where a plain Trainer run ends."""
 
     def run(output_dir: Path) -> Trainer:
-        args = TrainingArguments(
-            output_dir=str(output_dir),
-            max_steps=STEPS,
-            per_device_train_batch_size=2,
-            learning_rate=2e-2,
+        job = trainer(
+            output_dir,
+            seed=0,
+            gradient_accumulation_steps=1,
             max_grad_norm=0.0,
-            lr_scheduler_type="linear",
             weight_decay=0.1,
             save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            seed=0,
-            disable_tqdm=True,
         )
-        job = Trainer(model=tiny_llama(0), args=args, train_dataset=dataset())
         job.train()
         return job
 
