@@ -143,6 +143,16 @@ SETTINGS = {
 }
 
 
+def _copy(base: torch.nn.Module, attach: bool) -> torch.nn.Module:
+    """A copy of ``base``, attached if ``attach``: one persistent chunk, activations kept, the
+    OOM retry on."""
+    model = copy.deepcopy(base)
+    if attach:
+        enable_cpu(oom_retry=True, n_persist=1, activation_mode="keep")
+        model.to("cpu")
+    return model
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
 @pytest.mark.parametrize("settings", list(SETTINGS), ids=list(SETTINGS))
 def test_oom_is_retried_once_under_a_smaller_plan(settings, where):
@@ -175,9 +185,7 @@ def test_oom_is_retried_once_under_a_smaller_plan(settings, where):
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_second_oom_raises_a_clear_error(where):
-    model = tiny_llama()
-    enable_cpu(oom_retry=True, n_persist=1, activation_mode="keep")
-    model.to("cpu")
+    model = _copy(tiny_llama(), attach=True)
     runtime = rt.runtime_of(model)
     fault = OomFault(model.model.layers[1].mlp, where)
     ids = long_batches(1)[0]
@@ -201,9 +209,7 @@ def test_second_oom_raises_a_clear_error(where):
 
 
 def test_oom_in_backward_of_a_loss_computed_outside_the_model_is_not_retried():
-    model = tiny_llama()
-    enable_cpu(oom_retry=True, n_persist=1, activation_mode="keep")
-    model.to("cpu")
+    model = _copy(tiny_llama(), attach=True)
     runtime = rt.runtime_of(model)
     fault = OomFault(model.model.layers[1].mlp, "backward")
     ids = long_batches(1)[0]
@@ -233,9 +239,7 @@ def test_an_oom_after_updates_in_the_backward_is_not_retried_but_a_longer_batchs
     """A retry after early updates would update those chunks twice: the OOM is raised with the
     setting that keeps backward OOMs retryable. A batch longer than any trained runs its step
     without the update in the backward, so its OOM is retried and training matches plain."""
-    model = tiny_llama()
-    enable_cpu(oom_retry=True, n_persist=1, activation_mode="keep")
-    model.to("cpu")
+    model = _copy(tiny_llama(), attach=True)
     runtime = rt.runtime_of(model)
     fault = OomFault(model.model.layers[0].mlp, "backward")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -256,10 +260,7 @@ def test_an_oom_after_updates_in_the_backward_is_not_retried_but_a_longer_batchs
     data = [ids[:, :16] for ids in long_batches(3)] + long_batches(2, seed=2)
     runs = []
     for attach in (False, True):
-        model = copy.deepcopy(base)
-        if attach:
-            enable_cpu(oom_retry=True, n_persist=1, activation_mode="keep")
-            model.to("cpu")
+        model = _copy(base, attach)
         fault = OomFault(model.model.layers[0].mlp, "backward")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         for step, ids in enumerate(data):
@@ -333,10 +334,7 @@ def test_backward_of_a_scaled_loss_is_retried_with_the_same_scale():
     ids = long_batches(1)[0]
     runs = []
     for attach in (False, True):
-        model = copy.deepcopy(base)
-        if attach:
-            enable_cpu(oom_retry=True, n_persist=1, activation_mode="keep")
-            model.to("cpu")
+        model = _copy(base, attach)
         fault = OomFault(model.model.layers[1].mlp, "backward")
         fault.times = 1 if attach else 0
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
