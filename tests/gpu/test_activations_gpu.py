@@ -130,3 +130,46 @@ def test_swap_lowers_peak_memory_by_the_swapped_bytes() -> None:
     allocations = swapper.stats()["host_allocations"]
     step(model, seq)
     assert swapper.stats()["host_allocations"] == allocations
+
+
+def test_the_last_swapped_blocks_tensors_go_when_the_next_block_is_done():
+    """A swapped block's device tensors stay while its copy out runs beside the next block's
+    forward, and go at that block's end, whatever its policy (the cost model's ``in_flight``).
+    The last swapped block before checkpointed ones kept them to the backward: at 3.6B @ 16
+    GiB ~0.6 GiB through twelve blocks and the loss, the allocated peak 9% over its
+    prediction."""
+    import autooffload
+    from autooffload import runtime as rt
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16).train()
+    autooffload.enable(
+        force_attach=True, chunk_size=1 << 24, n_persist=0, n_swap=2, n_checkpoint=2, mask=False
+    )
+    try:
+        model.to("cuda")
+        runtime = rt.runtime_of(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, 256, (1, 2048), generator=torch.Generator().manual_seed(1)).cuda()
+        in_flight = []
+        for _ in range(4):  # two profiling steps, then the plan's
+            loss = model(input_ids=ids, labels=ids).loss
+            if runtime.swapper is not None:
+                in_flight.append(sorted(runtime.swapper._in_flight))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert runtime.plan.block_policies == ("swap", "swap", "checkpoint", "checkpoint")
+        assert runtime.swapper.stats()["d2h_bytes"] > 0, "nothing was swapped"
+        assert in_flight[-1] == [], in_flight
+    finally:
+        autooffload.disable()
