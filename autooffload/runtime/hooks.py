@@ -306,17 +306,16 @@ class GroupHooks:
             if all(self._position.get(u, -1) > position for u in users):
                 self.manager.offload_grads(index)
                 self.manager.release(index)
-        if self.data_parallel is not None:
-            # Persistent chunks whose backward is complete start their gradient average now.
+        if self.data_parallel is not None or self.cpu_optim.persistent_in_backward:
+            # Persistent chunks whose backward is complete start their gradient average now,
+            # or are stepped now, their gradients dropped (runtime/persistent_update.py).
             for index in self.manager.persistent:
                 users = self.layout.chunks[index].groups
-                if all(self._position.get(u, -1) > position for u in users):
+                if not all(self._position.get(u, -1) > position for u in users):
+                    continue
+                if self.data_parallel is not None:
                     self.manager.offload_grads(index)
-        elif self.cpu_optim.persistent_in_backward:
-            # ... or are stepped now, their gradients dropped (runtime/persistent_update.py).
-            for index in self.manager.persistent:
-                users = self.layout.chunks[index].groups
-                if all(self._position.get(u, -1) > position for u in users):
+                else:
                     self.cpu_optim.update_persistent(self.layout.chunks[index])
         # The profiler's mark comes before this group's gathers: a window's memory then starts
         # without the chunks it fetches, which the profiler tells apart (``copied_in_bytes``).
