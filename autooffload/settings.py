@@ -108,6 +108,16 @@ class Settings:
             Opt-in until the cost model charges the link it shares with the chunk gathers: at
             3.6B full FT under 16 GiB auto ran 1.21-1.26x faster, but the 1.1B planner test's
             step came out 35% slower than predicted (docs/architecture.md).
+        gpu_update_in_backward: Under the update in the backward: the lowest offloaded chunks
+            (the last whose gradients arrive, the first the next forward needs) are updated on
+            the GPU as their backward ends, while their weights and gradients are still there;
+            only their optimizer state comes in from pinned memory (one block ahead) and goes
+            back with the new weights, in place of the gradients (torch.optim.Adam/AdamW, no
+            fp32 masters, unsharded state). The CPU updates the rest, which the next forward
+            needs later. ``None`` (``auto``, the default): as many as the cost model finds
+            leave the next forward no wait for the CPU, on a CUDA device; 0: every offloaded
+            chunk on the CPU; n: the lowest n (on a CPU device too: tests). Moot when the
+            update runs at ``step()``.
         cpu_threads: Threads of the CPU optimizer's updates; ``None`` (auto): one fewer than
             torch's intra-op threads on a GPU run, so the thread launching the GPU's kernels
             keeps a core (16 OpenMP threads on 16 cores stalled both: see docs/architecture.md).
@@ -234,6 +244,13 @@ class Settings:
         parse_count,
         "offloaded chunks updated on the GPU at step(), state streamed from pinned memory"
         " (Adam/AdamW); 0 = CPU only; auto = the cost model's split (opt-in for now)",
+    )
+    gpu_update_in_backward: int | None = _knob(
+        None,
+        "AUTOOFFLOAD_GPU_UPDATE_IN_BACKWARD",
+        parse_count,
+        "under the update in the backward, the lowest offloaded chunks updated on the GPU as"
+        " their backward ends (Adam/AdamW); 0 = CPU only; auto = as the cost model finds",
     )
     cpu_threads: int | None = _knob(
         None,

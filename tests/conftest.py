@@ -52,3 +52,19 @@ def gpu_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(GpuUpdater, "_issue", counted)
     return seen
+
+
+@pytest.fixture
+def resident_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Chunk indices the GPU updated in the backward (``update_resident``), one per update."""
+    seen: list[int] = []
+    from autooffload.runtime.gpu_update import GpuUpdater
+
+    update = GpuUpdater.update_resident
+
+    def counted(self, chunk, *args):
+        seen.append(chunk.index)
+        return update(self, chunk, *args)
+
+    monkeypatch.setattr(GpuUpdater, "update_resident", counted)
+    return seen

@@ -29,7 +29,13 @@ from autooffload.plan.residency import (
     transfer_s,
 )
 from autooffload.plan.types import Knobs
-from autooffload.plan.update_split import gpu_update_chunks, scratch_bytes_of, update_split_row
+from autooffload.plan.update_split import (
+    BackwardSplit,
+    backward_split,
+    gpu_update_chunks,
+    scratch_bytes_of,
+    update_split_row,
+)
 
 # Below this share of the step, stalls and recompute are noise and the step is compute-bound.
 BOTTLENECK_MIN_SHARE = 0.05
@@ -148,7 +154,9 @@ def peak_breakdown(
                (+ persist_grad_total[p] if accumulating)
     grads[u] = offload_grad_bytes[p, u] + persist_grad_bytes[p, u]   (backward only)
                (under the update in the backward, ``persist_grads_in_backward``: the
-               persistent grads live at u only, plus one chunk's optimizer temporaries)
+               persistent grads live at u only, plus one chunk's optimizer temporaries;
+               and + ``backward_split.scratch[p, u]``, the state of the chunks the GPU
+               updates there)
     fwd[u]   = fwd_act[u] + scratch_bytes[p] + in_flight_fwd[u]   (``activation_events``,
     bwd[u]   = bwd_act[u] + grads[u] + in_flight_bwd[u]    ``chunk_bytes_in_flight``)
     step     = persist_grad_total[p] (unless in static) + optim_step_bytes_per_param
@@ -185,6 +193,11 @@ def peak_breakdown(
     if profile.grad_accumulation:
         static += int(tables.persist_grad_total[p])
     grads = grads + persist_grads_in_backward(profile, tables)[p]
+    # The optimizer state of the chunks the GPU updates in the backward, while it is there.
+    backward_scratch = np.zeros_like(grads)
+    if profile.update_in_backward:
+        backward_scratch = backward_split(profile, hw, np.array([p])).scratch[0]
+    grads = grads + backward_scratch
     fwd, bwd = fwd_act + in_fwd, bwd_act + grads + in_bwd
     fwd_peak, bwd_peak = int(fwd.max()), int(bwd.max())
     in_backward = bwd_peak > fwd_peak
@@ -207,6 +220,7 @@ def peak_breakdown(
         "activations_bwd_peak": float((bwd_act + grads).max()),
         "peak_in_backward": float(in_backward),
         "optimizer_step": float(step),
+        "backward_update_scratch": float(backward_scratch.max()),
         "peak_unit": float(peak_unit),
         "allocated": float(allocated),
         "pooled": float(pooled),
@@ -264,28 +278,39 @@ def backward_update_done(
     rate: float,
     p: int,
     left_after: np.ndarray,
+    split: BackwardSplit | None = None,
 ) -> float:
     """Under ``update_in_backward``: when (seconds after ``step()``, 0 if before it, as without
-    offloaded trainable chunks) every offloaded chunk of plan ``n_persist = p`` is updated.
+    offloaded trainable chunks) every offloaded chunk the CPU updates in plan ``n_persist = p``
+    is updated.
 
-    Updates run in arrival order, chunk n-1 (the first whose gradients arrive) to chunk p (the
-    last, and the first the next forward needs), so the forward waits for all of them. With
+    Updates run in arrival order, chunk n-1 (the first whose gradients arrive) to the lowest the
+    CPU updates, q (the last, and the first of its chunks the next forward needs), so the
+    forward waits for all of them there. q is p, or the lowest chunk above the ones the GPU
+    updates in the backward (``update_split.backward_split``, row 0 of ``split``). With
     ``left_after[u]`` the backward's wall time left once unit u's backward is done (the sum of
     the windows of the units before u: recompute and exposed copies included, plus the
     persistent chunks' steps, which come after every offloaded chunk's gradients) and H(c) =
     ``left_after[first_unit(c)]`` the backward left after chunk c's gradients arrive:
-        done[p] = max(offload_numel[p] / rate - H(n-1), numel[p] / rate - H(p), 0)
+        done = max(cpu_numel / rate - H(n-1), numel[q] / rate - H(q), 0)
     (before the fifteenth session H counted the units' backward compute only; the step then
     was predicted 25-44% slow on 3.6B, whose 28 checkpointed blocks recompute 55 ms.)
     """
-    if tables.offload_numel[p] <= 0:
-        return 0.0
     first, _ = chunk_spans(profile)
     n = profile.n_chunks
-    numel = float(profile.chunks[p].trainable_numel)
+    if split is None:
+        cpu_numel, lowest_numel = float(tables.offload_numel[p]), 0.0
+        lowest_first = int(first[p]) if p < n else 0
+        if p < n:
+            lowest_numel = float(profile.chunks[p].trainable_numel)
+    else:
+        cpu_numel, lowest_numel = float(split.cpu_numel[0]), float(split.lowest_numel[0])
+        lowest_first = int(split.lowest_first[0])
+    if cpu_numel <= 0:
+        return 0.0
     return max(
-        float(tables.offload_numel[p]) / rate - float(left_after[first[n - 1]]),
-        numel / rate - float(left_after[first[p]]),
+        cpu_numel / rate - float(left_after[first[n - 1]]),
+        lowest_numel / rate - float(left_after[lowest_first]),
         0.0,
     )
 
@@ -313,6 +338,10 @@ class StepWindows:
     gpu_update_s: float = 0.0
     """Seconds of the GPU update path (``plan/update_split.py``), beside the CPU's."""
     gpu_update_chunks: int = 0
+    gpu_backward_chunks: int = 0
+    """Offloaded chunks the GPU updates in the backward (``update_split.backward_split``)."""
+    backward_update_bytes: tuple[float, float] = (0.0, 0.0)
+    """Bytes that GPU path adds in and out (state in; weights and state out, less gradients)."""
 
 
 def step_windows(
@@ -353,19 +382,25 @@ def step_windows(
     unconstrained = max(at_step_s, first_gather_s) + sum(fwd_windows)
     suffix = np.cumsum(fwd_windows[::-1])[::-1]
 
+    # Under the update in the backward the GPU updates the lowest offloaded chunks there: their
+    # state comes in, their weights and state go out in place of their gradients.
+    split = backward_split(profile, hw, np.array([p])) if profile.update_in_backward else None
+    out_bytes = tables.grad_d2h_bytes[p] + (split.out_delta[0] if split else 0)
+    state_in = split.state_in[0] if split else np.zeros(n_units)
     bwd_windows = []
     recompute_s = 0.0
     for u in range(n_units):
         gather_bytes = float(tables.bwd_gather_bytes[p, u - 1]) if u > 0 else 0.0
         prefetched = prefetched_bytes(profile, p, u, n_buffer - int(resident[u]), forward=False)
         swap_in = float(units[u - 1].act_bytes_keep) if u > 0 and policies[u - 1] == "swap" else 0.0
-        grads_out = float(tables.grad_d2h_bytes[p, u + 1]) if u + 1 < n_units else 0.0
+        grads_out = float(out_bytes[u + 1]) if u + 1 < n_units else 0.0
         recompute = units[u].fwd_s if policies[u] == "checkpoint" else 0.0
         recompute_s += recompute
         exposed = (gather_bytes - prefetched) / hw.h2d_bps
         compute = units[u].bwd_s + recompute
-        bwd_windows.append(window(compute, prefetched + swap_in, grads_out, exposed))
-    tail_s = float(tables.grad_d2h_bytes[p, 0]) / hw.d2h_bps
+        h2d = prefetched + swap_in + float(state_in[u])
+        bwd_windows.append(window(compute, h2d, grads_out, exposed))
+    tail_s = float(out_bytes[0]) / hw.d2h_bps
     stalls["pcie_d2h"] += tail_s
     t_bwd = sum(bwd_windows) + tail_s + (gpu_optim_s - at_step_s)
 
@@ -375,10 +410,12 @@ def step_windows(
         # The persistent chunks are stepped after every offloaded chunk's gradients arrived
         # (they come first in the forward, last in the backward): the CPU works through that too.
         left_after = np.concatenate([[0.0], np.cumsum(bwd_windows)]) + gpu_optim_s
-        early = backward_update_done(profile, tables, hw.cpu_optim_params_per_s, p, left_after)
+        rate = hw.cpu_optim_params_per_s
+        early = backward_update_done(profile, tables, rate, p, left_after, split)
     split_ready, gpu_chunks, _, cpu_s, gpu_s, _ = update_split_row(profile, hw, p)
     for u in range(n_units):
-        if tables.cpu_ready_numel[p, u] >= 0:
+        waits = split.cpu_units[0, u] if split else tables.cpu_ready_numel[p, u] >= 0
+        if waits:
             ready = split_ready[u] if early is None else early
             ready += float(tables.fwd_gather_bytes[p, u]) / hw.h2d_bps
             t_fwd = max(t_fwd, ready + float(suffix[u]))
@@ -391,9 +428,11 @@ def step_windows(
         gpu_optim_s,
         recompute_s,
         stalls,
-        cpu_s if early is None else float(tables.offload_numel[p]) / hw.cpu_optim_params_per_s,
+        cpu_s if split is None else float(split.cpu_numel[0]) / hw.cpu_optim_params_per_s,
         gpu_s,
         gpu_chunks,
+        int(split.gpu_chunks[0]) if split else 0,
+        (float(state_in.sum()), float(split.out_delta[0].sum())) if split else (0.0, 0.0),
     )
 
 
@@ -445,13 +484,17 @@ def predict_step_time(
         "cpu_optim_s": windows.cpu_update_s,
         "gpu_update_s": windows.gpu_update_s,
         "gpu_update_chunks": windows.gpu_update_chunks,
+        "gpu_backward_chunks": windows.gpu_backward_chunks,
         "other_s": profile.other_s,
         "h2d_stall_s": stalls["pcie_h2d"],
         "d2h_stall_s": stalls["pcie_d2h"],
         "cpu_optim_stall_s": stalls["cpu_optimizer"],
         "h2d_bytes": float(tables.fwd_gather_bytes[p].sum() + tables.bwd_gather_bytes[p].sum())
-        + swap_bytes,
-        "d2h_bytes": float(tables.grad_d2h_bytes[p].sum()) + swap_bytes,
+        + swap_bytes
+        + windows.backward_update_bytes[0],
+        "d2h_bytes": float(tables.grad_d2h_bytes[p].sum())
+        + swap_bytes
+        + windows.backward_update_bytes[1],
         "swap_bytes": float(swap_bytes),
         "tokens_per_s": profile.batch_tokens / step_s if step_s > 0 else math.inf,
         "update_in_backward": float(profile.update_in_backward),

@@ -21,7 +21,7 @@ from autooffload.plan.cost import (
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import ChunkTables, chunk_spans, chunk_tables, queued_bytes
 from autooffload.plan.types import Knobs
-from autooffload.plan.update_split import update_split
+from autooffload.plan.update_split import backward_split, update_split
 
 _NONE = np.iinfo(np.int64).min // 4  # "no unit": below any peak, far from overflow
 
@@ -97,30 +97,36 @@ def search_layout(
     fwd_exposed = (fwd_next_bytes - fwd_prefetch).astype(float) / h2d
     bwd_exposed = (bwd_prev_bytes - bwd_prefetch).astype(float) / h2d
     fwd_prefetch, bwd_prefetch = fwd_prefetch.astype(float), bwd_prefetch.astype(float)
-    grads_out = _shift(tables.grad_d2h_bytes[persist], -1).astype(float)[:, None, :]
+    in_backward = profile.update_in_backward
+    # Under the update in the backward, the chunks the GPU updates there (``backward_split``):
+    # their state in, their weights and state out in place of their gradients.
+    bsplit = backward_split(profile, hw, persist) if in_backward else None
+    out_bytes = tables.grad_d2h_bytes[persist] + (bsplit.out_delta if bsplit else 0)
+    state_in = (bsplit.state_in if bsplit else np.zeros(out_bytes.shape))[:, None, :]
+    grads_out = _shift(out_bytes, -1).astype(float)[:, None, :]
     gpu_optim = tables.persist_numel[persist] / hw.gpu_optim_params_per_s
     first_gather = tables.fwd_gather_bytes[persist, 0] / h2d
     ready_numel = tables.cpu_ready_numel[persist]
     split = update_split(profile, hw, persist)
-    in_backward = profile.update_in_backward
     # Under update_in_backward one time ``done`` (per K, P, D: it depends on the backward's
     # windows) holds for every chunk, so the forward's wait is done + max over the ready units
     # of (gather + the forward after it); otherwise each unit has its own ready time.
     cpu_done = np.zeros(ready_numel.shape) if in_backward else split.ready_s
-    ready = np.where(ready_numel >= 0, cpu_done + tables.fwd_gather_bytes[persist] / h2d, -np.inf)[
+    waiting = bsplit.cpu_units if bsplit else ready_numel >= 0
+    ready = np.where(waiting, cpu_done + tables.fwd_gather_bytes[persist] / h2d, -np.inf)[
         :, None, :
     ]
     if in_backward:
         rate = hw.cpu_optim_params_per_s
         first_unit, _ = chunk_spans(profile)
-        offload_s = tables.offload_numel[persist] / rate
+        assert bsplit is not None
         # Per n_persist p (p = n_chunks included: nothing offloaded, no update to wait for).
-        numel = np.array([c.trainable_numel for c in profile.chunks] + [0], dtype=float)
-        own_s = numel[persist] / rate
+        offload_s = bsplit.cpu_numel / rate
+        own_s = bsplit.lowest_numel / rate
         last_first = int(first_unit[profile.n_chunks - 1])
-        own_first = np.append(first_unit, 0)[persist]
-        has_update = tables.offload_numel[persist] > 0
-    tail = tables.grad_d2h_bytes[persist, 0] / d2h
+        own_first = bsplit.lowest_first
+        has_update = bsplit.cpu_numel > 0
+    tail = out_bytes[:, 0] / d2h
     if in_backward:  # the persistent chunks are stepped in the backward (``cost.step_windows``)
         start, tail = first_gather, tail + gpu_optim
     else:
@@ -136,7 +142,7 @@ def search_layout(
     # The GPU update path's scratch lives from step() into the next forward (until its last
     # chunk, which the forward needs late, is back): on top of every forward event.
     fwd_extra = np.broadcast_to(split.scratch_bytes[:, None, None], (persist.size, 1, n_units))
-    bwd_extra = grads[:, None, :]
+    bwd_extra = (grads + (bsplit.scratch if bsplit else 0))[:, None, :]
     static_p = static[persist][None, :, None]
     step_bytes = (optimizer_step_bytes(profile, tables, persist) + split.scratch_bytes)[
         None, :, None
@@ -158,7 +164,7 @@ def search_layout(
         after = np.cumsum(fwd_windows[..., ::-1], axis=-1)[..., ::-1]
         waits = (ready + after).max(axis=-1)
         t_fwd = np.maximum(start[:, None] + after[..., 0], waits)
-        bwd_xfer = _transfer(bwd_prefetch + swap_in, grads_out, h2d, d2h, duplex)
+        bwd_xfer = _transfer(bwd_prefetch + swap_in + state_in, grads_out, h2d, d2h, duplex)
         base = np.maximum(bwd_s, bwd_xfer)
         extra = np.maximum(bwd_s + fwd_s, bwd_xfer) - base
         t_bwd = tail[:, None] + (base + bwd_exposed).sum(axis=-1)

@@ -158,6 +158,10 @@ class ModelProfile:
     """Offloaded chunks whose update at ``step()`` runs on the GPU, optimizer state streamed from
     pinned memory (``plan/update_split.py``): 0 none, -1 as many as the cost model finds best,
     n > 0 the last n. 0 where the runtime has no GPU path (see ``runtime/gpu_update.py``)."""
+    gpu_update_in_backward: int = 0
+    """Under ``update_in_backward``: the lowest offloaded chunks updated on the GPU at the end
+    of their backward (``plan/update_split.backward_split``): 0 none, -1 as many as leave the
+    next forward no wait for the CPU, n > 0 the lowest n. 0 where the runtime cannot."""
     expandable_segments: bool = False
     """True when the allocator uses expandable segments (``EXPANDABLE_FRAGMENTATION`` prior)."""
     checkpoint_inputs_on_cpu: bool = False

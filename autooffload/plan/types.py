@@ -59,6 +59,11 @@ class Plan:
         return int(self.breakdown.get("gpu_update_chunks", 0))
 
     @property
+    def gpu_backward_chunks(self) -> int:
+        """Offloaded chunks updated on the GPU in the backward (``update_split.backward_split``)."""
+        return int(self.breakdown.get("gpu_backward_chunks", 0))
+
+    @property
     def knobs(self) -> Knobs:
         return Knobs(self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
 
@@ -71,6 +76,7 @@ class Plan:
             self.knobs == other.knobs
             and self.block_policies == other.block_policies
             and self.gpu_update_chunks == other.gpu_update_chunks
+            and self.gpu_backward_chunks == other.gpu_backward_chunks
         )
 
     def summary(self) -> str:
@@ -84,7 +90,14 @@ class Plan:
         ]
         k = self.gpu_update_chunks
         if self.breakdown.get("update_in_backward") and (n_off or self.n_persist):
+            kb = self.gpu_backward_chunks
             parts = ["offloaded chunks updated on the CPU as their gradients arrive"] * bool(n_off)
+            if kb:
+                parts = [
+                    f"the lowest {kb} offloaded chunks updated on the GPU as their backward ends"
+                    f" (state streamed from pinned memory), {n_off - kb} on the CPU as their"
+                    " gradients arrive"
+                ]
             parts += ["persistent chunks stepped on the GPU as their backward ends"] * bool(
                 self.n_persist
             )

@@ -148,3 +148,123 @@ def update_split(
         gpu_s=np.array([r[4] for r in parts]),
         scratch_bytes=np.array([r[5] for r in parts], dtype=np.int64),
     )
+
+
+# ---- the update in the backward: the lowest offloaded chunks on the GPU --------------------------
+#
+# Under ``update_in_backward`` the CPU updates offloaded chunks in the order their gradients
+# arrive: the highest first, chunk p (the first the next forward needs) last, so the forward
+# waits for the whole CPU queue. The GPU instead updates the lowest k offloaded trainable
+# chunks at the end of their backward, while their weights and gradients are still on the
+# device (``GpuUpdater.update_resident``): only their optimizer state comes in (one backward
+# window ahead) and goes out with the new weights, in place of the gradients:
+#
+#     state_in[w(c)]   += state[c]             w(c) = min(last[c] + 1, U - 1)
+#     out[first[c]]    += bytes[c] + state[c] - grad_bytes[c]      (as ``grad_d2h_bytes``)
+#     scratch[u]       += state[c]             for first[c] - 1 <= u <= w(c)
+#
+# The CPU keeps the higher chunks, which arrive first and are needed last; the forward waits for
+# it at the gather of its lowest chunk q only: done = max(cpu_numel / rate - H(n - 1),
+# numel[q] / rate - H(q), 0) (``cost.backward_update_done``).
+
+
+@dataclass(frozen=True)
+class BackwardSplit:
+    """Per n_persist row p (shape ``(P, ...)``): the GPU / CPU split of the update in the
+    backward (see the comment above)."""
+
+    gpu_chunks: np.ndarray
+    """(P,): k, the lowest offloaded trainable chunks updated on the GPU in the backward."""
+    cpu_numel: np.ndarray
+    """(P,): elements the CPU updates."""
+    lowest_numel: np.ndarray
+    """(P,): elements of the lowest CPU-updated chunk q (0 when none)."""
+    lowest_first: np.ndarray
+    """(P,): first unit of q (0 when none)."""
+    cpu_units: np.ndarray
+    """(P, U): whether the unit's forward gathers a CPU-updated chunk."""
+    state_in: np.ndarray
+    """(P, U): optimizer-state bytes copied in during the backward window of unit u."""
+    out_delta: np.ndarray
+    """(P, U): bytes copied out after unit u's backward beyond ``grad_d2h_bytes[p, u]``."""
+    scratch: np.ndarray
+    """(P, U): optimizer-state bytes on the device during unit u's backward."""
+
+
+def state_bytes(profile: ModelProfile, chunk: int) -> int:
+    """Optimizer-state bytes of ``chunk``'s trainable elements (the GPU path's scratch)."""
+    return profile.optim_bytes_per_param * profile.chunks[chunk].trainable_numel
+
+
+def backward_gpu_chunks(profile: ModelProfile, hw: HardwareProfile, n_persist: int) -> list[int]:
+    """The offloaded chunks the GPU updates in the backward at ``n_persist``: the lowest k
+    trainable ones; k is the setting when fixed, else the smallest k that leaves the next
+    forward no wait for the CPU (or the least wait), estimated from the units' compute: the
+    backward left after a chunk's gradients arrive, and the forward before its gather."""
+    setting = profile.gpu_update_in_backward
+    trainable = [
+        c for c in range(n_persist, profile.n_chunks) if profile.chunks[c].trainable_numel > 0
+    ]
+    if setting == GPU_UPDATE_OFF or not profile.update_in_backward or not trainable:
+        return []
+    if setting > 0:
+        return trainable[:setting]
+    units = profile.units
+    bwd_before = np.concatenate([[0.0], np.cumsum([u.bwd_s for u in units])])
+    fwd_before = np.concatenate([[0.0], np.cumsum([u.fwd_s for u in units])])
+    first, _ = chunk_spans(profile)
+    rate = hw.cpu_optim_params_per_s
+    numel = [profile.chunks[c].trainable_numel for c in trainable]
+    top_left = bwd_before[first[trainable[-1]]]
+    waits = []
+    for k in range(len(trainable) + 1):
+        if k == len(trainable):
+            waits.append(0.0)
+            break
+        q = trainable[k]
+        cpu_s = sum(numel[k:]) / rate
+        done = max(cpu_s - top_left, numel[k] / rate - bwd_before[first[q]], 0.0)
+        waits.append(max(0.0, done - fwd_before[first[q]]))
+    k = int(np.argmin(np.array(waits) + 1e-9 * np.arange(len(waits))))
+    return trainable[:k]
+
+
+def backward_split(
+    profile: ModelProfile, hw: HardwareProfile, rows: np.ndarray | None = None
+) -> BackwardSplit:
+    """``BackwardSplit`` for every n_persist (or those in ``rows``)."""
+    rows = np.arange(profile.n_chunks + 1) if rows is None else np.asarray(rows)
+    n_units = profile.n_units
+    first, last = chunk_spans(profile)
+    shape = (len(rows), n_units)
+    k = np.zeros(len(rows), dtype=np.int64)
+    cpu_numel = np.zeros(len(rows))
+    lowest_numel = np.zeros(len(rows))
+    lowest_first = np.zeros(len(rows), dtype=np.int64)
+    cpu_units = np.zeros(shape, dtype=bool)
+    state_in = np.zeros(shape, dtype=np.int64)
+    out_delta = np.zeros(shape, dtype=np.int64)
+    scratch = np.zeros(shape, dtype=np.int64)
+    for i, p in enumerate(int(r) for r in rows):
+        on_gpu = set(backward_gpu_chunks(profile, hw, p))
+        k[i] = len(on_gpu)
+        cpu = [
+            c
+            for c in range(p, profile.n_chunks)
+            if c not in on_gpu and profile.chunks[c].trainable_numel > 0
+        ]
+        cpu_numel[i] = sum(profile.chunks[c].trainable_numel for c in cpu)
+        if cpu:
+            lowest_numel[i] = profile.chunks[cpu[0]].trainable_numel
+            lowest_first[i] = first[cpu[0]]
+            cpu_units[i, first[cpu]] = True
+        for c in on_gpu:
+            state = state_bytes(profile, c)
+            window = min(int(last[c]) + 1, n_units - 1)
+            state_in[i, window] += state
+            chunk = profile.chunks[c]
+            out_delta[i, first[c]] += chunk.bytes + state - chunk.trainable_bytes
+            scratch[i, max(0, int(first[c]) - 1) : window + 1] += state
+    return BackwardSplit(
+        k, cpu_numel, lowest_numel, lowest_first, cpu_units, state_in, out_delta, scratch
+    )

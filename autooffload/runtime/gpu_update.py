@@ -90,6 +90,11 @@ class GpuUpdater:
         self._inflight: tuple[Future, torch.cuda.Event | None] | None = None
         self._set_free: list[torch.cuda.Event | None] = [None, None]
         self.last_flush: Future | None = None
+        # The update in the backward (``update_resident``): per chunk index, its state on the
+        # device (copied in ahead, ``load_state``) and the event after its copy in; and the
+        # event after the last copy of its state out, which the next copy in waits for.
+        self.loaded: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self.state_out: dict[int, torch.cuda.Event] = {}
         self.busy_s = 0.0
         self.updated_params = 0
         self.updates = 0
@@ -169,10 +174,119 @@ class GpuUpdater:
 
     def shutdown(self) -> None:
         self.thread.shutdown(wait=True)
+        self.loaded.clear()
+        self.state_out.clear()
         self.arenas.clear()
         self.offsets.clear()
         self.slots.clear()
         self.last_flush = None
+
+    # ---- the update in the backward (main thread) ---------------------------------------------
+
+    def load_state(self, chunk: Chunk, twin: torch.optim.Optimizer) -> None:
+        """Start copying ``chunk``'s optimizer state to the device for ``update_resident``
+        (on the in stream, behind the compute queued so far: its scratch comes from the
+        compute stream's pool, where the backward frees activations)."""
+        if chunk.index in self.loaded:
+            return
+        busy = self.manager.host_busy[chunk.index]
+        if busy is not None:
+            busy.result()  # a CPU update of the chunk (a step without this path) writes the state
+        arena = self._arena(chunk, twin)
+        scratch = torch.empty(arena.numel(), dtype=torch.uint8, device=self.manager.device)
+        loaded = None
+        if self.is_cuda:
+            self.in_stream.wait_stream(torch.cuda.current_stream(self.manager.device))
+            previous = self.state_out.get(chunk.index)
+            if previous is not None:
+                self.in_stream.wait_event(previous)
+            with torch.cuda.stream(self.in_stream):
+                scratch.copy_(arena, non_blocking=True)
+                loaded = torch.cuda.Event()
+                loaded.record()
+        else:
+            scratch.copy_(arena)
+        self.loaded[chunk.index] = (scratch, loaded)
+
+    def drop_loaded(self) -> None:
+        """Forget states copied in for a backward that did not reach their update."""
+        if self.is_cuda and self.loaded:
+            torch.cuda.current_stream(self.manager.device).wait_stream(self.in_stream)
+        self.loaded.clear()
+
+    def update_resident(
+        self,
+        chunk: Chunk,
+        twin: torch.optim.Optimizer,
+        hyper: list[dict],
+        pairs: list[tuple[torch.Tensor, ParamSlot]],
+    ) -> Future:
+        """Update resident ``chunk`` with its gradients on the device (of ``pairs``: the twin's
+        param, the host bytes, and its slot, whose ``.grad`` is on the device) and its state
+        (``load_state``): the kernels run on the out stream, behind the compute
+        queued so far, on the chunk's device bytes in place; then its weights and state go to
+        the host. The future is done once they are there. The caller drops the gradients."""
+        began = time.perf_counter()
+        if chunk.index not in self.loaded:
+            self.load_state(chunk, twin)
+        scratch, loaded = self.loaded.pop(chunk.index)
+        arena = self.arenas[chunk.index]
+        offsets = self.offsets[chunk.index]
+        flat = self.manager.gpu_flat[chunk.index]
+        host = self.manager.host.view(chunk.index)
+        masters = {id(master): slot for master, slot in pairs}
+        slots = [slot for _, slot in pairs]
+        cuda = self.is_cuda
+        out_ctx = torch.cuda.stream(self.out_stream) if cuda else contextlib.nullcontext()
+        host_steps: list[torch.Tensor] = []
+        groups = []
+        for group, values in zip(twin.param_groups, hyper, strict=True):
+            group.update(values)
+            members = [(m, masters[id(m)]) for m in group["params"] if id(m) in masters]
+            host_steps.extend(twin.state[m]["step"] for m, _ in members)
+            groups.append((group, members))
+        counts = torch.stack(host_steps)
+        done = None
+        if cuda:
+            counts = counts.pin_memory()
+            self.out_stream.wait_stream(torch.cuda.current_stream(self.manager.device))
+            if loaded is not None:
+                self.out_stream.wait_event(loaded)
+        with out_ctx:
+            steps = list(counts.to(flat.device, non_blocking=True).unbind())
+            index = 0
+            for group, members in groups:
+                if not members:
+                    continue
+                params, grads, states = [], [], {key: [] for key in state_keys(group)}
+                for master, slot in members:
+                    params.append(_bytes_as(flat, slot.offset, slot))
+                    assert slot.param.grad is not None
+                    grads.append(slot.param.grad)
+                    for key in states:
+                        states[key].append(_bytes_as(scratch, offsets[(id(master), key)], slot))
+                    index += 1
+                _adam(twin, group, params, grads, states, steps[index - len(members) : index])
+            host.copy_(flat, non_blocking=True)
+            arena.copy_(scratch, non_blocking=True)
+            if cuda:
+                done = torch.cuda.Event()
+                done.record()
+                self.state_out[chunk.index] = done
+                # The caching allocator keeps these until the out stream is past them.
+                for tensor in (flat, scratch, *(s.param.grad for s in slots)):
+                    assert tensor is not None
+                    tensor.record_stream(self.out_stream)
+        torch._foreach_add_(host_steps, 1)
+        self.updated_params += sum(s.numel for s in slots)
+        self.updates += 1
+        self.busy_s += time.perf_counter() - began
+        future: Future = Future()
+        if done is None:
+            future.set_result(None)
+        else:
+            self.thread.submit(_complete_after, done, future)
+        return future
 
     # ---- on the thread ---------------------------------------------------------------------------
 
@@ -278,32 +392,7 @@ class GpuUpdater:
                         view = scratch[at : at + slot.nbytes].view(slot.dtype).view(slot.shape)
                         states[key].append(view)
                     index += 1
-                beta1, beta2 = group["betas"]
-                adam(
-                    params,
-                    grads,
-                    states["exp_avg"],
-                    states["exp_avg_sq"],
-                    states.get("max_exp_avg_sq", []),
-                    steps[index - len(members) : index],
-                    foreach=False,
-                    capturable=False,
-                    differentiable=False,
-                    fused=True,
-                    grad_scale=None,
-                    found_inf=None,
-                    has_complex=False,
-                    decoupled_weight_decay=bool(
-                        group.get("decoupled_weight_decay", type(twin).__name__ == "AdamW")
-                    ),
-                    amsgrad=bool(group.get("amsgrad", False)),
-                    beta1=beta1,
-                    beta2=beta2,
-                    lr=group["lr"],
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    maximize=bool(group.get("maximize", False)),
-                )
+                _adam(twin, group, params, grads, states, steps[index - len(members) : index])
             host.copy_(scratch[: chunk.nbytes], non_blocking=True)
             arena.copy_(scratch[state_start : state_start + arena.numel()], non_blocking=True)
             done = torch.cuda.Event() if cuda else None
@@ -325,3 +414,55 @@ class GpuUpdater:
             }
             self.slots[chunk.index] = table
         return table[master.data_ptr()]
+
+
+def _adam(
+    twin: torch.optim.Optimizer,
+    group: dict,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: dict[str, list[torch.Tensor]],
+    steps: list[torch.Tensor],
+) -> None:
+    """torch's fused Adam/AdamW over one twin group's tensors, with its hyperparameters."""
+    beta1, beta2 = group["betas"]
+    adam(
+        params,
+        grads,
+        states["exp_avg"],
+        states["exp_avg_sq"],
+        states.get("max_exp_avg_sq", []),
+        steps,
+        foreach=False,
+        capturable=False,
+        differentiable=False,
+        fused=True,
+        grad_scale=None,
+        found_inf=None,
+        has_complex=False,
+        decoupled_weight_decay=bool(
+            group.get("decoupled_weight_decay", type(twin).__name__ == "AdamW")
+        ),
+        amsgrad=bool(group.get("amsgrad", False)),
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=bool(group.get("maximize", False)),
+    )
+
+
+def _bytes_as(flat: torch.Tensor, offset: int, slot: ParamSlot) -> torch.Tensor:
+    """``slot``'s tensor over ``flat``'s bytes from ``offset``."""
+    return flat[offset : offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+def _complete_after(event: torch.cuda.Event, future: Future) -> None:
+    """On the thread: complete ``future`` once ``event`` is done (its error, if any, to it)."""
+    try:
+        event.synchronize()
+    except BaseException as exc:
+        future.set_exception(exc)
+        return
+    future.set_result(None)

@@ -184,6 +184,7 @@ class GroupHooks:
             self._trace = []
         self._active.clear()
         self.manager.release_all()
+        self.cpu_optim.gpu.drop_loaded()
         if self.swapper is not None:
             self.swapper.forget()
         if self.data_parallel is not None:
@@ -304,8 +305,7 @@ class GroupHooks:
                 continue
             users = self.layout.chunks[index].groups
             if all(self._position.get(u, -1) > position for u in users):
-                self.manager.offload_grads(index)
-                self.manager.release(index)
+                self._chunk_backward_done(index)
         if self.data_parallel is not None or self.cpu_optim.persistent_in_backward:
             # Persistent chunks whose backward is complete start their gradient average now,
             # or are stepped now, their gradients dropped (runtime/persistent_update.py).
@@ -323,11 +323,26 @@ class GroupHooks:
             self.profiler.on_pre_backward(group)
         for index in self._chunks(group):
             self.manager.gather(index)
+        if self.cpu_optim.backward_gpu_chunks and self.cpu_optim.update_in_backward:
+            # The state of the chunks the GPU updates in the backward comes in one group
+            # ahead of their backward (plan/update_split.py: the window before theirs).
+            for index in self.cpu_optim.backward_gpu_chunks:
+                users = self.layout.chunks[index].groups
+                if max(self._position.get(u, -1) for u in users) >= position - 1:
+                    self.cpu_optim.load_state(self.layout.chunks[index])
         if self.swapper is not None and group.is_block:
             order = [g.index for g in self._blocks_in_order()]
             if group.index in order and order.index(group.index) > 0:
                 self.swapper.prefetch(order.index(group.index) - 1)
         self._prefetch_after(group.index, forward=False)
+
+    def _chunk_backward_done(self, index: int) -> None:
+        """Offloaded chunk ``index``'s backward is complete: the GPU updates it now (under the
+        update in the backward, the chunks the plan gives it), or its gradients go to the
+        host; then its buffer is released."""
+        if not self.cpu_optim.update_on_device(self.layout.chunks[index]):
+            self.manager.offload_grads(index)
+        self.manager.release(index)
 
     def _check_not_averaged_yet(self, group: Group) -> None:
         """Raise if ``group``'s backward comes after its trainable weights' gradients were
@@ -373,8 +388,11 @@ class GroupHooks:
 
     def _end_backward(self) -> None:
         for index in range(len(self.layout.chunks)):
-            self.manager.offload_grads(index)
-            self.manager.release(index)
+            if index in self.manager.persistent:
+                self.manager.offload_grads(index)
+            else:
+                self._chunk_backward_done(index)
+        self.cpu_optim.gpu.drop_loaded()
         if self.data_parallel is None and self.cpu_optim.persistent_in_backward:
             for index in sorted(self.manager.persistent):
                 self.cpu_optim.update_persistent(self.layout.chunks[index])

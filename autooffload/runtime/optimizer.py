@@ -24,7 +24,7 @@ from autooffload.errors import AttachError, UpdateInBackwardError
 from autooffload.runtime.chunks import Chunk, ParamSlot
 from autooffload.runtime.gpu_update import GpuUpdater
 from autooffload.runtime.host_grads import HostGradNorms
-from autooffload.runtime.manager import ChunkManager
+from autooffload.runtime.manager import ChunkManager, Residency
 from autooffload.runtime.persistent_update import step_params
 
 # torch.optim classes that run on CPU tensors; the fused CPU kernels are the fast path.
@@ -142,6 +142,10 @@ class CpuOptimizer(HostGradNorms):
         # The GPU update path (runtime/gpu_update.py) and the chunks the plan gives it.
         self.gpu = GpuUpdater(manager)
         self.gpu_chunks: set[int] = set()
+        # Under the update in the backward, the chunks the GPU updates at the end of their
+        # backward, weights and gradients still resident (plan/update_split.backward_split).
+        self.backward_gpu_chunks: set[int] = set()
+        self._gpu_problems: dict[int, str | None] = {}
         manager.on_grads_ready = self._grads_ready
         manager.before_staging_write = self._before_staging_write
         # Every offloaded trainable param, on every rank (masters exist only for the chunks
@@ -193,18 +197,7 @@ class CpuOptimizer(HostGradNorms):
     ) -> None:
         """``presence`` (data parallel): per slot, 0 where no rank had a gradient, read once
         ``event`` is done; those slots get no host gradient."""
-        if chunk.index in self.early:
-            raise UpdateInBackwardError(
-                f"a second backward reached chunk {chunk.index} before optimizer.step(), but"
-                f" the update in the backward ({self.update_in_backward_origin}) already"
-                " applied its update in the first: gradient accumulation needs"
-                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
-            )
-        if self.observing and self.hyper_at_backward is None:
-            self.hyper_at_backward = {
-                id(o): [_twin_group(g, type(o)) for g in o.param_groups] for o in self.optimizers
-            }
-        self.backward_since_step = True
+        self._note_gradients(chunk)
         for slot, norm in zip(slots, norms, strict=False):
             pid = id(slot.param)
             self.accumulations[pid] = self.accumulations.get(pid, 0) + 1
@@ -217,6 +210,76 @@ class CpuOptimizer(HostGradNorms):
         self.manager.host_busy[chunk.index] = future
         if self.update_in_backward:
             self._update_now(chunk)
+
+    def _note_gradients(self, chunk: Chunk) -> None:
+        """Gradients of ``chunk`` are in: raise if it was updated in this step's backward
+        already; note the backward (and, observing, the hyperparameters now)."""
+        if chunk.index in self.early:
+            raise UpdateInBackwardError(
+                f"a second backward reached chunk {chunk.index} before optimizer.step(), but"
+                f" the update in the backward ({self.update_in_backward_origin}) already"
+                " applied its update in the first: gradient accumulation needs"
+                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
+            )
+        if self.observing and self.hyper_at_backward is None:
+            self.hyper_at_backward = {
+                id(o): [_twin_group(g, type(o)) for g in o.param_groups] for o in self.optimizers
+            }
+        self.backward_since_step = True
+
+    def _device_update_owner(
+        self, chunk: Chunk
+    ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer] | None:
+        """(optimizer, twin) when the GPU updates ``chunk`` in this backward: the plan gives
+        it the chunk, the update in the backward is armed, one bound optimizer owns it and
+        the GPU path can run it; None where the chunk's gradients go to the CPU instead (which
+        trains alike)."""
+        if not self.update_in_backward or chunk.index not in self.backward_gpu_chunks:
+            return None
+        if self.clip_coef != 1.0 or chunk.index in self.manager.persistent:
+            return None
+        owners = {self.optimizer_of_param.get(id(s.param)) for s in chunk.trainable_slots}
+        if len(owners) != 1 or None in owners:
+            return None
+        optimizer = owners.pop()
+        assert optimizer is not None
+        if id(optimizer) not in self._gpu_problems:
+            self._gpu_problems[id(optimizer)] = self.gpu_path_problem(optimizer)
+        if self._gpu_problems[id(optimizer)] is not None:
+            return None
+        twin = self._twin(chunk, optimizer)
+        return None if twin is None else (optimizer, twin)
+
+    def load_state(self, chunk: Chunk) -> None:
+        """The backward nears ``chunk``: if the GPU updates it there, start copying its
+        optimizer state in (``GpuUpdater.load_state``)."""
+        if chunk.index in self.early or chunk.index in self.gpu.loaded:
+            return
+        found = self._device_update_owner(chunk)
+        if found is not None:
+            self.gpu.load_state(chunk, found[1])
+
+    def update_on_device(self, chunk: Chunk) -> bool:
+        """``chunk``'s backward is complete: update it on the GPU now if the plan gives it
+        to the GPU in the backward (``GpuUpdater.update_resident``), its gradients dropped;
+        False where its gradients go to the host as usual."""
+        if self.manager.state[chunk.index] != Residency.RESIDENT:
+            return False
+        slots = [s for s in chunk.trainable_slots if s.param.grad is not None]
+        found = self._device_update_owner(chunk) if slots else None
+        if found is None:
+            return False
+        optimizer, twin = found
+        self._note_gradients(chunk)
+        hyper = self._hyper(chunk, optimizer)
+        self.early[chunk.index] = (optimizer, hyper)
+        self.manager.before_host_write(chunk.index)
+        pairs = [(self.masters[id(s.param)], s) for s in slots]
+        future = self.gpu.update_resident(chunk, twin, hyper, pairs)
+        self.manager.host_busy[chunk.index] = future
+        for slot in slots:
+            slot.param.grad = None
+        return True
 
     def _update_now(self, chunk: Chunk) -> None:
         """Queue ``chunk``'s update right behind its gradients (ProTrain's overlap of the CPU
@@ -507,6 +570,7 @@ class CpuOptimizer(HostGradNorms):
             self.group_of_param[pid] = group
         for key in [k for k in self.twins if k[1] == id(optimizer)]:
             del self.twins[key]
+        self._gpu_problems.pop(id(optimizer), None)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

@@ -339,22 +339,50 @@ def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> Mo
         grad_accumulation=runtime._backwards_this_step > 1,
         optim_step_bytes=optim_step_bytes(optimizer, runtime.weight_dtype(), runtime.device),
     )
-    return replace(profile, gpu_update=gpu_update_mode(runtime))
+    return replace(
+        profile,
+        gpu_update=gpu_update_mode(runtime),
+        gpu_update_in_backward=gpu_update_in_backward_mode(runtime),
+    )
+
+
+def gpu_update_in_backward_mode(runtime: Runtime) -> int:
+    """``ModelProfile.gpu_update_in_backward`` for this run (``gpu_update_mode``'s rules); the
+    cost model reads it only under the update in the backward."""
+    problem = None
+    if runtime.data_parallel is not None:
+        problem = "data parallelism updates every offloaded chunk at step()"
+    return _gpu_path_mode(
+        runtime,
+        runtime.settings.gpu_update_in_backward,
+        "AUTOOFFLOAD_GPU_UPDATE_IN_BACKWARD",
+        "in the backward",
+        problem,
+    )
 
 
 def gpu_update_mode(runtime: Runtime) -> int:
     """``ModelProfile.gpu_update`` for this run: the ``gpu_update_chunks`` setting where the GPU
     update path can run (auto: -1 on a CUDA device), 0 where it cannot (auto), and a clear
     error where the setting asks for it and it cannot."""
-    setting = runtime.settings.gpu_update_chunks
-    if setting == 0:
-        return GPU_UPDATE_OFF
     problem = None
     if runtime.backward_update.on:
         problem = "AUTOOFFLOAD_UPDATE_IN_BACKWARD updates every chunk on the CPU"
-    elif not runtime.manager.is_cuda and setting is None:
+    return _gpu_path_mode(
+        runtime, runtime.settings.gpu_update_chunks, "AUTOOFFLOAD_GPU_UPDATE_CHUNKS", "", problem
+    )
+
+
+def _gpu_path_mode(
+    runtime: Runtime, setting: int | None, env: str, where: str, problem: str | None
+) -> int:
+    """A GPU update path's profile value: ``setting`` (None: auto, -1) where the path can run,
+    0 where it cannot and the setting is auto, else a ``PlanError`` naming ``env``."""
+    if setting == 0:
+        return GPU_UPDATE_OFF
+    if problem is None and not runtime.manager.is_cuda and setting is None:
         problem = "the model is not on a CUDA device"
-    else:
+    if problem is None:
         for optimizer in runtime.cpu_optim.optimizers:
             problem = runtime.cpu_optim.gpu_path_problem(optimizer)
             if problem is not None:
@@ -364,8 +392,8 @@ def gpu_update_mode(runtime: Runtime) -> int:
     if setting is None:
         return GPU_UPDATE_OFF
     raise PlanError(
-        f"AUTOOFFLOAD_GPU_UPDATE_CHUNKS={setting} asks for GPU updates of offloaded chunks, but"
-        f" {problem}; set it to 0 (CPU only) or auto"
+        f"{env}={setting} asks for GPU updates of offloaded chunks{' ' + where if where else ''},"
+        f" but {problem}; set it to 0 (CPU only) or auto"
     )
 
 

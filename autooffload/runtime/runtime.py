@@ -115,6 +115,7 @@ class Runtime(GroupHooks):
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
         self.cpu_optim = CpuOptimizer(self.manager, settings.master_weights, settings.cpu_threads)
+        self._assign_gpu_updates(self.plan)
         self.backward_update = BackwardUpdateMode(self)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.init_hooks()
@@ -221,14 +222,23 @@ class Runtime(GroupHooks):
             self.cpu_optim.promote_chunk(self.layout.chunks[index], self.device)
         self.manager.set_persistent(sorted(new_persistent), plan.n_buffer)
         self._slot_cache = None
-        # The last k offloaded trainable chunks take the GPU update path (plan/update_split.py).
-        k = plan.gpu_update_chunks
-        trainable = [c.index for c in self.layout.chunks[plan.n_persist :] if c.trainable_slots]
-        self.cpu_optim.gpu_chunks = set(trainable[len(trainable) - k :]) if k else set()
+        self._assign_gpu_updates(plan)
         if plan.block_policies and self.settings.activation_mode != "off":
             for group, policy in zip(self._blocks_in_order(), plan.block_policies, strict=False):
                 self.apply_block_policy(group.module, policy)
         self.plan = plan
+
+    def _assign_gpu_updates(self, plan: Plan) -> None:
+        """The offloaded chunks the GPU updates (plan/update_split.py): the last k at
+        ``step()``; under the update in the backward, the lowest kb there. A plan fixed by
+        the user is never searched: a fixed kb applies as set."""
+        k = plan.gpu_update_chunks
+        trainable = [c.index for c in self.layout.chunks[plan.n_persist :] if c.trainable_slots]
+        self.cpu_optim.gpu_chunks = set(trainable[len(trainable) - k :]) if k else set()
+        kb = plan.gpu_backward_chunks
+        if "gpu_backward_chunks" not in plan.breakdown:
+            kb = self.settings.gpu_update_in_backward or 0
+        self.cpu_optim.backward_gpu_chunks = set(trainable[:kb])
 
     def position(self, group_index: int) -> int:
         return self._position.get(group_index, len(self._position) + group_index)

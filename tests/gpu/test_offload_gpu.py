@@ -120,6 +120,26 @@ def test_the_update_in_the_backward_trains_like_plain_bf16():
     assert all(s == ([0, 1, 2], True) for s in stepped[1:]), stepped
 
 
+def test_chunks_updated_on_the_gpu_in_the_backward_train_like_plain_bf16(resident_updates):
+    """The update in the backward with the lowest three offloaded chunks on the GPU: their
+    state copied in one group ahead on the in stream, torch's fused AdamW on the out stream
+    over their resident weights and gradients, weights and state back to pinned memory, the
+    next forward's gathers waiting for them; the rest on the CPU as their gradients arrive."""
+    base = tiny_bf16_llama()
+    plain = train_bf16(copy.deepcopy(base), attach=None, clip=False)
+    attach = {
+        "n_persist": 1,
+        "master_weights": False,
+        "update_in_backward": True,
+        "gpu_update_in_backward": 3,
+    }
+    offloaded = train_bf16(copy.deepcopy(base), attach=attach, clip=False)
+    assert sorted(set(resident_updates)) == [1, 2, 3], resident_updates
+    assert len(resident_updates) >= 3 * (STEPS - 2), resident_updates
+    torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(plain), atol=LOSS_ATOL, rtol=0)
+    assert math.isclose(offloaded[-1], plain[-1], rel_tol=FINAL_LOSS_RTOL)
+
+
 def test_gpu_updated_chunks_train_like_plain_bf16(gpu_updates):
     """The GPU update path on CUDA: state streamed through the copy streams, torch's fused
     AdamW on the scratch sets, weights and state back, clipping applied on the device."""

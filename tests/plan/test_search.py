@@ -68,12 +68,14 @@ def _profiles(seed, **kwargs):
     step_bytes = kwargs.pop("optim_step_bytes_per_param", 0)
     frozen_pre = kwargs.pop("frozen_pre", False)
     gpu_update = kwargs.pop("gpu_update", 0)
+    gpu_in_backward = kwargs.pop("gpu_update_in_backward", 0)
     profile = make_profile(seed=seed, **{**SMALL, **kwargs})
     profile = dataclasses.replace(
         profile,
         update_in_backward=in_backward,
         optim_step_bytes_per_param=step_bytes,
         gpu_update=gpu_update,
+        gpu_update_in_backward=gpu_in_backward,
     )
     if frozen_pre:
         # No backward reads the pre unit's own chunks (a frozen embedding under LoRA).
@@ -104,6 +106,8 @@ def _budgets(profiles, hw):
         (16, {"edge_bytes": 3 * SMALL["chunk_size"], "lora": True, "frozen_pre": True}),
         (17, {"gpu_update": -1}),
         (18, {"gpu_update": 2, "tied": True}),
+        (19, {"update_in_backward": True, "gpu_update_in_backward": -1}),
+        (20, {"update_in_backward": True, "gpu_update_in_backward": 2, "tied": True}),
     ],
 )
 def test_search_returns_the_brute_force_optimum(seed, kwargs):
@@ -129,6 +133,8 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         {"edge_bytes": 3 * SMALL["chunk_size"], "lora": True, "frozen_pre": True},
         {"gpu_update": -1},
         {"gpu_update": 3, "edge_bytes": 3 * SMALL["chunk_size"]},
+        {"update_in_backward": True, "gpu_update_in_backward": -1},
+        {"update_in_backward": True, "gpu_update_in_backward": 3, "tied": True},
     ],
     ids=[
         "tied",
@@ -138,6 +144,8 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         "frozen-pre",
         "gpu-update-auto",
         "gpu-update-3",
+        "gpu-in-backward-auto",
+        "gpu-in-backward-3",
     ],
 )
 def test_vectorised_rows_equal_the_scalar_model(kwargs):
@@ -401,6 +409,37 @@ def test_under_update_in_backward_the_cpu_update_overlaps_the_backwards_recomput
     assert shrunk == pytest.approx(added, rel=1e-9)
     after_step = [predict_step_time(default, hw, knobs)[0] for knobs in (none, four)]
     assert after_step[1] - after_step[0] == pytest.approx(added, rel=1e-9)
+
+
+def test_gpu_updates_in_the_backward_free_the_next_forward_from_the_cpus_wait():
+    """A slow host under the update in the backward: the CPU's queue ends with chunk p, the
+    first the forward needs. The auto split gives the lowest chunks to the GPU: the predicted
+    step is shorter, the CPU does less, and the cost lands where the model says it does: the
+    chunks' state on the device in the late backward, more bytes over the link."""
+    hw = make_hardware(cpu_optim_params_per_s=2e8)
+    cpu_only = dataclasses.replace(_profiles(5)[SMALL["chunk_size"]], update_in_backward=True)
+    auto = dataclasses.replace(cpu_only, gpu_update_in_backward=-1)
+    knobs = Knobs(1, 4, 0, 0)
+    slow, before, _ = predict_step_time(cpu_only, hw, knobs)
+    fast, after, _ = predict_step_time(auto, hw, knobs)
+    k = int(after["gpu_backward_chunks"])
+    assert k >= 1 and fast < slow
+    assert after["cpu_optim_stall_s"] < before["cpu_optim_stall_s"]
+    on_gpu = range(1, 1 + k)  # the lowest offloaded trainable chunks (all are trainable here)
+    moved = sum(cpu_only.chunks[c].trainable_numel for c in on_gpu)
+    assert after["cpu_optim_s"] == pytest.approx(before["cpu_optim_s"] - moved / 2e8)
+    state = sum(cpu_only.optim_bytes_per_param * cpu_only.chunks[c].trainable_numel for c in on_gpu)
+    assert after["h2d_bytes"] - before["h2d_bytes"] == pytest.approx(state)
+    weights = sum(cpu_only.chunks[c].bytes - cpu_only.chunks[c].trainable_bytes for c in on_gpu)
+    assert after["d2h_bytes"] - before["d2h_bytes"] == pytest.approx(state + weights)
+    assert peak_breakdown(auto, hw, knobs)["backward_update_scratch"] >= state / k
+    assert peak_breakdown(cpu_only, hw, knobs)["backward_update_scratch"] == 0
+    # A fast host: the CPU is done before the forward needs it; nothing moves to the GPU.
+    quick = make_hardware(cpu_optim_params_per_s=1e13)
+    assert predict_step_time(auto, quick, knobs)[1]["gpu_backward_chunks"] == 0
+    # Without the update in the backward the setting is moot.
+    at_step = dataclasses.replace(auto, update_in_backward=False)
+    assert predict_step_time(at_step, hw, knobs)[1]["gpu_backward_chunks"] == 0
 
 
 # ---- checkpoint inputs on the host ----------------------------------------------------------

@@ -8,9 +8,12 @@ training on the same seed and data.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
+import autooffload
 from autooffload.errors import PlanError
 from autooffload.runtime.gpu_update import GpuUpdater
 from tests.runtime.test_offload_equivalence import STEPS, assert_same_training, compare
@@ -113,4 +116,110 @@ def test_gpu_update_setting_with_fp32_masters_is_a_clear_error(
             offload_cpu,
             prepare=bf16,
             attach={"n_persist": 0, "gpu_update_chunks": 1, "master_weights": True},
+        )
+
+
+# ---- the update in the backward: the lowest offloaded chunks on the GPU -----------------------
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_chunks_updated_on_the_gpu_in_the_backward_train_like_plain(
+    make_llama, make_batches, offload_cpu, chunk_count, resident_updates, gpu_updates, tied
+):
+    """The lowest two offloaded chunks are updated in the backward from their resident
+    weights and gradients (the state streamed in and out), the rest on the CPU as their
+    gradients arrive; with an LR schedule and weight decay, the run equals plain training."""
+    n_chunks = chunk_count(make_llama(tied=tied))
+    assert n_chunks >= 4
+    plain, offloaded, initial = compare(
+        make_llama,
+        make_batches,
+        offload_cpu,
+        model_kw={"tied": tied},
+        schedule=lambda step: 1.0 - step / (2 * STEPS),
+        attach={
+            "n_persist": 1,
+            "activation_mode": "keep",
+            "update_in_backward": True,
+            "gpu_update_in_backward": 2,
+        },
+    )
+    assert_same_training(plain, offloaded)
+    # The first step arms the update in the backward; every later one took chunks 1 and 2 so.
+    assert sorted(set(resident_updates)) == [1, 2], resident_updates
+    assert len(resident_updates) == 2 * (STEPS - 1)
+    assert gpu_updates == []  # not the step-time path
+    moved = max((plain.weights[k] - initial[k]).abs().max().item() for k in initial)
+    assert moved > 1e-2
+
+
+def test_the_state_the_gpu_updates_in_the_backward_is_the_optimizers_state_of_record(
+    make_llama, make_batches, offload_cpu, resident_updates
+):
+    """The user's ``optimizer.state_dict()`` reads the twins' state, which the GPU path keeps
+    in its pinned arena: after training it equals a plain run's state."""
+    from autooffload import runtime as rt
+
+    base = make_llama()
+    data = make_batches(4)
+    states = []
+    for attach in (None, {"n_persist": 1, "update_in_backward": True, "gpu_update_in_backward": 1}):
+        model = copy.deepcopy(base)
+        if attach is not None:
+            offload_cpu(activation_mode="keep", **attach)
+            model.to("cpu")
+            assert rt.runtime_of(model) is not None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for ids in data:
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        states.append(optimizer.state_dict()["state"])
+        if attach is not None:
+            autooffload.disable()
+    assert resident_updates, "the GPU path did not run"
+    plain, attached = states
+    assert plain.keys() == attached.keys()
+    for key, state in plain.items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(attached[key][name], state[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_backward_before_step_is_refused_for_gpu_updated_chunks(
+    make_llama, make_batches, offload_cpu, resident_updates
+):
+    from autooffload import runtime as rt
+    from autooffload.errors import UpdateInBackwardError
+
+    model = make_llama()
+    offload_cpu(
+        n_persist=1, activation_mode="keep", update_in_backward=True, gpu_update_in_backward=3
+    )
+    model.to("cpu")
+    assert rt.runtime_of(model) is not None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = make_batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()  # arms it
+    optimizer.step()
+    optimizer.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert resident_updates
+    with pytest.raises(UpdateInBackwardError, match="second backward"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    autooffload.disable()
+
+
+def test_gpu_update_in_backward_setting_with_an_optimizer_it_cannot_run_is_a_clear_error(
+    make_llama, make_batches, offload_cpu
+):
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    with pytest.raises(PlanError, match=r"AUTOOFFLOAD_GPU_UPDATE_IN_BACKWARD=2 .* SGD"):
+        compare(
+            make_llama,
+            make_batches,
+            offload_cpu,
+            make_optimizer=sgd,
+            attach={"n_persist": 0, "update_in_backward": True, "gpu_update_in_backward": 2},
         )
