@@ -18,7 +18,7 @@ brute force over ``cost``'s scalar functions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from autooffload.plan.grid import Pick, pick_order, search_layout
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import chunk_tables
 from autooffload.plan.types import CHECKPOINT_INPUTS, GiB, Knobs, Plan
+from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 _KNOB_ENV = {name: f"AUTOOFFLOAD_{name.upper()}" for name in KNOBS}
@@ -125,7 +126,30 @@ def search(
     if best is None:
         raise _infeasible(variants, hw, budget_bytes, fixed)
     source = "search" if not fixed else ("user" if len(fixed) == len(KNOBS) else "user+search")
-    return make_plan(best.profile, hw, best.knobs, budget_bytes, source)
+    profile = _best_backward_split(best.profile, hw, best.knobs, budget_bytes)
+    return make_plan(profile, hw, best.knobs, budget_bytes, source)
+
+
+def _best_backward_split(
+    profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, budget: int | None
+) -> ModelProfile:
+    """With the GPU's updates in the backward on auto (``update_split.backward_gpu_chunks``,
+    a per-n_persist estimate the search runs with), the count of them that the cost model
+    predicts fastest for the chosen knobs, among those whose peak fits: the estimate sees
+    neither the link the state shares with the chunk gathers nor the knobs."""
+    if not profile.update_in_backward or profile.gpu_update_in_backward != GPU_UPDATE_AUTO:
+        return profile
+    tables = chunk_tables(profile)
+    trainable = sum(1 for c in profile.chunks[knobs.n_persist :] if c.trainable_numel > 0)
+    best = (predict_step_time(profile, hw, knobs, tables)[0], profile)
+    for k in range(trainable + 1):
+        fixed = replace(profile, gpu_update_in_backward=k if k else GPU_UPDATE_OFF)
+        if budget is not None and peak_breakdown(fixed, hw, knobs, tables)["peak"] > budget:
+            continue
+        step_s = predict_step_time(fixed, hw, knobs, tables)[0]
+        if step_s < best[0] - 1e-12:
+            best = (step_s, fixed)
+    return best[1]
 
 
 def search_all(

@@ -46,8 +46,12 @@ def test_predicted_allocated_peak_counts_the_heads_gradient_once():
     # Everything offloaded: the peak is the post unit's backward (head chunk, logits, the loss's
     # temporaries and the head's gradient), where the gradient was once counted twice. CPU
     # updates only: the GPU update path's scratch, counted over the whole forward, would move
-    # the predicted peak there and off the backward this test is about.
-    autooffload.enable(force_attach=True, n_persist=0, mask=False, gpu_update_chunks=0)
+    # the predicted peak there and off the backward this test is about; and the optimizer state
+    # of chunks the GPU updates in the backward (the head's, twice its gradient) would sit on
+    # the post unit's backward beside it.
+    autooffload.enable(
+        force_attach=True, n_persist=0, mask=False, gpu_update_chunks=0, gpu_update_in_backward=0
+    )
     model.to("cuda")
     assert rt.runtime_of(model) is not None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
