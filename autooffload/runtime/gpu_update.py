@@ -254,19 +254,12 @@ class GpuUpdater:
                 self.out_stream.wait_event(loaded)
         with out_ctx:
             steps = list(counts.to(flat.device, non_blocking=True).unbind())
-            index = 0
-            for group, members in groups:
-                if not members:
-                    continue
-                params, grads, states = [], [], {key: [] for key in state_keys(group)}
-                for master, slot in members:
-                    params.append(_bytes_as(flat, slot.offset, slot))
+            grads: list[torch.Tensor] = []
+            for _, members in groups:
+                for _, slot in members:
                     assert slot.param.grad is not None
                     grads.append(slot.param.grad)
-                    for key in states:
-                        states[key].append(_bytes_as(scratch, offsets[(id(master), key)], slot))
-                    index += 1
-                _adam(twin, group, params, grads, states, steps[index - len(members) : index])
+            _step_groups(twin, groups, offsets, (flat, scratch, 0), grads, steps)
             host.copy_(flat, non_blocking=True)
             arena.copy_(scratch, non_blocking=True)
             if cuda:
@@ -378,21 +371,7 @@ class GpuUpdater:
             if task.clip_coef != 1.0:
                 torch._foreach_mul_(dev_grads, task.clip_coef)
             steps = list(dev_counts.unbind())
-            index = 0
-            for group, members in groups:
-                if not members:
-                    continue
-                params, grads, states = [], [], {key: [] for key in state_keys(group)}
-                for master, slot in members:
-                    view = scratch[slot.offset : slot.offset + slot.nbytes]
-                    params.append(view.view(slot.dtype).view(slot.shape))
-                    grads.append(dev_grads[index])
-                    for key in states:
-                        at = state_start + offsets[(id(master), key)]
-                        view = scratch[at : at + slot.nbytes].view(slot.dtype).view(slot.shape)
-                        states[key].append(view)
-                    index += 1
-                _adam(twin, group, params, grads, states, steps[index - len(members) : index])
+            _step_groups(twin, groups, offsets, (scratch, scratch, state_start), dev_grads, steps)
             host.copy_(scratch[: chunk.nbytes], non_blocking=True)
             arena.copy_(scratch[state_start : state_start + arena.numel()], non_blocking=True)
             done = torch.cuda.Event() if cuda else None
@@ -414,6 +393,34 @@ class GpuUpdater:
             }
             self.slots[chunk.index] = table
         return table[master.data_ptr()]
+
+
+def _step_groups(
+    twin: torch.optim.Optimizer,
+    groups: list[tuple[dict, list[tuple[torch.Tensor, ParamSlot]]]],
+    offsets: dict[tuple[int, str], int],
+    where: tuple[torch.Tensor, torch.Tensor, int],
+    grads: list[torch.Tensor],
+    steps: list[torch.Tensor],
+) -> None:
+    """``_adam`` over each twin group's members (its param and slot), in order: ``where`` is
+    (the bytes holding the weights at their slot offsets, the bytes holding the state, the
+    state's start in them: the arena's offsets count from it); ``grads`` and ``steps`` one
+    per member, in the same order."""
+    weights, state, state_start = where
+    index = 0
+    for group, members in groups:
+        if not members:
+            continue
+        params, chunk_grads, states = [], [], {key: [] for key in state_keys(group)}
+        for master, slot in members:
+            params.append(_bytes_as(weights, slot.offset, slot))
+            chunk_grads.append(grads[index])
+            for key in states:
+                at = state_start + offsets[(id(master), key)]
+                states[key].append(_bytes_as(state, at, slot))
+            index += 1
+        _adam(twin, group, params, chunk_grads, states, steps[index - len(members) : index])
 
 
 def _adam(

@@ -69,19 +69,27 @@ def test_adam_with_amsgrad_and_coupled_decay_trains_like_plain(
     assert len(set(gpu_updates)) == 3
 
 
+@pytest.mark.parametrize(
+    ("setting", "attach"),
+    [
+        ("GPU_UPDATE_CHUNKS", {"gpu_update_chunks": 2}),
+        ("GPU_UPDATE_IN_BACKWARD", {"update_in_backward": True, "gpu_update_in_backward": 2}),
+    ],
+    ids=["at-step", "in-backward"],
+)
 def test_gpu_update_setting_with_an_optimizer_it_cannot_run_is_a_clear_error(
-    make_llama, make_batches, offload_cpu
+    make_llama, make_batches, offload_cpu, setting, attach
 ):
     def sgd(model):
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
-    with pytest.raises(PlanError, match=r"AUTOOFFLOAD_GPU_UPDATE_CHUNKS=2 .* SGD"):
+    with pytest.raises(PlanError, match=rf"AUTOOFFLOAD_{setting}=2 .* SGD"):
         compare(
             make_llama,
             make_batches,
             offload_cpu,
             make_optimizer=sgd,
-            attach={"n_persist": 0, "gpu_update_chunks": 2},
+            attach={"n_persist": 0, **attach},
         )
 
 
@@ -207,19 +215,3 @@ def test_a_second_backward_before_step_is_refused_for_gpu_updated_chunks(
     with pytest.raises(UpdateInBackwardError, match="second backward"):
         model(input_ids=ids, labels=ids).loss.backward()
     autooffload.disable()
-
-
-def test_gpu_update_in_backward_setting_with_an_optimizer_it_cannot_run_is_a_clear_error(
-    make_llama, make_batches, offload_cpu
-):
-    def sgd(model):
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-    with pytest.raises(PlanError, match=r"AUTOOFFLOAD_GPU_UPDATE_IN_BACKWARD=2 .* SGD"):
-        compare(
-            make_llama,
-            make_batches,
-            offload_cpu,
-            make_optimizer=sgd,
-            attach={"n_persist": 0, "update_in_backward": True, "gpu_update_in_backward": 2},
-        )
