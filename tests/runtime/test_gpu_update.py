@@ -132,11 +132,27 @@ def test_gpu_update_setting_with_fp32_masters_is_a_clear_error(
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_chunks_updated_on_the_gpu_in_the_backward_train_like_plain(
-    make_llama, make_batches, offload_cpu, chunk_count, resident_updates, gpu_updates, tied
+    make_llama,
+    make_batches,
+    offload_cpu,
+    chunk_count,
+    resident_updates,
+    gpu_updates,
+    monkeypatch,
+    tied,
 ):
     """The lowest two offloaded chunks are updated in the backward from their resident
     weights and gradients (the state streamed in and out), the rest on the CPU as their
-    gradients arrive; with an LR schedule and weight decay, the run equals plain training."""
+    gradients arrive; with an LR schedule and weight decay, the run equals plain training.
+    Each chunk's state was copied in ahead, in an earlier group's pre-backward hook."""
+    preloaded: list[bool] = []
+    update = GpuUpdater.update_resident
+
+    def checked(self, chunk, *args):
+        preloaded.append(chunk.index in self.loaded)
+        return update(self, chunk, *args)
+
+    monkeypatch.setattr(GpuUpdater, "update_resident", checked)
     n_chunks = chunk_count(make_llama(tied=tied))
     assert n_chunks >= 4
     plain, offloaded, initial = compare(
@@ -157,6 +173,7 @@ def test_chunks_updated_on_the_gpu_in_the_backward_train_like_plain(
     assert sorted(set(resident_updates)) == [1, 2], resident_updates
     assert len(resident_updates) == 2 * (STEPS - 1)
     assert gpu_updates == []  # not the step-time path
+    assert preloaded and all(preloaded), preloaded
     moved = max((plain.weights[k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-2
 
