@@ -130,7 +130,11 @@ def test_gpu_update_setting_with_fp32_masters_is_a_clear_error(
 # ---- the update in the backward: the lowest offloaded chunks on the GPU -----------------------
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize(
+    ("tied", "n_persist"),
+    [(True, 1), (False, 1), (True, 0)],
+    ids=["tied", "untied", "tied-embedding-on-the-gpu-path"],
+)
 def test_chunks_updated_on_the_gpu_in_the_backward_train_like_plain(
     make_llama,
     make_batches,
@@ -140,11 +144,14 @@ def test_chunks_updated_on_the_gpu_in_the_backward_train_like_plain(
     gpu_updates,
     monkeypatch,
     tied,
+    n_persist,
 ):
     """The lowest two offloaded chunks are updated in the backward from their resident
     weights and gradients (the state streamed in and out), the rest on the CPU as their
     gradients arrive; with an LR schedule and weight decay, the run equals plain training.
-    Each chunk's state was copied in ahead, in an earlier group's pre-backward hook."""
+    Each chunk's state was copied in ahead, in an earlier group's pre-backward hook. With
+    nothing persistent, the tied embedding's chunk (complete only at the backward's end) is
+    one of them."""
     preloaded: list[bool] = []
     update = GpuUpdater.update_resident
 
@@ -162,15 +169,16 @@ def test_chunks_updated_on_the_gpu_in_the_backward_train_like_plain(
         model_kw={"tied": tied},
         schedule=lambda step: 1.0 - step / (2 * STEPS),
         attach={
-            "n_persist": 1,
+            "n_persist": n_persist,
             "activation_mode": "keep",
             "update_in_backward": True,
             "gpu_update_in_backward": 2,
         },
     )
     assert_same_training(plain, offloaded)
-    # The first step arms the update in the backward; every later one took chunks 1 and 2 so.
-    assert sorted(set(resident_updates)) == [1, 2], resident_updates
+    # The first step arms the update in the backward; every later one took the lowest two
+    # offloaded chunks so.
+    assert sorted(set(resident_updates)) == [n_persist, n_persist + 1], resident_updates
     assert len(resident_updates) == 2 * (STEPS - 1)
     assert gpu_updates == []  # not the step-time path
     assert preloaded and all(preloaded), preloaded
