@@ -214,18 +214,14 @@ def backward_gpu_chunks(profile: ModelProfile, hw: HardwareProfile, n_persist: i
     fwd_before = np.concatenate([[0.0], np.cumsum([u.fwd_s for u in units])])
     first, _ = chunk_spans(profile)
     rate = hw.cpu_optim_params_per_s
-    numel = [profile.chunks[c].trainable_numel for c in trainable]
+    numel = np.array([profile.chunks[c].trainable_numel for c in trainable], dtype=float)
+    lowest_first = first[trainable]
+    # k GPU chunks: the CPU takes trainable[k:], its lowest q = trainable[k] (k < m).
+    cpu_s = np.cumsum(numel[::-1])[::-1] / rate
     top_left = bwd_before[first[trainable[-1]]]
-    waits = []
-    for k in range(len(trainable) + 1):
-        if k == len(trainable):
-            waits.append(0.0)
-            break
-        q = trainable[k]
-        cpu_s = sum(numel[k:]) / rate
-        done = max(cpu_s - top_left, numel[k] / rate - bwd_before[first[q]], 0.0)
-        waits.append(max(0.0, done - fwd_before[first[q]]))
-    k = int(np.argmin(np.array(waits) + 1e-9 * np.arange(len(waits))))
+    done = np.maximum(np.maximum(cpu_s - top_left, numel / rate - bwd_before[lowest_first]), 0.0)
+    waits = np.append(np.maximum(0.0, done - fwd_before[lowest_first]), 0.0)
+    k = int(np.argmin(waits + 1e-9 * np.arange(len(waits))))
     return trainable[:k]
 
 

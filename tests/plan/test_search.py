@@ -21,7 +21,7 @@ from autooffload.plan.cost import (
 )
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.residency import chunk_tables
-from autooffload.plan.search import SearchRequest, make_plan, search, search_all
+from autooffload.plan.search import EXHAUSTIVE_COUNTS, SearchRequest, make_plan, search, search_all
 from autooffload.plan.types import Knobs
 
 SMALL = dict(n_blocks=4, chunk_size=48 * MiB, block_param_bytes=64 * MiB)
@@ -320,6 +320,32 @@ def test_eighty_layers_three_hundred_chunks_search_is_fast_and_sound():
     print(f"unbounded search took {time.perf_counter() - started:.2f} s")
     everything_on_gpu = Knobs(profile.n_chunks, 1)
     assert unbounded.predicted_step_s <= predict_step_time(profile, hw, everything_on_gpu)[0]
+
+
+def test_on_three_hundred_chunks_the_count_of_gpu_updates_in_the_backward_is_a_local_best():
+    """Beyond ``EXHAUSTIVE_COUNTS`` the count is searched coarse to fine: the one taken fits
+    and no neighbour is predicted faster."""
+    hw = make_hardware(cpu_optim_params_per_s=1e9)
+    profile = replace(
+        make_profile(
+            n_blocks=80, chunk_size=256 * MiB, block_param_bytes=800 * MiB, tensors_per_block=8
+        ),
+        update_in_backward=True,
+        gpu_update_in_backward=-1,
+    )
+    budget = 40 << 30
+    started = time.perf_counter()
+    plan = search({profile.chunk_size: profile}, hw, budget)
+    print(f"\nsearch with the count refined took {time.perf_counter() - started:.2f} s")
+    k = plan.gpu_backward_chunks
+    assert k > EXHAUSTIVE_COUNTS, "the test needs the coarse-to-fine search"
+    assert plan.predicted_peak_bytes <= budget
+
+    def step(count: int) -> float:
+        return predict_step_time(replace(profile, gpu_update_in_backward=count), hw, plan.knobs)[0]
+
+    assert plan.predicted_step_s == pytest.approx(step(k), rel=1e-12)
+    assert step(k - 1) >= step(k) <= step(k + 1)
 
 
 def _qlora_shaped(chunk_size: int) -> ModelProfile:
