@@ -238,17 +238,21 @@ class CpuOptimizer(HostGradNorms):
             return None
         if self.clip_coef != 1.0 or chunk.index in self.manager.persistent:
             return None
-        owners = {self.optimizer_of_param.get(id(s.param)) for s in chunk.trainable_slots}
-        if len(owners) != 1 or None in owners:
+        optimizer = self._sole_owner(chunk)
+        if optimizer is None:
             return None
-        optimizer = owners.pop()
-        assert optimizer is not None
         if id(optimizer) not in self._gpu_problems:
             self._gpu_problems[id(optimizer)] = self.gpu_path_problem(optimizer)
         if self._gpu_problems[id(optimizer)] is not None:
             return None
         twin = self._twin(chunk, optimizer)
         return None if twin is None else (optimizer, twin)
+
+    def _sole_owner(self, chunk: Chunk) -> torch.optim.Optimizer | None:
+        """The one bound optimizer owning every trainable param of ``chunk``; None when none
+        is bound yet or several share it (an update in the backward is then left to step())."""
+        owners = {self.optimizer_of_param.get(id(s.param)) for s in chunk.trainable_slots}
+        return owners.pop() if len(owners) == 1 else None
 
     def load_state(self, chunk: Chunk) -> None:
         """The backward nears ``chunk``: if the GPU updates it there, start copying its
@@ -286,11 +290,9 @@ class CpuOptimizer(HostGradNorms):
         update with the backward): exact when ``step()`` follows this backward with the same
         hyperparameters and nothing between them reads or scales the gradients, which
         ``step``, ``clip_``, ``host_grads`` and ``zero_grad`` check."""
-        owners = {self.optimizer_of_param.get(id(s.param)) for s in chunk.trainable_slots}
-        if len(owners) != 1 or None in owners:
+        optimizer = self._sole_owner(chunk)
+        if optimizer is None:
             return  # no optimizer bound yet, or several: left to step()
-        optimizer = owners.pop()
-        assert optimizer is not None
         twin = self._twin(chunk, optimizer)
         if twin is None or self.clip_coef != 1.0:
             return
