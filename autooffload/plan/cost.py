@@ -298,14 +298,14 @@ def backward_update_done(
     """
     first, _ = chunk_spans(profile)
     n = profile.n_chunks
-    if split is None:
-        cpu_numel, lowest_numel = float(tables.offload_numel[p]), 0.0
-        lowest_first = int(first[p]) if p < n else 0
-        if p < n:
-            lowest_numel = float(profile.chunks[p].trainable_numel)
-    else:
+    if split is not None:
         cpu_numel, lowest_numel = float(split.cpu_numel[0]), float(split.lowest_numel[0])
         lowest_first = int(split.lowest_first[0])
+    elif p < n:
+        cpu_numel, lowest_numel = float(tables.offload_numel[p]), profile.chunks[p].trainable_numel
+        lowest_first = int(first[p])
+    else:
+        return 0.0  # nothing offloaded
     if cpu_numel <= 0:
         return 0.0
     return max(
