@@ -88,15 +88,16 @@ class Settings:
         update_in_backward: Update each offloaded chunk on the CPU as soon as its gradients
             arrive in the backward (ProTrain's overlap), instead of from ``optimizer.step()``
             on, and step each persistent chunk on the GPU with the user's optimizer as soon as
-            the backward is past it, dropping its gradients (the plan counts on that). Exact
+            the backward is past it, dropping its gradients (the plan counts on that; under
+            data parallelism persistent chunks are stepped at ``step()``, once averaged). Exact
             only for loops that step after every backward without clipping, a GradScaler,
             reading the gradients or changing hyperparameters between backward and step.
-            ``None``/``auto`` (the default): when both profiling steps showed such a loop on one
-            process (no data parallelism, no GPU update path), the first search is run with and
+            ``None``/``auto`` (the default): when both profiling steps showed such a loop (on
+            every rank; not with the GPU update path at step), the first search is run with and
             without it, and it is on from the first planned step if its plan is predicted 5%
             faster (a fixed plan: on); the CPU part is off for a step whose batch is larger
             than any trained so far (its OOM retry stays possible); ``True``: on without looking
-            (single process, no OOM retry); ``False``: off. Once on, a loop that later clips,
+            (no OOM retry); ``False``: off. Once on, a loop that later clips,
             accumulates, reads the gradients or changes hyperparameters between backward and
             step gets ``UpdateInBackwardError``.
         gpu_update_chunks: Offloaded chunks whose update at ``optimizer.step()`` runs on the

@@ -232,9 +232,9 @@ def optimizer_step_bytes(
     profile: ModelProfile, tables: ChunkTables, p: int | np.ndarray
 ) -> int | np.ndarray:
     """Bytes above ``static`` while the user's optimizer steps the persistent chunks (see
-    ``peak_breakdown``); ``p`` an n_persist or an array of them. None under the update in the
-    backward, which stepped them in the backward (``runtime/persistent_update.py``)."""
-    if profile.update_in_backward and not profile.grad_accumulation:
+    ``peak_breakdown``); ``p`` an n_persist or an array of them. None where the update in the
+    backward stepped them in the backward (``runtime/persistent_update.py``)."""
+    if profile.persistent_in_backward and not profile.grad_accumulation:
         return 0 * tables.persist_numel[p]
     grads = 0 if profile.grad_accumulation else tables.persist_grad_total[p]
     return grads + profile.optim_step_bytes_per_param * tables.persist_numel[p]
@@ -248,7 +248,7 @@ def persist_grads_in_backward(profile: ModelProfile, tables: ChunkTables) -> np.
     unit's backward."""
     if profile.grad_accumulation:
         return np.zeros_like(tables.persist_grad_bytes)
-    if profile.update_in_backward:
+    if profile.persistent_in_backward:
         temporaries = profile.optim_step_bytes_per_param * tables.persist_numel_max
         return tables.persist_grad_live + temporaries[:, None]
     return tables.persist_grad_bytes
@@ -375,8 +375,9 @@ def step_windows(
         fwd_windows.append(window(units[u].fwd_s, float(prefetched), swap_out, exposed))
     gpu_optim_s = float(tables.persist_numel[p]) / hw.gpu_optim_params_per_s
     # The user's optimizer steps the persistent chunks at step(), before the next forward;
-    # under the update in the backward it steps them in the backward (counted in T_bwd).
-    at_step_s = 0.0 if profile.update_in_backward else gpu_optim_s
+    # under the update in the backward on one process it steps them in the backward (counted
+    # in T_bwd).
+    at_step_s = 0.0 if profile.persistent_in_backward else gpu_optim_s
     first_gather_s = float(tables.fwd_gather_bytes[p, 0]) / hw.h2d_bps
     stalls["pcie_h2d"] += max(0.0, first_gather_s - at_step_s)
     unconstrained = max(at_step_s, first_gather_s) + sum(fwd_windows)
@@ -407,9 +408,11 @@ def step_windows(
     t_fwd = unconstrained
     early = None
     if profile.update_in_backward:
-        # The persistent chunks are stepped after every offloaded chunk's gradients arrived
-        # (they come first in the forward, last in the backward): the CPU works through that too.
-        left_after = np.concatenate([[0.0], np.cumsum(bwd_windows)]) + gpu_optim_s
+        # Persistent chunks stepped in the backward are stepped after every offloaded chunk's
+        # gradients arrived (they come first in the forward, last in the backward): the CPU
+        # works through that too (at step(), the forward's start covers it).
+        in_bwd_s = gpu_optim_s - at_step_s
+        left_after = np.concatenate([[0.0], np.cumsum(bwd_windows)]) + in_bwd_s
         rate = hw.cpu_optim_params_per_s
         early = backward_update_done(profile, tables, rate, p, left_after, split)
     split_ready, gpu_chunks, _, cpu_s, gpu_s, _ = update_split_row(profile, hw, p)
@@ -498,6 +501,7 @@ def predict_step_time(
         "swap_bytes": float(swap_bytes),
         "tokens_per_s": profile.batch_tokens / step_s if step_s > 0 else math.inf,
         "update_in_backward": float(profile.update_in_backward),
+        "persistent_at_step": float(profile.persistent_at_step),
     }
     breakdown = {key: float(value) for key, value in breakdown.items()}
     return float(step_s), breakdown, _bottleneck(step_s, recompute_s, stalls)

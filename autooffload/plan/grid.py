@@ -127,7 +127,9 @@ def search_layout(
         own_first = bsplit.lowest_first
         has_update = bsplit.cpu_numel > 0
     tail = out_bytes[:, 0] / d2h
-    if in_backward:  # the persistent chunks are stepped in the backward (``cost.step_windows``)
+    # Persistent chunks stepped in the backward (``cost.step_windows``), else at step().
+    gpu_optim_in_bwd = gpu_optim if profile.persistent_in_backward else np.zeros_like(gpu_optim)
+    if profile.persistent_in_backward:
         start, tail = first_gather, tail + gpu_optim
     else:
         start = np.maximum(gpu_optim, first_gather)
@@ -177,10 +179,11 @@ def search_layout(
                 [np.zeros((*base.shape[:2], 1)), (base + bwd_exposed).cumsum(-1)], -1
             )
             ckpt_end = n_swap + 1 + checkpoints
-            # + the persistent chunks' steps, after every offloaded chunk's gradients arrived.
+            # + the persistent chunks' steps in the backward, after every offloaded chunk's
+            # gradients arrived.
             left = [
                 _backward_left(windows_before, extra_before, unit, n_swap + 1, ckpt_end)
-                + gpu_optim[None, :, None]
+                + gpu_optim_in_bwd[None, :, None]
                 for unit in (np.full(persist.size, last_first), own_first)
             ]
             done = np.maximum(

@@ -377,6 +377,7 @@ class StepProfiler:
             weight_dtype=str(runtime.weight_dtype()).replace("torch.", ""),
             grad_accumulation=grad_accumulation,
             update_in_backward=runtime.backward_update.on,
+            persistent_at_step=runtime.data_parallel is not None,
             expandable_segments=runtime.expandable_segments,
         )
 

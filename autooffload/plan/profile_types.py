@@ -154,6 +154,11 @@ class ModelProfile:
     update_in_backward: bool = False
     """True under ``AUTOOFFLOAD_UPDATE_IN_BACKWARD``: the CPU update of an offloaded chunk starts
     when its gradients arrive in the backward, not at ``optimizer.step()``."""
+    persistent_at_step: bool = False
+    """Under ``update_in_backward``, True where the persistent chunks are still stepped at
+    ``optimizer.step()`` (data parallelism: their gradients are averaged in place across ranks
+    first, and held until the step), False where they are stepped in the backward as their
+    gradients complete (``runtime/persistent_update.py``)."""
     gpu_update: int = 0
     """Offloaded chunks whose update at ``step()`` runs on the GPU, optimizer state streamed from
     pinned memory (``plan/update_split.py``): 0 none, -1 as many as the cost model finds best,
@@ -167,6 +172,12 @@ class ModelProfile:
     checkpoint_inputs_on_cpu: bool = False
     """True for the variant where checkpointed blocks keep their input in host memory
     (``cost.with_checkpoint_inputs_on_cpu``): its plans name them ``checkpoint_cpu``."""
+
+    @property
+    def persistent_in_backward(self) -> bool:
+        """Whether the persistent chunks are stepped in the backward, their gradients dropped
+        there (``update_in_backward`` on one process)."""
+        return self.update_in_backward and not self.persistent_at_step
 
     @property
     def n_blocks(self) -> int:

@@ -98,8 +98,9 @@ class Plan:
                     f" (state streamed from pinned memory), {n_off - kb} on the CPU as their"
                     " gradients arrive"
                 ]
+            at_step = self.breakdown.get("persistent_at_step")
             parts += ["persistent chunks stepped on the GPU as their backward ends"] * bool(
-                self.n_persist
+                self.n_persist and not at_step
             )
             lines.append(
                 f"  optimizer: in the backward, {' and '.join(parts)}"

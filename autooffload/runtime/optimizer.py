@@ -139,6 +139,8 @@ class CpuOptimizer(HostGradNorms):
         self.kernel_s = 0.0
         self.updated_params = 0
         self.updates = 0
+        # Of them, those queued in a backward (``_update_now``).
+        self.updates_in_backward = 0
         # The GPU update path (runtime/gpu_update.py) and the chunks the plan gives it.
         self.gpu = GpuUpdater(manager)
         self.gpu_chunks: set[int] = set()
@@ -299,6 +301,7 @@ class CpuOptimizer(HostGradNorms):
         hyper = self._hyper(chunk, optimizer)
         self.early[chunk.index] = (optimizer, hyper)
         self._queue_update(chunk, twin, hyper, 1.0)
+        self.updates_in_backward += 1
 
     def _hyper(self, chunk: Chunk, optimizer: torch.optim.Optimizer) -> list[dict]:
         """The user's hyperparameters for ``chunk``'s twin groups, as the twin takes them."""

@@ -351,7 +351,7 @@ def gpu_update_in_backward_mode(runtime: Runtime) -> int:
     cost model reads it only under the update in the backward."""
     problem = None
     if runtime.data_parallel is not None:
-        problem = "data parallelism updates every offloaded chunk at step()"
+        problem = "under data parallelism offloaded chunks are updated by their CPU owner"
     return _gpu_path_mode(
         runtime,
         runtime.settings.gpu_update_in_backward,

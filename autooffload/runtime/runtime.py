@@ -86,14 +86,10 @@ class Runtime(GroupHooks):
         # Under torchrun: rank 0's plan on every rank, same layout and settings checked.
         self.data_parallel = attach_data_parallel(self, settings)
         # An explicit oom_retry=True only: auto (None) leaves the retry off in this mode.
-        if settings.update_in_backward is True and (
-            self.data_parallel is not None or settings.oom_retry
-        ):
+        if settings.update_in_backward is True and settings.oom_retry:
             raise AttachError(
-                "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 is single-process and excludes"
-                " AUTOOFFLOAD_OOM_RETRY=1 (a retried backward would update twice); found"
-                f" data parallelism={self.data_parallel is not None},"
-                f" oom_retry={settings.oom_retry}: set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
+                "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 excludes AUTOOFFLOAD_OOM_RETRY=1 (a retried"
+                " backward would update twice): set one of them to 0"
             )
         check_host_memory(self.layout, self.plan.n_persist, settings, _host_param_bytes(model))
         self.manager = ChunkManager(
@@ -380,6 +376,7 @@ class Runtime(GroupHooks):
             "h2d_s": self.manager.stats["h2d_s"],
             "d2h_s": self.manager.stats["d2h_s"],
             "cpu_optim_s": self.cpu_optim.busy_s,
+            "cpu_updates_in_backward": self.cpu_optim.updates_in_backward,
             "stall_s": self.manager.stats["stall_s"],
             "peak_bytes": peak,
             "alloc_retries": retries,

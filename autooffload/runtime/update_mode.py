@@ -22,10 +22,19 @@ safe to have on by default:
   twice) until the persistent chunks' steps, which come late in the backward.
 - A reason seen later in a step that updated nothing early turns it off for the rest of the
   run; one seen after early updates raises ``UpdateInBackwardError``, as under ``=1``.
+
+Under data parallelism an offloaded chunk's gradients reach the CPU averaged across ranks (its
+owner's, under sharded state), so its update in the backward is the same update; the
+persistent chunks are stepped at ``step()`` there (their gradients are averaged in place and
+held until then: ``ModelProfile.persistent_at_step``). The decision is agreed: on only where no
+rank saw a reason (``decide``), and rank 0's choice between the two searches (``choose``).
+Whether a rank updates a chunk early or at ``step()`` changes no collective, so a rank that
+turns it off alone (a larger batch, a later reason) still pairs its collectives with the rest.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -73,8 +82,6 @@ class BackwardUpdateMode:
 
     def _static_reasons(self) -> list[str]:
         reasons = []
-        if self.runtime.data_parallel is not None:
-            reasons.append("data parallelism (gradients are reduced across ranks first)")
         if self.runtime.settings.gpu_update_chunks != 0:
             reasons.append("the GPU update path (AUTOOFFLOAD_GPU_UPDATE_CHUNKS) updates at step()")
         return reasons
@@ -100,12 +107,20 @@ class BackwardUpdateMode:
         so far argues against it."""
         if self.decided is None:
             reasons = self.runtime.cpu_optim.loop_reasons | set(self._unstepped())
+            dp = self.runtime.data_parallel
+            if dp is not None:
+                # A collective (every rank decides at the same step): on only where no rank
+                # saw a reason, so that every rank plans alike.
+                reasons = set().union(*dp.gather_object(sorted(reasons)))
             self._settle(not reasons, reasons)
 
     def _unstepped(self) -> list[str]:
         """Why some trained chunk param could not be stepped in the backward: the update in
         the backward steps persistent chunks with their owners (runtime/persistent_update.py),
-        and the plan counts their gradients as dropped there."""
+        and the plan counts their gradients as dropped there. Under data parallelism they are
+        stepped at ``step()``, once averaged: nothing to check."""
+        if self.runtime.data_parallel is not None:
+            return []
         cpu_optim = self.runtime.cpu_optim
         owners = cpu_optim.optimizer_of_param
         for chunk in self.runtime.layout.chunks:
@@ -135,12 +150,20 @@ class BackwardUpdateMode:
         }
         without_request = replace(request, profiles_by_chunk_size=profiles)
         try:
-            without = replace(without_request.plan(), chunk_size=plan.chunk_size)
+            without: Plan | None = replace(without_request.plan(), chunk_size=plan.chunk_size)
         except PlanError:
-            return request, profile, plan
-        with_s, without_s = plan.predicted_step_s or 0.0, without.predicted_step_s or 0.0
+            without = None
+        with_s = plan.predicted_step_s or 0.0
+        without_s = (without.predicted_step_s or 0.0) if without is not None else math.inf
+        keep = with_s <= (1 - CHOOSE_GAIN) * without_s
+        if self.runtime.data_parallel is not None:
+            # Rank 0's choice on every rank (profiles differ per rank; plans must not, and
+            # rank 0's plan is the one every rank runs: ``planning.switch_to_searched_plan``).
+            with_s, without_s, keep = self.runtime.data_parallel.agree_object(
+                (with_s, without_s, keep)
+            )
         self.predicted = (with_s, without_s)
-        if with_s <= (1 - CHOOSE_GAIN) * without_s:
+        if keep:
             return request, profile, plan
         self._settle(
             False,
@@ -148,7 +171,7 @@ class BackwardUpdateMode:
         )
         self.runtime.cpu_optim.update_in_backward = False
         self.runtime.cpu_optim.persistent_in_backward = False
-        return without_request, without_profile, without
+        return without_request, without_profile, plan if without is None else without
 
     def _settle(self, on: bool, reasons: list[str] | set[str]) -> None:
         self.decided = on
@@ -193,4 +216,5 @@ class BackwardUpdateMode:
         # Persistent chunks are stepped in every backward under it, larger batches too: the
         # plan counts on their gradients being dropped, and they are stepped late in the
         # backward, when an OOM is least likely (the retry refuses a backward after them).
-        cpu_optim.persistent_in_backward = self.on
+        # Under data parallelism they are stepped at step(), once averaged across ranks.
+        cpu_optim.persistent_in_backward = self.on and runtime.data_parallel is None

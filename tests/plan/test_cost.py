@@ -18,6 +18,7 @@ from autooffload.plan.cost import (
     predict_peak_bytes,
     predict_step_time,
     prefetched_bytes,
+    step_windows,
 )
 from autooffload.plan.profile_types import ChunkProfile, ModelProfile, UnitProfile
 from autooffload.plan.residency import chunk_tables, prefetch_queue
@@ -403,6 +404,34 @@ def test_chunks_no_backward_reads_are_neither_gathered_nor_prefetched_there(hw):
     saved = sum(profile.chunks[i].bytes for i in pre_only)
     assert after["h2d_bytes"] == before["h2d_bytes"] - saved
     assert after["step_s"] <= before["step_s"]
+
+
+def test_persistent_chunks_stepped_at_step_under_data_parallelism_are_costed_as_such(hw):
+    """Under data parallelism the update in the backward leaves the persistent chunks to
+    ``step()`` (their gradients are averaged in place, held until then): their gradients and
+    the optimizer's temporaries count as without it, and so does the GPU optimizer's time
+    before the next forward, while the offloaded chunks' CPU update still overlaps the
+    backward."""
+    tied = replace(make_profile(tied=True), optim_step_bytes_per_param=8)
+    early = replace(tied, update_in_backward=True)
+    data_parallel = replace(early, persistent_at_step=True)
+    knobs = _knobs(tied, n_persist=tied.n_chunks // 2, n_checkpoint=tied.n_blocks)
+    peaks = [peak_breakdown(x, hw, knobs) for x in (tied, early, data_parallel)]
+    for key in ("optimizer_step", "activations_bwd_peak", "peak"):
+        assert peaks[2][key] == peaks[0][key], key
+    assert peaks[1]["peak"] < peaks[2]["peak"]
+    windows = [step_windows(x, hw, knobs, chunk_tables(x)) for x in (tied, early, data_parallel)]
+    gpu_optim = windows[0].gpu_optim_s
+    assert gpu_optim > 0
+    # In the backward on one process; before the next forward under data parallelism.
+    assert windows[1].t_bwd == pytest.approx(windows[2].t_bwd + gpu_optim)
+    assert windows[2].t_bwd == pytest.approx(windows[0].t_bwd)
+    # The CPU update's wait before the forward: none at step() for the offloaded chunks' part
+    # the backward covers.
+    slow = make_hardware(cpu_optim_params_per_s=2e8)
+    at_step_s = predict_step_time(tied, slow, knobs)[0]
+    overlapped_s = predict_step_time(data_parallel, slow, knobs)[0]
+    assert overlapped_s < at_step_s
 
 
 def test_under_the_update_in_backward_persistent_grads_live_only_where_their_chunk_runs(hw):

@@ -69,6 +69,7 @@ def _profiles(seed, **kwargs):
     frozen_pre = kwargs.pop("frozen_pre", False)
     gpu_update = kwargs.pop("gpu_update", 0)
     gpu_in_backward = kwargs.pop("gpu_update_in_backward", 0)
+    at_step = kwargs.pop("persistent_at_step", False)
     profile = make_profile(seed=seed, **{**SMALL, **kwargs})
     profile = dataclasses.replace(
         profile,
@@ -76,6 +77,7 @@ def _profiles(seed, **kwargs):
         optim_step_bytes_per_param=step_bytes,
         gpu_update=gpu_update,
         gpu_update_in_backward=gpu_in_backward,
+        persistent_at_step=at_step,
     )
     if frozen_pre:
         # No backward reads the pre unit's own chunks (a frozen embedding under LoRA).
@@ -108,6 +110,8 @@ def _budgets(profiles, hw):
         (18, {"gpu_update": 2, "tied": True}),
         (19, {"update_in_backward": True, "gpu_update_in_backward": -1}),
         (20, {"update_in_backward": True, "gpu_update_in_backward": 2, "tied": True}),
+        (21, {"update_in_backward": True, "persistent_at_step": True}),
+        (22, {"update_in_backward": True, "persistent_at_step": True, "tied": True}),
     ],
 )
 def test_search_returns_the_brute_force_optimum(seed, kwargs):
@@ -140,6 +144,7 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         {"gpu_update": 3, "edge_bytes": 3 * SMALL["chunk_size"]},
         {"update_in_backward": True, "gpu_update_in_backward": -1},
         {"update_in_backward": True, "gpu_update_in_backward": 3, "tied": True},
+        {"update_in_backward": True, "persistent_at_step": True, "tied": True},
     ],
     ids=[
         "tied",
@@ -151,6 +156,7 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         "gpu-update-3",
         "gpu-in-backward-auto",
         "gpu-in-backward-3",
+        "persistent-at-step",
     ],
 )
 def test_vectorised_rows_equal_the_scalar_model(kwargs):

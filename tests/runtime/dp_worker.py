@@ -52,6 +52,16 @@ def sharding_facts(model: torch.nn.Module) -> dict:
         "masters": len(runtime.cpu_optim.masters),
         "offloaded": len(runtime.cpu_optim.offloaded_ids),
         "sharded": runtime.manager.sharding is not None,
+        # The auto mode's update in the backward: on, and chunk updates it queued there.
+        "update_in_backward": runtime.backward_update.on,
+        "updates_in_backward": runtime.cpu_optim.updates_in_backward,
+        "updated_chunks": len(
+            {
+                chunk.index
+                for chunk, slot in runtime.cpu_optim.offloaded_slots()
+                if id(slot.param) in runtime.cpu_optim.masters
+            }
+        ),
     }
     try:
         model.state_dict()
@@ -140,7 +150,9 @@ def train_accumulating(model, no_sync, device, rank, world) -> None:
 
 def case_dp(device, dtype, rank, world, **overrides):
     """Plain loop under torchrun: the attached replicas average gradients themselves (and, by
-    default, each rank keeps and updates the CPU optimizer state of its own chunks)."""
+    default, each rank keeps and updates the CPU optimizer state of its own chunks). The loop
+    neither clips nor accumulates, so from its second step the CPU updates offloaded chunks in
+    the backward, as their averaged gradients arrive (the auto mode)."""
     enable(device, **overrides)
     model = tiny_llama().to(device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -203,6 +215,8 @@ def case_calibrate(device, dtype, rank, world):
     measured = int(predicted * (k if rank == 1 else 1.0))
     new_plan = calibrate_after_steps(runtime, measured, None)
     facts = {
+        "update_in_backward": runtime.backward_update.on,
+        "predicted_with_without": runtime.backward_update.predicted,
         "source": runtime.plan.source,
         "knobs": dataclasses.astuple(runtime.plan.knobs),
         "fragmentation": runtime.profile.fragmentation_factor,
@@ -398,6 +412,10 @@ def main() -> None:
             device, dtype, rank, world, shard_optimizer="off"
         )
         report["replicated_vs_averaged"] = max_diff(replicated, averaged)
+        at_step, report["at_step"] = case_dp(device, dtype, rank, world, update_in_backward=False)
+        report["at_step_vs_averaged"] = max_diff(at_step, averaged)
+        forced, report["forced"] = case_dp(device, dtype, rank, world, update_in_backward=True)
+        report["forced_vs_averaged"] = max_diff(forced, averaged)
         promoted, report["promoted_params"] = case_promote(device, dtype, rank, world)
         report["promote_vs_averaged"] = max_diff(promoted, averaged)
         report["dp_vs_averaged"] = max_diff(dp, averaged)

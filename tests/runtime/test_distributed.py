@@ -46,6 +46,23 @@ def test_two_ranks_train_like_one_process_averaging_the_halves(cpu_run):
         assert report["dp_vs_whole_batch"] < 2 * report["averaged_vs_whole_batch"] + TOL
 
 
+@pytest.mark.parametrize("case", ["sharding", "replicated", "forced"])
+def test_offloaded_chunks_are_updated_in_the_backward_under_data_parallelism(cpu_run, case):
+    """The plain loop takes the update in the backward (auto, or =1): each rank's CPU updates
+    the chunks it updates as their averaged gradients arrive, and trains like the averaged
+    reference; =0 keeps every update at step() and trains alike."""
+    reports, _ = cpu_run
+    for report in reports:
+        facts = report[case]
+        assert facts["update_in_backward"]
+        # 9 steps after the first (which decides): every chunk this rank updates, each step.
+        assert facts["updates_in_backward"] == 9 * facts["updated_chunks"] > 0
+        assert report["at_step"]["updates_in_backward"] == 0
+        assert not report["at_step"]["update_in_backward"]
+        for key in ("dp", "replicated", "forced", "at_step"):
+            assert report[f"{key}_vs_averaged"] < TOL
+
+
 def test_sharded_state_each_rank_keeps_its_half_and_saving_needs_consolidate(cpu_run):
     reports, _ = cpu_run
     facts = [report["sharding"] for report in reports]
@@ -74,6 +91,9 @@ def test_calibration_under_data_parallelism_takes_every_ranks_peak_and_one_plan(
     assert all(f["room"] for f in facts), "the plan is already the smallest: nothing to test"
     assert all(f["source"].endswith("calibrated") and f["replanned"] for f in facts), facts
     assert facts[0]["knobs"] == facts[1]["knobs"] != facts[0]["planned_knobs"]
+    # The auto mode's decision and choice after the profiling steps: rank 0's, on both.
+    assert facts[0]["update_in_backward"] == facts[1]["update_in_backward"]
+    assert facts[0]["predicted_with_without"] == facts[1]["predicted_with_without"] is not None
     assert facts[0]["fragmentation"] == facts[1]["fragmentation"] > 1.1
     for report in reports:
         assert report["calibrate_vs_averaged"] < TOL
@@ -197,6 +217,9 @@ def test_two_gpus_nccl_fp32_and_bf16(tmp_path):
         # sharded chunks, all train like one process over NCCL.
         assert report["sharding"]["sharded"] and report["sharding"]["masters"] > 0
         assert report["replicated_vs_averaged"] < 1e-4
+        # The update in the backward over NCCL: on by default for this loop, exact, and =0.
+        assert report["sharding"]["updates_in_backward"] > 0
+        assert report["forced_vs_averaged"] < 1e-4 and report["at_step_vs_averaged"] < 1e-4
         assert report["promoted_params"] > 0 and report["promote_vs_averaged"] < 1e-4
     reports = launch(tmp_path / "bf16", "cuda", "bfloat16")
     for report in reports:
