@@ -25,9 +25,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -37,6 +38,7 @@ from autooffload.errors import AttachError
 from autooffload.log import logger
 
 if TYPE_CHECKING:
+    from autooffload.plan.profile_types import HardwareProfile
     from autooffload.plan.types import Plan
     from autooffload.runtime.chunks import ChunkLayout
     from autooffload.runtime.runtime import Runtime
@@ -82,6 +84,9 @@ class DataParallel:
         self.sync = True
         self._pending: list[Reduction] = []
         self.reduced_bytes = 0
+        # Bytes/s of one chunk's gradient collective, measured at attach
+        # (``measure_gradient_collective``); read by the planner's cost model.
+        self.gradient_bps = float("inf")
 
     @staticmethod
     def create(settings: Settings, device: torch.device) -> DataParallel | None:
@@ -166,6 +171,51 @@ class DataParallel:
         tensors += [b for b in runtime.model.buffers() if b is not None]
         self.broadcast_(tensors)
         runtime.cpu_optim.refresh_masters()
+
+    # ---- the cost model's view -----------------------------------------------------------------
+
+    def measure_gradient_collective(self, nbytes: int, sharded: bool, repeats: int = 3) -> float:
+        """Collective: the bandwidth (bytes/s) of the collective that averages one chunk's
+        gradients (``reduce`` to the owner under sharded state, ``all_reduce`` otherwise), on a
+        buffer of ``nbytes`` (the largest chunk's trainable bytes) at the real world size."""
+        device = self.device if self.nccl else torch.device("cpu")
+        buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        dst = self._global_rank(0)
+
+        def once() -> None:
+            if sharded:
+                dist.reduce(buffer, dst=dst, op=dist.ReduceOp.SUM, group=self.group)
+            else:
+                dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
+
+        once()  # warm-up: connections, buffers
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            once()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = max(time.perf_counter() - start, 1e-9)
+        # Every rank takes the slowest rank's figure: the plan is rank 0's, the wait anyone's.
+        measured = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.group)
+        self.gradient_bps = buffer.numel() * buffer.element_size() * repeats / measured.item()
+        logger.debug(
+            "gradient %s of %d MiB over %d ranks: %.1f GB/s",
+            "reduce" if sharded else "all-reduce",
+            nbytes >> 20,
+            self.world_size,
+            self.gradient_bps / 1e9,
+        )
+        return self.gradient_bps
+
+    def effective_hardware(self, hw: HardwareProfile) -> HardwareProfile:
+        """The machine as one rank's cost model sees it: an offloaded chunk's gradients go to
+        the host after their collective (``_offload_averaged_grads``: the D2H copy waits for
+        it), so a gradient byte costs 1 / B_d2h + 1 / B_collective seconds. Apply after
+        ``Sharding.effective_hardware`` (whose D2H rate already counts the owner's share)."""
+        return replace(hw, d2h_bps=1.0 / (1.0 / hw.d2h_bps + 1.0 / self.gradient_bps))
 
     # ---- reduction ----------------------------------------------------------------------------
 

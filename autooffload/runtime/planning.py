@@ -261,6 +261,8 @@ def search_request(
     if sharding is not None:
         # The measured rate is this rank's, over its own share of the params.
         hw = sharding.effective_hardware(hw)
+    if runtime.data_parallel is not None:
+        hw = runtime.data_parallel.effective_hardware(hw)  # gradients: collective, then D2H
     if budget is None:
         budget = budget_bytes(settings, runtime.device)
         if budget is not None and runtime.device.type == "cuda":

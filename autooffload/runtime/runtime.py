@@ -102,6 +102,12 @@ class Runtime(GroupHooks):
             chunk_pool=settings.chunk_pool,
         )
         self.manager.data_parallel = self.data_parallel
+        if self.data_parallel is not None:
+            # The planner's NCCL time: one chunk's gradient collective, as the backward runs it.
+            self.data_parallel.measure_gradient_collective(
+                max(c.trainable_bytes for c in self.layout.chunks),
+                sharded=self.manager.sharding is not None,
+            )
         self.manager.adopt_params()
         self.quantized.bind_aliases(model.parameters())
         for param in self.resident_params:

@@ -55,6 +55,7 @@ def sharding_facts(model: torch.nn.Module) -> dict:
         # The auto mode's update in the backward: on, and chunk updates it queued there.
         "update_in_backward": runtime.backward_update.on,
         "updates_in_backward": runtime.cpu_optim.updates_in_backward,
+        "gradient_bps": runtime.data_parallel.gradient_bps,
         "updated_chunks": len(
             {
                 chunk.index

@@ -63,6 +63,16 @@ def test_offloaded_chunks_are_updated_in_the_backward_under_data_parallelism(cpu
             assert report[f"{key}_vs_averaged"] < TOL
 
 
+@pytest.mark.parametrize("case", ["sharding", "replicated"])
+def test_the_gradient_collective_is_measured_at_attach_and_agreed(cpu_run, case):
+    """reduce (sharded) or all-reduce (replicated) of a chunk's gradients, timed at attach;
+    every rank keeps the slowest rank's figure, so their cost models agree."""
+    reports, _ = cpu_run
+    measured = [report[case]["gradient_bps"] for report in reports]
+    assert 0 < measured[0] < float("inf")
+    assert measured[0] == measured[1]
+
+
 def test_sharded_state_each_rank_keeps_its_half_and_saving_needs_consolidate(cpu_run):
     reports, _ = cpu_run
     facts = [report["sharding"] for report in reports]

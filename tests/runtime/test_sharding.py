@@ -66,6 +66,22 @@ def test_per_rank_hardware_view_divides_cpu_work_and_adds_the_broadcast():
     assert s.effective_hardware(hardware()).h2d_bps == pytest.approx(200e9)
 
 
+def test_gradients_cost_their_collective_then_the_owners_copy():
+    """A gradient byte: the collective (every rank takes part), then the D2H copy (under
+    sharding the owner's, 1/N of the chunks per rank)."""
+    from autooffload.runtime.distributed import DataParallel
+
+    dp = object.__new__(DataParallel)
+    dp.gradient_bps = 100e9
+    s = sharding(0, 2, [True])
+    hw = dp.effective_hardware(s.effective_hardware(hardware()))
+    assert 1 / hw.d2h_bps == pytest.approx(1 / (2 * 50e9) + 1 / 100e9)
+    assert dp.effective_hardware(hardware()).h2d_bps == hardware().h2d_bps
+    # Unmeasured (infinitely fast): the copy alone.
+    dp.gradient_bps = math.inf
+    assert dp.effective_hardware(hardware()).d2h_bps == pytest.approx(50e9)
+
+
 def test_sharding_shortens_a_cpu_bound_predicted_step():
     profile = make_profile(n_blocks=8, fwd_s=0.001)
     knobs = Knobs(n_persist=0, n_buffer=2)
