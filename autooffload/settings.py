@@ -114,7 +114,8 @@ class Settings:
             the GPU as their backward ends, while their weights and gradients are still there;
             only their optimizer state comes in from pinned memory (one block ahead) and goes
             back with the new weights, in place of the gradients (torch.optim.Adam/AdamW, no
-            fp32 masters, unsharded state). The CPU updates the rest, which the next forward
+            fp32 masters; under data parallelism sharded state, each chunk on its owner once
+            its gradients are averaged). The CPU updates the rest, which the next forward
             needs later. ``None`` (``auto``, the default): as many as the cost model finds
             leave the next forward no wait for the CPU, on a CUDA device; 0: every offloaded
             chunk on the CPU; n: the lowest n (on a CPU device too: tests). Moot when the

@@ -29,6 +29,8 @@ import torch
 from torch.optim.adam import adam
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from autooffload.runtime.chunks import Chunk, ParamSlot
     from autooffload.runtime.manager import ChunkManager
 
@@ -220,12 +222,17 @@ class GpuUpdater:
         twin: torch.optim.Optimizer,
         hyper: list[dict],
         pairs: list[tuple[torch.Tensor, ParamSlot]],
+        grads: list[torch.Tensor] | None = None,
+        after: Callable[[], None] | None = None,
+        keep: Sequence[torch.Tensor] = (),
     ) -> Future:
         """Update resident ``chunk`` with its gradients on the device (of ``pairs``: the twin's
-        param, the host bytes, and its slot, whose ``.grad`` is on the device) and its state
-        (``load_state``): the kernels run on the out stream, behind the compute
-        queued so far, on the chunk's device bytes in place; then its weights and state go to
-        the host. The future is done once they are there. The caller drops the gradients."""
+        param, the host bytes, and its slot, whose ``.grad`` is on the device; or ``grads``,
+        one per pair) and its state (``load_state``): the kernels run on the out stream, behind
+        the compute queued so far (and ``after``, called on it: a collective's wait), on the
+        chunk's device bytes in place; then its weights and state go to the host. The future
+        is done once they are there. The caller drops the gradients; ``keep``: more tensors
+        the kernels read (kept until the out stream is past them)."""
         began = time.perf_counter()
         if chunk.index not in self.loaded:
             self.load_state(chunk, twin)
@@ -252,14 +259,18 @@ class GpuUpdater:
             self.out_stream.wait_stream(torch.cuda.current_stream(self.manager.device))
             if loaded is not None:
                 self.out_stream.wait_event(loaded)
+        given = dict(zip((id(m) for m, _ in pairs), grads, strict=True)) if grads else None
         with out_ctx:
+            if after is not None:
+                after()
             steps = list(counts.to(flat.device, non_blocking=True).unbind())
-            grads: list[torch.Tensor] = []
+            ordered: list[torch.Tensor] = []
             for _, members in groups:
-                for _, slot in members:
-                    assert slot.param.grad is not None
-                    grads.append(slot.param.grad)
-            _step_groups(twin, groups, offsets, (flat, scratch, 0), grads, steps)
+                for master, slot in members:
+                    grad = slot.param.grad if given is None else given[id(master)]
+                    assert grad is not None
+                    ordered.append(grad)
+            _step_groups(twin, groups, offsets, (flat, scratch, 0), ordered, steps)
             host.copy_(flat, non_blocking=True)
             arena.copy_(scratch, non_blocking=True)
             if cuda:
@@ -267,8 +278,7 @@ class GpuUpdater:
                 done.record()
                 self.state_out[chunk.index] = done
                 # The caching allocator keeps these until the out stream is past them.
-                for tensor in (flat, scratch, *(s.param.grad for s in slots)):
-                    assert tensor is not None
+                for tensor in (flat, scratch, *ordered, *keep):
                     tensor.record_stream(self.out_stream)
         torch._foreach_add_(host_steps, 1)
         self.updated_params += sum(s.numel for s in slots)

@@ -300,7 +300,11 @@ class GroupHooks:
         if self.data_parallel is not None:
             self._check_not_averaged_yet(group)
         position = self._position.get(group.index, 0)
-        for index, state in enumerate(self.manager.state):
+        # Highest index first, as ``reduce_order`` breaks ties (chunks of one group complete
+        # together): a lower one handled first would wait for the higher one's reduction and
+        # be released before it ran, its weights gone for a device update behind it.
+        for index in reversed(range(len(self.manager.state))):
+            state = self.manager.state[index]
             if state == Residency.HOST or index in self.manager.persistent:
                 continue
             users = self.layout.chunks[index].groups
@@ -387,7 +391,7 @@ class GroupHooks:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        for index in range(len(self.layout.chunks)):
+        for index in reversed(range(len(self.layout.chunks))):  # as in ``_pre_backward``
             if index in self.manager.persistent:
                 self.manager.offload_grads(index)
             else:

@@ -135,6 +135,12 @@ class ChunkManager:
         # The same for persistent chunks' device bytes (``device_alias``).
         self._device_aliases: dict[int, list[weakref.ref]] = {}
         self.on_grads_ready: GradsReady | None = None
+        # Data parallel, sharded state, the owner: a chunk's gradients are being averaged into
+        # the views given, its weights resident; True where the callee updates it on the
+        # device (``CpuOptimizer.update_averaged_on_device``), else they go to the host.
+        self.on_grads_averaging: Callable[[Chunk, list[torch.Tensor], Reduction], bool] | None = (
+            None
+        )
         # Called with a chunk's index before its staging is written again (the CPU optimizer
         # may have aliased its host gradients to it and must release them first).
         self.before_staging_write: Callable[[int], None] | None = None
@@ -532,6 +538,7 @@ class ChunkManager:
         # same collectives; the presence flags keep params no rank had a gradient for as such.
         self._reduced[chunk.index] = self._backward_id
         self._claim_staging(chunk.index)
+        local_missing = any(s.param.grad is None for s in slots)
         grads = [
             s.param.grad
             if s.param.grad is not None
@@ -550,6 +557,13 @@ class ChunkManager:
             self._drop_after(reduction)
             return
         views = reduction.views[:-1]
+        if (
+            sharded
+            and not local_missing  # a parameter no rank had a gradient for keeps none: host
+            and self.on_grads_averaging is not None
+            and self.on_grads_averaging(chunk, views, reduction)
+        ):
+            return
         presence = self._presence_on_host(chunk.index, reduction.views[-1])
         event = None
         if self.is_cuda:

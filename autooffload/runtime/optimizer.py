@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from autooffload.runtime.gpu_update import GpuUpdater
 from autooffload.runtime.host_grads import HostGradNorms
 from autooffload.runtime.manager import ChunkManager, Residency
 from autooffload.runtime.persistent_update import step_params
+
+if TYPE_CHECKING:
+    from autooffload.runtime.distributed import Reduction
 
 # torch.optim classes that run on CPU tensors; the fused CPU kernels are the fast path.
 CPU_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam")
@@ -149,6 +153,7 @@ class CpuOptimizer(HostGradNorms):
         self.backward_gpu_chunks: set[int] = set()
         self._gpu_problems: dict[int, str | None] = {}
         manager.on_grads_ready = self._grads_ready
+        manager.on_grads_averaging = self.update_averaged_on_device
         manager.before_staging_write = self._before_staging_write
         # Every offloaded trainable param, on every rank (masters exist only for the chunks
         # this rank owns when the state is sharded: runtime/sharding.py).
@@ -244,7 +249,7 @@ class CpuOptimizer(HostGradNorms):
         if optimizer is None:
             return None
         if id(optimizer) not in self._gpu_problems:
-            self._gpu_problems[id(optimizer)] = self.gpu_path_problem(optimizer)
+            self._gpu_problems[id(optimizer)] = self.gpu_path_problem(optimizer, in_backward=True)
         if self._gpu_problems[id(optimizer)] is not None:
             return None
         twin = self._twin(chunk, optimizer)
@@ -271,6 +276,8 @@ class CpuOptimizer(HostGradNorms):
         False where its gradients go to the host as usual."""
         if self.manager.state[chunk.index] != Residency.RESIDENT:
             return False
+        if self.manager.data_parallel is not None:
+            return False  # after the average: ``update_averaged_on_device``
         slots = [s for s in chunk.trainable_slots if s.param.grad is not None]
         found = self._device_update_owner(chunk) if slots else None
         if found is None:
@@ -285,6 +292,30 @@ class CpuOptimizer(HostGradNorms):
         self.manager.host_busy[chunk.index] = future
         for slot in slots:
             slot.param.grad = None
+        return True
+
+    def update_averaged_on_device(
+        self, chunk: Chunk, grads: list[torch.Tensor], reduction: Reduction
+    ) -> bool:
+        """Data parallelism with sharded state, on ``chunk``'s owner: its gradients are being
+        averaged into ``grads`` (views of ``reduction``'s buffers, one per trainable slot, every
+        slot with a gradient here) while its weights are still resident. Update it on the GPU
+        now, behind the collective, if the plan gives it the GPU in the backward (as
+        ``update_on_device`` does on one process); False where its averaged gradients go to
+        the host as usual."""
+        found = self._device_update_owner(chunk)
+        if found is None or self.manager.state[chunk.index] != Residency.RESIDENT:
+            return False
+        optimizer, twin = found
+        self._note_gradients(chunk)
+        hyper = self._hyper(chunk, optimizer)
+        self.early[chunk.index] = (optimizer, hyper)
+        self.manager.before_host_write(chunk.index)
+        pairs = [(self.masters[id(s.param)], s) for s in chunk.trainable_slots]
+        future = self.gpu.update_resident(
+            chunk, twin, hyper, pairs, grads=grads, after=reduction.wait, keep=reduction.flats
+        )
+        self.manager.host_busy[chunk.index] = future
         return True
 
     def _update_now(self, chunk: Chunk) -> None:
@@ -665,16 +696,25 @@ class CpuOptimizer(HostGradNorms):
             openmp.warn_if_spinning()  # once per process
         self.clip_coef = 1.0
 
-    def gpu_path_problem(self, optimizer: torch.optim.Optimizer) -> str | None:
-        """Why ``optimizer``'s offloaded chunks cannot take the GPU update path; None if they
-        can (the path runs torch's fused Adam kernels on the params' own bytes)."""
+    def gpu_path_problem(
+        self, optimizer: torch.optim.Optimizer, in_backward: bool = False
+    ) -> str | None:
+        """Why ``optimizer``'s offloaded chunks cannot take a GPU update path (at ``step()``, or
+        ``in_backward``); None if they can (the path runs torch's fused Adam kernels on the
+        params' own bytes). Under data parallelism the update in the backward needs sharded
+        state (each chunk's owner updates it as its averaged gradients arrive), the update at
+        ``step()`` replicated state."""
         name = type(optimizer).__name__
         if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             return f"the optimizer is {name}, not one of torch.optim.{{Adam, AdamW}}"
         if any(g.get("differentiable") for g in optimizer.param_groups):
             return "the optimizer is differentiable"
-        if self.sharding is not None:
+        if self.sharding is not None and not in_backward:
             return "the optimizer state is sharded across ranks"
+        if in_backward and self.manager.data_parallel is not None and self.sharding is None:
+            # Each rank would update its replica alone: one taking the CPU for a chunk (a
+            # gradient it lacks) would round otherwise than the others.
+            return "the optimizer state is replicated across ranks (AUTOOFFLOAD_SHARD_OPTIMIZER)"
         offloaded = (c for c in self.manager.chunks if c.index not in self.manager.persistent)
         # ``_copy_back`` (made once per chunk) names a host view only where the master is not
         # the host store's bytes: an fp32 master.
@@ -802,6 +842,7 @@ class CpuOptimizer(HostGradNorms):
         self.worker.shutdown(wait=True)
         self.gpu.shutdown()
         self.manager.on_grads_ready = None
+        self.manager.on_grads_averaging = None
         self.manager.before_staging_write = None
         tables = (self.masters, self.grad_buffers, self.twins, self.twin_group_index)
         for table in (*tables, self.staged_views, self.copy_back):

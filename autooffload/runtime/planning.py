@@ -351,15 +351,13 @@ def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> Mo
 def gpu_update_in_backward_mode(runtime: Runtime) -> int:
     """``ModelProfile.gpu_update_in_backward`` for this run (``gpu_update_mode``'s rules); the
     cost model reads it only under the update in the backward."""
-    problem = None
-    if runtime.data_parallel is not None:
-        problem = "under data parallelism offloaded chunks are updated by their CPU owner"
     return _gpu_path_mode(
         runtime,
         runtime.settings.gpu_update_in_backward,
         "AUTOOFFLOAD_GPU_UPDATE_IN_BACKWARD",
         "in the backward",
-        problem,
+        None,
+        in_backward=True,
     )
 
 
@@ -376,7 +374,12 @@ def gpu_update_mode(runtime: Runtime) -> int:
 
 
 def _gpu_path_mode(
-    runtime: Runtime, setting: int | None, env: str, where: str, problem: str | None
+    runtime: Runtime,
+    setting: int | None,
+    env: str,
+    where: str,
+    problem: str | None,
+    in_backward: bool = False,
 ) -> int:
     """A GPU update path's profile value: ``setting`` (None: auto, -1) where the path can run,
     0 where it cannot and the setting is auto, else a ``PlanError`` naming ``env``."""
@@ -386,7 +389,7 @@ def _gpu_path_mode(
         problem = "the model is not on a CUDA device"
     if problem is None:
         for optimizer in runtime.cpu_optim.optimizers:
-            problem = runtime.cpu_optim.gpu_path_problem(optimizer)
+            problem = runtime.cpu_optim.gpu_path_problem(optimizer, in_backward)
             if problem is not None:
                 break
     if problem is None:

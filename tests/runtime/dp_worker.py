@@ -56,6 +56,7 @@ def sharding_facts(model: torch.nn.Module) -> dict:
         "update_in_backward": runtime.backward_update.on,
         "updates_in_backward": runtime.cpu_optim.updates_in_backward,
         "gradient_bps": runtime.data_parallel.gradient_bps,
+        "gpu_updates_in_backward": runtime.cpu_optim.gpu.updates,
         "updated_chunks": len(
             {
                 chunk.index
@@ -417,6 +418,11 @@ def main() -> None:
         report["at_step_vs_averaged"] = max_diff(at_step, averaged)
         forced, report["forced"] = case_dp(device, dtype, rank, world, update_in_backward=True)
         report["forced_vs_averaged"] = max_diff(forced, averaged)
+        # The lowest two offloaded chunks updated by their owner's GPU (on CPU tensors here).
+        on_device, report["on_device"] = case_dp(
+            device, dtype, rank, world, gpu_update_in_backward=2
+        )
+        report["on_device_vs_averaged"] = max_diff(on_device, averaged)
         promoted, report["promoted_params"] = case_promote(device, dtype, rank, world)
         report["promote_vs_averaged"] = max_diff(promoted, averaged)
         report["dp_vs_averaged"] = max_diff(dp, averaged)

@@ -63,6 +63,21 @@ def test_offloaded_chunks_are_updated_in_the_backward_under_data_parallelism(cpu
             assert report[f"{key}_vs_averaged"] < TOL
 
 
+def test_the_lowest_chunks_are_updated_by_their_owners_device_in_the_backward(cpu_run):
+    """AUTOOFFLOAD_GPU_UPDATE_IN_BACKWARD=2 under sharded state: each of the two lowest
+    offloaded chunks is updated by its owner's device path (the kernels on the averaged
+    gradients, behind their collective) in 9 of 10 steps, the rest by the CPUs in the
+    backward, and training equals the averaged reference."""
+    reports, _ = cpu_run
+    facts = [report["on_device"] for report in reports]
+    assert sum(f["gpu_updates_in_backward"] for f in facts) == 9 * 2
+    assert all(f["gpu_updates_in_backward"] == 9 for f in facts)  # owned round-robin
+    owned = sum(f["updated_chunks"] for f in facts)
+    assert sum(f["updates_in_backward"] for f in facts) == 9 * (owned - 2)
+    for report in reports:
+        assert report["on_device_vs_averaged"] < TOL
+
+
 @pytest.mark.parametrize("case", ["sharding", "replicated"])
 def test_the_gradient_collective_is_measured_at_attach_and_agreed(cpu_run, case):
     """reduce (sharded) or all-reduce (replicated) of a chunk's gradients, timed at attach;
@@ -230,6 +245,8 @@ def test_two_gpus_nccl_fp32_and_bf16(tmp_path):
         # The update in the backward over NCCL: on by default for this loop, exact, and =0.
         assert report["sharding"]["updates_in_backward"] > 0
         assert report["forced_vs_averaged"] < 1e-4 and report["at_step_vs_averaged"] < 1e-4
+        assert report["on_device"]["gpu_updates_in_backward"] == 9
+        assert report["on_device_vs_averaged"] < 1e-4
         assert report["promoted_params"] > 0 and report["promote_vs_averaged"] < 1e-4
     reports = launch(tmp_path / "bf16", "cuda", "bfloat16")
     for report in reports:
