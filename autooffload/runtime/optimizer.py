@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -282,14 +282,7 @@ class CpuOptimizer(HostGradNorms):
         found = self._device_update_owner(chunk) if slots else None
         if found is None:
             return False
-        optimizer, twin = found
-        self._note_gradients(chunk)
-        hyper = self._hyper(chunk, optimizer)
-        self.early[chunk.index] = (optimizer, hyper)
-        self.manager.before_host_write(chunk.index)
-        pairs = [(self.masters[id(s.param)], s) for s in slots]
-        future = self.gpu.update_resident(chunk, twin, hyper, pairs)
-        self.manager.host_busy[chunk.index] = future
+        self._update_resident(chunk, *found, slots)
         for slot in slots:
             slot.param.grad = None
         return True
@@ -306,17 +299,33 @@ class CpuOptimizer(HostGradNorms):
         found = self._device_update_owner(chunk)
         if found is None or self.manager.state[chunk.index] != Residency.RESIDENT:
             return False
-        optimizer, twin = found
+        self._update_resident(
+            chunk,
+            *found,
+            chunk.trainable_slots,
+            grads=grads,
+            after=reduction.wait,
+            keep=reduction.flats,
+        )
+        return True
+
+    def _update_resident(
+        self,
+        chunk: Chunk,
+        optimizer: torch.optim.Optimizer,
+        twin: torch.optim.Optimizer,
+        slots: list[ParamSlot],
+        **kwargs: Any,
+    ) -> None:
+        """Start ``GpuUpdater.update_resident`` of ``chunk``'s ``slots`` (``kwargs``: its
+        gradients, when not their ``.grad``) as an update in this backward."""
         self._note_gradients(chunk)
         hyper = self._hyper(chunk, optimizer)
         self.early[chunk.index] = (optimizer, hyper)
         self.manager.before_host_write(chunk.index)
-        pairs = [(self.masters[id(s.param)], s) for s in chunk.trainable_slots]
-        future = self.gpu.update_resident(
-            chunk, twin, hyper, pairs, grads=grads, after=reduction.wait, keep=reduction.flats
-        )
+        pairs = [(self.masters[id(s.param)], s) for s in slots]
+        future = self.gpu.update_resident(chunk, twin, hyper, pairs, **kwargs)
         self.manager.host_busy[chunk.index] = future
-        return True
 
     def _update_now(self, chunk: Chunk) -> None:
         """Queue ``chunk``'s update right behind its gradients (ProTrain's overlap of the CPU
