@@ -324,6 +324,10 @@ def attach_data_parallel(runtime: Runtime, settings: Settings) -> DataParallel |
                     "master_weights",
                     "budget",
                     "shard_optimizer",
+                    # Whether the auto mode decides (a collective) and what it plans with.
+                    "update_in_backward",
+                    "gpu_update_chunks",
+                    "gpu_update_in_backward",
                 )
             },
         }
