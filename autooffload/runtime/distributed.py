@@ -174,11 +174,30 @@ class DataParallel:
 
     # ---- the cost model's view -----------------------------------------------------------------
 
+    @property
+    def collective_device(self) -> torch.device:
+        """Where the backend's collectives take their tensors (the GPU for NCCL)."""
+        return self.device if self.nccl else torch.device("cpu")
+
+    def time_collective(self, once: Callable[[], None], repeats: int) -> float:
+        """Seconds ``repeats`` calls of the collective ``once`` take on this rank, after one
+        call that warms up connections and buffers."""
+        cuda = self.collective_device.type == "cuda"
+        once()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            once()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        return max(time.perf_counter() - start, 1e-9)
+
     def measure_gradient_collective(self, nbytes: int, sharded: bool, repeats: int = 3) -> float:
         """Collective: the bandwidth (bytes/s) of the collective that averages one chunk's
         gradients (``reduce`` to the owner under sharded state, ``all_reduce`` otherwise), on a
         buffer of ``nbytes`` (the largest chunk's trainable bytes) at the real world size."""
-        device = self.device if self.nccl else torch.device("cpu")
+        device = self.collective_device
         buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
         dst = self._global_rank(0)
 
@@ -188,15 +207,7 @@ class DataParallel:
             else:
                 dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
 
-        once()  # warm-up: connections, buffers
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            once()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = max(time.perf_counter() - start, 1e-9)
+        seconds = self.time_collective(once, repeats)
         # Every rank takes the slowest rank's figure: the plan is rank 0's, the wait anyone's.
         measured = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.group)

@@ -23,7 +23,6 @@ update, the gradient D2H copies and that host memory fall ~N-fold per rank. The 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -78,18 +77,11 @@ class Sharding:
     def measure_broadcast(self, nbytes: int, repeats: int = 3) -> float:
         """Collective: the broadcast bandwidth (bytes/s) of one chunk-sized buffer, as the
         gathers of sharded chunks will see it (real world size, real chunk size)."""
-        device = self.dp.device if self.dp.nccl else torch.device("cpu")
-        buffer = torch.zeros(max(1, nbytes), dtype=torch.uint8, device=device)
+        buffer = torch.zeros(max(1, nbytes), dtype=torch.uint8, device=self.dp.collective_device)
         src = self.dp._global_rank(0)
-        dist.broadcast(buffer, src=src, group=self.dp.group)  # warm-up: connections, buffers
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            dist.broadcast(buffer, src=src, group=self.dp.group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = max(time.perf_counter() - start, 1e-9)
+        seconds = self.dp.time_collective(
+            lambda: dist.broadcast(buffer, src=src, group=self.dp.group), repeats
+        )
         bps = buffer.numel() * repeats / seconds
         logger.debug(
             "broadcast of %d MiB over %d ranks: %.1f GB/s", nbytes >> 20, self.world_size, bps / 1e9
