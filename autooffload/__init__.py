@@ -109,12 +109,12 @@ def no_sync(model: Any) -> contextlib.AbstractContextManager[None]:
 
 
 def consolidate(model: Any, to: int | None = 0) -> None:
-    """Call on every rank before saving a checkpoint when the CPU optimizer state is sharded
-    across data-parallel ranks (``AUTOOFFLOAD_SHARD_OPTIMIZER``, on by default under torchrun):
-    every rank's ``model.state_dict()`` then holds the current weights, and rank ``to``'s
-    ``optimizer.state_dict()`` the whole state in torch's standard layout, until the next step
-    (``to=None``: on every rank, at the cost of a full copy each). A no-op without sharding.
-    HF ``Trainer`` and accelerate's ``save_state`` call it for you.
+    """Call on every rank before saving a checkpoint when the weights and CPU optimizer state
+    of offloaded chunks are sharded across data-parallel ranks (``AUTOOFFLOAD_SHARD_OPTIMIZER``,
+    on by default under torchrun): rank ``to``'s ``model.state_dict()`` and
+    ``optimizer.state_dict()`` then hold the whole model and state in torch's standard layout,
+    until the next step (``to=None``: on every rank, at the cost of a full host copy each). A
+    no-op without sharding. HF ``Trainer`` and accelerate's ``save_state`` call it for you.
     """
     from autooffload import runtime as rt
     from autooffload.runtime.sharding import consolidate as _consolidate

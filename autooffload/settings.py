@@ -165,10 +165,10 @@ class Settings:
             exists (torchrun, accelerate launch), every rank's attached replica averages its
             gradients across ranks chunk by chunk; ``off``: leave gradients local (the script
             reduces them itself).
-        shard_optimizer: Under data parallelism, ``auto`` and ``on``: each rank keeps the fp32
-            masters, optimizer state and host gradients of only the offloaded trainable chunks it
-            owns (chunk ``i`` belongs to rank ``i % world_size``), receives their gradients by
-            ``reduce`` and updates them alone; the others get the chunk's weights by
+        shard_optimizer: Under data parallelism, ``auto`` and ``on``: each rank keeps the host
+            weights, fp32 masters, optimizer state and host gradients of only the trainable
+            chunks it owns (chunk ``i`` belongs to rank ``i % world_size``), receives their
+            gradients by ``reduce`` and updates them alone; the others get the chunk's weights by
             ``broadcast`` when they gather it. Host memory and CPU update time per rank fall
             ~N-fold; saving then needs :func:`autooffload.consolidate` on every rank (HF
             ``Trainer`` and accelerate's ``save_state`` do it). ``auto`` is ``on`` whenever some

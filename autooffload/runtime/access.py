@@ -45,8 +45,8 @@ def _store(runtime: Runtime, chunk: Chunk, slot: ParamSlot) -> None:
         # bytes go into the chunk and the param becomes a view of it again.
         view.copy_(param.data)
         param.data = view
-    if chunk.index in manager.persistent:
-        return
+    if chunk.index in manager.persistent or not manager.hosts(chunk.index):
+        return  # another rank's chunk: its owner stores the same change
     busy = manager.host_busy[chunk.index]
     if busy is not None:
         busy.result()

@@ -157,7 +157,8 @@ class DataParallel:
 
     def sync_replica(self, runtime: Runtime) -> None:
         """Make this rank's replica equal rank 0's: chunk bytes (host store, or device storage
-        of persistent chunks), resident params and buffers (DDP does this when it wraps)."""
+        of persistent chunks), resident params and buffers (DDP does this when it wraps; the
+        attach did it too). A sharded chunk has one copy, its owner's: nothing to sync."""
         runtime.synchronize()
         manager = runtime.manager
         manager.release_all()
@@ -166,6 +167,7 @@ class DataParallel:
             if chunk.index in manager.persistent
             else manager.host_for_write(chunk.index)
             for chunk in manager.chunks
+            if chunk.index in manager.persistent or not manager.is_sharded(chunk.index)
         ]
         tensors += [p.data for p in runtime.resident_params]
         tensors += [b for b in runtime.model.buffers() if b is not None]
@@ -379,6 +381,11 @@ def no_sync(model: torch.nn.Module) -> Iterator[None]:
             reducer.sync = sync
 
 
+def local_world_size() -> int:
+    """Ranks on this host, as torchrun (and accelerate launch) set ``LOCAL_WORLD_SIZE``."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def share_cpu_threads() -> None:
     """Give the CPU optimizer this rank's share of the host cores.
 
@@ -386,7 +393,7 @@ def share_cpu_threads() -> None:
     would leave the fused CPU optimizer on one core (~10x slower); each rank takes
     ``cores // local_world_size`` instead, unless the user set a larger count.
     """
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = local_world_size()
     if local <= 1:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

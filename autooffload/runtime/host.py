@@ -26,10 +26,12 @@ class HostArena:
             self.offsets.append(total)
             total += size
         self.total_bytes = total
+        self.sizes = sizes
         self.pinned = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._array: np.ndarray | None = None  # the buffer as numpy, for ``alias``
         if total == 0:
+            self.pinned = pin  # nothing to pin: report what was asked (a rank hosting no chunk)
             return
         if pin:
             try:
@@ -48,7 +50,6 @@ class HostArena:
         logger.debug(
             "host arena: %.2f GiB (%s)", total / (1 << 30), "pinned" if self.pinned else "pageable"
         )
-        self.sizes = sizes
 
     def view(self, index: int) -> torch.Tensor:
         """The byte view of chunk ``index``."""

@@ -107,10 +107,14 @@ class ChunkManager:
         self.is_cuda = device.type == "cuda"
         self.persistent = set(persistent)
         self.n_buffer = max(1, n_buffer)
-        self.host = HostArena([c.nbytes for c in self.chunks], pin=pin_memory and self.is_cuda)
         # Sharded CPU optimizer state (runtime/sharding.py): chunks other ranks own get their
-        # weights by broadcast and send their gradients by reduce; no staging for them here.
+        # weights by broadcast and send their gradients by reduce; this rank keeps neither
+        # their host bytes nor their gradient staging.
         self.sharding = sharding
+        self.host = HostArena(
+            [c.nbytes if self.hosts(c.index) else 0 for c in self.chunks],
+            pin=pin_memory and self.is_cuda,
+        )
         self.staging_offsets: dict[int, int] = {}
         staging_sizes = []
         for chunk in self.chunks:
@@ -182,12 +186,25 @@ class ChunkManager:
 
     # ---- setup / teardown -------------------------------------------------------------------
 
-    def adopt_params(self) -> None:
-        """Move every parameter's bytes into the host store, then point it at its GPU chunk."""
+    def hosts(self, index: int) -> bool:
+        """Whether this rank keeps chunk ``index``'s bytes in its host store: every chunk, except
+        under sharding a trainable chunk another rank owns (its owner's copy is the only one)."""
+        return self.sharding is None or self.sharding.hosts(index)
+
+    def adopt_params(self, sync: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Move every parameter's bytes into the host store (or straight to the device, for a
+        persistent chunk this rank does not host), then point it at its GPU chunk. ``sync``:
+        called on each chunk's packed bytes before they are stored (data parallelism: every
+        rank takes rank 0's, as DDP does when it wraps a model)."""
         for chunk in self.chunks:
-            host = self.host.view(chunk.index)
+            if self.hosts(chunk.index):
+                host = self.host.view(chunk.index)
+            else:
+                host = torch.empty(chunk.nbytes, dtype=torch.uint8)
             for slot in chunk.slots:
                 _view(host, slot).copy_(slot.param.data)
+            if sync is not None:
+                sync(host)
             flat = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
             for slot in chunk.slots:
                 slot.param.data = _view(flat, slot)
@@ -199,14 +216,25 @@ class ChunkManager:
                 flat.untyped_storage().resize_(0)
 
     def host_view(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
-        """The parameter's compute copy in the host store."""
-        return _view(self.host.view(chunk.index), slot)
+        """The parameter's compute copy in the host store (a chunk this rank hosts)."""
+        return _view(self._hosted(chunk.index), slot)
+
+    def _hosted(self, index: int) -> torch.Tensor:
+        if not self.hosts(index):
+            raise RuntimeError(
+                f"autooffload internal error: chunk {index} is hosted by rank"
+                f" {self.sharding.owner(index)} only"  # type: ignore[union-attr]
+            )
+        return self.host.view(index)
 
     def host_alias(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
         """The parameter's host bytes as a tensor of its own storage, copied on write: before
         the runtime next writes the chunk's host bytes (an update, a load, a write-back),
         ``before_host_write`` gives every alias still alive a private copy, so an alias keeps
         the values it had when taken and costs no memory unless it outlives them."""
+        if not self.hosts(chunk.index):
+            # Another rank's chunk: the consolidated copy (never written, so no watch).
+            return self.sharding.weight_alias(chunk.index, slot)  # type: ignore[union-attr]
         alias = self.host.alias(chunk.index, slot.offset, slot.nbytes, slot.dtype, slot.shape)
         self.watch_alias(chunk.index, alias)
         return alias
@@ -238,7 +266,7 @@ class ChunkManager:
     def host_for_write(self, index: int) -> torch.Tensor:
         """Chunk ``index``'s host bytes, for a caller about to write them."""
         self.before_host_write(index)
-        return self.host.view(index)
+        return self._hosted(index)
 
     def watch_alias(self, index: int, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` out of chunk ``index``'s host bytes before they are next written."""
@@ -269,23 +297,27 @@ class ChunkManager:
             if self.state[index] != Residency.RESIDENT:
                 self.gather(index)
             self.persistent.add(index)
-            if self.sharding is not None:
-                self.sharding.dirty.discard(index)
         self.n_buffer = max(1, n_buffer)
 
     def _write_back(self, index: int) -> None:
         """Copy a resident chunk's GPU bytes to the host store (persistent chunks are updated
-        on the GPU, so their host copy is stale until written back)."""
-        if self.state[index] == Residency.RESIDENT:
+        on the GPU, so their host copy is stale until written back). A chunk this rank does
+        not host is written back by its owner (replicas of a persistent chunk are equal)."""
+        if self.state[index] == Residency.RESIDENT and self.hosts(index):
             self.before_host_write(index)
             self.host.view(index).copy_(self.gpu_flat[index])
 
-    def materialize(self, device: torch.device) -> None:
-        """Detach: give every parameter an ordinary tensor on ``device`` with its current bytes."""
+    def materialize(
+        self, device: torch.device, fetched: dict[int, torch.Tensor] | None = None
+    ) -> None:
+        """Detach: give every parameter an ordinary tensor on ``device`` with its current bytes
+        (``fetched``: the bytes of offloaded chunks this rank does not host, by index)."""
         self.synchronize()
         for chunk in self.chunks:
             if chunk.index in self.persistent:
                 source = self.gpu_flat[chunk.index]
+            elif fetched and chunk.index in fetched:
+                source = fetched[chunk.index]
             else:
                 source = self.host.view(chunk.index)
             for slot in chunk.slots:

@@ -179,8 +179,10 @@ class CpuOptimizer(HostGradNorms):
         self.wait()
         for chunk, slot in self.offloaded_slots():
             master = self.masters.get(id(slot.param))
+            if master is None:
+                continue  # another rank's chunk (sharded state): its owner keeps the master
             host = self.manager.host_view(slot, chunk)
-            if master is not None and master.data_ptr() != host.data_ptr():
+            if master.data_ptr() != host.data_ptr():
                 master.copy_(host)
 
     def offloaded_slots(self) -> list[tuple[Chunk, ParamSlot]]:

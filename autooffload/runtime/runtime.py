@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -24,19 +26,20 @@ from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.calibration import StepTimer, check_planned_steps, worker_rate
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
-from autooffload.runtime.distributed import attach_data_parallel
+from autooffload.runtime.distributed import DataParallel, attach_data_parallel, local_world_size
 from autooffload.runtime.hooks import GroupHooks
 from autooffload.runtime.manager import ChunkManager
 from autooffload.runtime.oom import OomRetry
 from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
     check_host_memory,
+    host_memory_now,
     initial_plan,
     profile_after_step,
     switch_to_searched_plan,
 )
 from autooffload.runtime.quantized import QuantizedParams
-from autooffload.runtime.sharding import Sharding, refresh_hosts
+from autooffload.runtime.sharding import Sharding, fetch_offloaded
 from autooffload.runtime.state import (
     ModelStateHooks,
     adopt_existing_state,
@@ -83,6 +86,8 @@ class Runtime(GroupHooks):
         chunk_size = settings.chunk_size or default_chunk_size(block_bytes)
         self.layout = build_layout(params_by_group, chunk_size, self.quantized.named())
         self.plan: Plan = initial_plan(self, settings)
+        # Read before the first collective, so before any rank allocates its host store.
+        memory = host_memory_now()
         # Under torchrun: rank 0's plan on every rank, same layout and settings checked.
         self.data_parallel = attach_data_parallel(self, settings)
         # An explicit oom_retry=True only: auto (None) leaves the retry off in this mode.
@@ -91,14 +96,26 @@ class Runtime(GroupHooks):
                 "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 excludes AUTOOFFLOAD_OOM_RETRY=1 (a retried"
                 " backward would update twice): set one of them to 0"
             )
-        check_host_memory(self.layout, self.plan.n_persist, settings, _host_param_bytes(model))
+        sharding = Sharding.create(settings, self.data_parallel, self.layout)
+        _everywhere(
+            self.data_parallel,
+            lambda: check_host_memory(
+                self.layout,
+                self.plan.n_persist,
+                settings,
+                _host_param_bytes(model),
+                memory,
+                hosts=None if sharding is None else sharding.hosts,
+                local_ranks=1 if self.data_parallel is None else local_world_size(),
+            ),
+        )
         self.manager = ChunkManager(
             self.layout,
             device,
             persistent=range(self.plan.n_persist),
             n_buffer=self.plan.n_buffer,
             pin_memory=True,
-            sharding=Sharding.create(settings, self.data_parallel, self.layout),
+            sharding=sharding,
             chunk_pool=settings.chunk_pool,
         )
         self.manager.data_parallel = self.data_parallel
@@ -108,7 +125,11 @@ class Runtime(GroupHooks):
                 max(c.trainable_bytes for c in self.layout.chunks),
                 sharded=self.manager.sharding is not None,
             )
-        self.manager.adopt_params()
+        # Under data parallelism every replica starts as rank 0's (as DDP makes it when it
+        # wraps a model): a sharded chunk's only copy is its owner's, and replicas built from
+        # different seeds (PEFT's random adapter init) would otherwise train apart.
+        dp = self.data_parallel
+        self.manager.adopt_params(sync=None if dp is None else lambda t: dp.broadcast_([t]))
         self.quantized.bind_aliases(model.parameters())
         for param in self.resident_params:
             param.data = param.data.to(device)
@@ -116,6 +137,9 @@ class Runtime(GroupHooks):
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
+        if dp is not None:
+            dp.broadcast_([p.data for p in self.resident_params])
+            dp.broadcast_([b for b in model.buffers() if b is not None])
         self.cpu_optim = CpuOptimizer(self.manager, settings.master_weights, settings.cpu_threads)
         self._assign_gpu_updates(self.plan)
         self.backward_update = BackwardUpdateMode(self)
@@ -317,7 +341,7 @@ class Runtime(GroupHooks):
         self.cleared_since_step = False
         sharding = self.manager.sharding
         if apply_update and sharding is not None:
-            sharding.dirty.update(i for i in sharding.trainable if self.manager.is_sharded(i))
+            sharding.weights = {}  # consolidated copies of other ranks' chunks are stale now
         self.manager.fold_copy_times()
         if profile is not None:
             # Switched at the next forward: other optimizers of this model step after this one.
@@ -410,7 +434,8 @@ class Runtime(GroupHooks):
                 " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 leaves such steps without any update",
             )
         self.cpu_optim.wait()
-        refresh_hosts(self)  # a collective under sharding: every rank detaches
+        # A collective under sharding (every rank detaches): the chunks other ranks own.
+        fetched = fetch_offloaded(self, None)
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -422,7 +447,7 @@ class Runtime(GroupHooks):
                 remove_policy(group.module)
         if self.hf_checkpointing_taken:
             restore_hf_gradient_checkpointing(self.model)
-        self.manager.materialize(target)
+        self.manager.materialize(target, fetched)
         self.quantized.bind_aliases(self.model.parameters())
         self.quantized.restore(target)
         for param in self.resident_params:
@@ -454,6 +479,24 @@ class Runtime(GroupHooks):
             allocator.release(self.allocator_hold)
             self.allocator_hold = False
         return self.model
+
+
+def _everywhere(data_parallel: DataParallel | None, check: Callable[[], None]) -> None:
+    """Run an attach-time ``check``; under data parallelism a failure on any rank fails every
+    rank's attach with it (a rank left attaching alone would hang in the next collective)."""
+    try:
+        check()
+        problem = None
+    except PlanError as error:
+        problem = error
+    if data_parallel is not None:
+        messages = data_parallel.gather_object(None if problem is None else str(problem))
+        failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+        if failed and problem is None:
+            rank, message = failed[0]
+            raise PlanError(f"rank {rank}: {message}")
+    if problem is not None:
+        raise problem
 
 
 def _host_param_bytes(model: nn.Module) -> int:

@@ -12,10 +12,11 @@ update, the gradient D2H copies and that host memory fall ~N-fold per rank. The 
   ``broadcast``-s the device bytes to the others, which receive into their chunk storage. Every
   rank gathers and prefetches the same chunks in the same order (prefetch decisions depend only
   on the plan, never on CPU timing, under sharding), so the collectives match.
-* **host copies**: a non-owner's host store keeps the chunk's bytes of the last
-  :meth:`Sharding.refresh_hosts` (attach, load, consolidate); chunks stepped since are
-  ``dirty``, the same set on every rank. Reading them (``state_dict``, detach) needs the
-  collective refresh first: :func:`autooffload.consolidate` on every rank.
+* **host copies**: only the owner keeps a sharded chunk's bytes in its host store (the only
+  copy, so replicas cannot drift apart); with the masters, optimizer state and gradients,
+  a rank's host memory for the trainable chunks falls N-fold. Reading another rank's chunk
+  (``state_dict``, detach) fetches it from its owner: :func:`autooffload.consolidate` on
+  every rank gives its destination a copy of each, dropped at the next step.
 * **optimizer state** is gathered to one rank by :meth:`Sharding.gather_states` for a checkpoint
   in torch's standard layout; loading gives every rank the whole state dict and each keeps its
   own chunks' part, so a checkpoint resumes at any world size.
@@ -35,7 +36,7 @@ from autooffload.log import logger
 
 if TYPE_CHECKING:
     from autooffload.plan.profile_types import HardwareProfile
-    from autooffload.runtime.chunks import ChunkLayout
+    from autooffload.runtime.chunks import ChunkLayout, ParamSlot
     from autooffload.runtime.distributed import DataParallel
     from autooffload.runtime.runtime import Runtime
     from autooffload.settings import Settings
@@ -53,8 +54,9 @@ class Sharding:
         self.rank = data_parallel.rank
         self.world_size = data_parallel.world_size
         self.trainable = frozenset(c.index for c in layout.chunks if c.trainable_slots)
-        # Sharded chunks stepped since the last host refresh (identical on every rank).
-        self.dirty: set[int] = set()
+        # Bytes of the offloaded chunks other ranks own, on a rank that consolidated them
+        # (``consolidate``): valid until the next step or load, which drop them.
+        self.weights: dict[int, torch.Tensor] = {}
         # Optimizer step counter of the last gather_states; its result, per optimizer id.
         self.consolidated_at: int | None = None
         self.consolidated: dict[int, dict[int, dict]] = {}
@@ -111,6 +113,11 @@ class Sharding:
     def owns(self, index: int) -> bool:
         return self.owner(index) == self.rank
 
+    def hosts(self, index: int) -> bool:
+        """Whether this rank keeps chunk ``index``'s bytes on its host: a frozen chunk (every
+        rank streams its own copy) or a trainable one it owns."""
+        return index not in self.trainable or self.owns(index)
+
     def applies(self, index: int, persistent: set[int]) -> bool:
         """Whether chunk ``index`` is sharded now (trainable and offloaded)."""
         return index in self.trainable and index not in persistent
@@ -138,25 +145,44 @@ class Sharding:
         value.copy_(staged)
         return value
 
-    def refresh_hosts(
-        self, host_view: Callable[[int], torch.Tensor], before_read: Callable[[int], None]
-    ) -> None:
-        """Collective: every rank's host store gets the owners' bytes of the dirty chunks."""
-        for index in sorted(self.dirty):
-            host = host_view(index)
-            if self.owns(index):
-                before_read(index)
-            if self.dp.nccl:
-                if self.owns(index):
-                    staged = host.to(self.dp.device, non_blocking=True)
-                else:
-                    staged = torch.empty_like(host, device=self.dp.device)
-                self.broadcast(staged, index).wait()
-                if not self.owns(index):
-                    host.copy_(staged)
-            else:
-                self.broadcast(host, index).wait()
-        self.dirty.clear()
+    def fetch(
+        self, host: torch.Tensor | None, index: int, nbytes: int, dst: int | None
+    ) -> torch.Tensor | None:
+        """Collective (every rank calls it alike): the owner's host bytes ``host`` of chunk
+        ``index`` as a CPU tensor on group rank ``dst`` (every rank if None); None elsewhere,
+        the owner included. One rank receives by point-to-point; every rank, by broadcast."""
+        owns = self.owns(index)
+        if dst is not None and self.owner(index) == dst:
+            return None
+        receives = not owns and dst in (None, self.rank)
+        if not owns and not receives:
+            return None
+        device = self.dp.collective_device
+        if owns:
+            assert host is not None
+            staged = host.to(device) if device.type != "cpu" else host
+        else:
+            staged = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if dst is None:
+            dist.broadcast(staged, src=self._src(index), group=self.dp.group)
+        elif owns:
+            dist.send(staged, dst=self.dp._global_rank(dst), group=self.dp.group)
+        else:
+            dist.recv(staged, src=self._src(index), group=self.dp.group)
+        return staged.cpu() if receives else None
+
+    def weight_alias(self, index: int, slot: ParamSlot) -> torch.Tensor:
+        """A parameter of another rank's chunk ``index`` from its consolidated bytes, as a
+        tensor of its own storage (see ``HostArena.alias``)."""
+        weights = self.weights.get(index)
+        if weights is None:
+            raise self.not_consolidated("model.state_dict()")
+        if slot.nbytes == 0:
+            return torch.empty(slot.shape, dtype=slot.dtype)
+        count = slot.nbytes // slot.dtype.itemsize
+        return torch.frombuffer(
+            weights.numpy(), dtype=slot.dtype, count=count, offset=slot.offset
+        ).view(slot.shape)
 
     def gather_states(
         self, payloads: dict[int, Any], indices: Sequence[int], dst: int | None
@@ -220,36 +246,49 @@ class Sharding:
 
     def not_consolidated(self, what: str) -> NotConsolidatedError:
         return NotConsolidatedError(
-            f"{what} reads offloaded chunks that other ranks own and updated (the CPU optimizer"
-            f" state is sharded over {self.world_size} ranks, AUTOOFFLOAD_SHARD_OPTIMIZER=auto);"
-            " call autooffload.consolidate(model) on every rank first, then save on one, or set"
-            " AUTOOFFLOAD_SHARD_OPTIMIZER=off"
+            f"{what} on rank {self.rank} reads offloaded chunks that other ranks own (weights"
+            f" and CPU optimizer state are sharded over {self.world_size} ranks,"
+            " AUTOOFFLOAD_SHARD_OPTIMIZER=auto); call autooffload.consolidate(model) on every"
+            f" rank first (to={self.rank} for this rank, to=None for all), then read it there,"
+            " or set AUTOOFFLOAD_SHARD_OPTIMIZER=off"
+        )
+
+    def readable(self, hosts: Callable[[int], bool], persistent: set[int]) -> bool:
+        """Whether every offloaded chunk is hosted here or consolidated to this rank."""
+        return all(
+            index in self.weights or hosts(index) or index in persistent for index in self.trainable
         )
 
 
-def refresh_hosts(runtime: Runtime) -> None:
-    """Collective under sharding: every rank's host store holds the current weights of every
-    chunk (a no-op, and no collective, when nothing was stepped since the last refresh)."""
+def fetch_offloaded(runtime: Runtime, dst: int | None) -> dict[int, torch.Tensor]:
+    """Collective under sharding: the bytes of every offloaded chunk that group rank ``dst``
+    (every rank if None) does not host, on that rank, by index; {} elsewhere."""
     manager = runtime.manager
     sharding = manager.sharding
-    if sharding is None or not sharding.dirty:
-        return
+    if sharding is None:
+        return {}
     runtime.synchronize()
-    sharding.refresh_hosts(
-        manager.host_for_write, lambda index: manager._wait(manager.host_busy, index)
-    )
+    fetched = {}
+    for index in sorted(sharding.trainable - manager.persistent):
+        host = None
+        if sharding.owns(index):
+            manager._wait(manager.host_busy, index)
+            host = manager.host.view(index)
+        got = sharding.fetch(host, index, manager.chunks[index].nbytes, dst)
+        if got is not None:
+            fetched[index] = got
+    return fetched
 
 
 def consolidate(runtime: Runtime, dst: int | None = 0) -> None:
-    """Collective: refresh every rank's host weights and gather the sharded optimizer state of
-    every bound optimizer to group rank ``dst`` (every rank if None), where
-    ``optimizer.state_dict()`` then returns it in torch's standard layout (until the next
+    """Collective: copy the sharded weights and optimizer state of every bound optimizer to
+    group rank ``dst`` (every rank if None), where ``model.state_dict()`` and
+    ``optimizer.state_dict()`` then return them in torch's standard layout (until the next
     step)."""
     sharding = runtime.manager.sharding
     if sharding is None:
         return
-    refresh_hosts(runtime)
-    runtime.synchronize()
+    sharding.weights = fetch_offloaded(runtime, dst)
     cpu_optim = runtime.cpu_optim
     chunks = runtime.layout.chunks
     indices = sorted(i for i in sharding.trainable if runtime.manager.is_sharded(i))

@@ -68,8 +68,9 @@ class ModelStateHooks:
         if self._depth == 0:
             self._entries.clear()
             self._destination = None
-            sharding = self.runtime.manager.sharding
-            if sharding is not None and sharding.dirty:
+            manager = self.runtime.manager
+            sharding = manager.sharding
+            if sharding is not None and not sharding.readable(manager.hosts, manager.persistent):
                 raise sharding.not_consolidated("model.state_dict()")
             # Pending CPU updates write the host store: the state dict shows the stepped weights.
             self.runtime.synchronize()
@@ -160,6 +161,13 @@ def write_param(runtime: Runtime, chunk: Chunk, slot: ParamSlot, value: torch.Te
     with torch.no_grad():
         if chunk.index in manager.persistent:
             slot.param.data.copy_(value)
+            return
+        if not manager.hosts(chunk.index):
+            # Its owner stores it (every rank loads the same state dict); a consolidated copy
+            # of it held here is stale now.
+            manager.sharding.weights.pop(chunk.index, None)  # type: ignore[union-attr]
+            if manager.state[chunk.index] != Residency.HOST:
+                slot.param.data.copy_(value)
             return
         manager.before_host_write(chunk.index)
         host = manager.host_view(slot, chunk)

@@ -76,7 +76,7 @@ def train(out: Path, attached: bool) -> tuple[dict[str, torch.Tensor], dict]:
         facts["wrapper"] = type(wrapped).__name__
         facts["pass_through"] = getattr(wrapped, "_autooffload_runtimes", None) is not None
     if attached:
-        autooffload.consolidate(model)  # every rank: the CPU optimizer state is sharded
+        autooffload.consolidate(model, to=None)  # every rank reads its state dict below
     weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     if attached:
         autooffload.disable()

@@ -102,8 +102,8 @@ def test_container_limit_below_the_need_fails_naming_it(monkeypatch):
     assert rt.runtimes() == []
 
 
-def _layout(model: torch.nn.Module):
-    runtime = autooffload.attach(copy.deepcopy(model), device="cpu", n_persist=0)
+def _layout(model: torch.nn.Module, **settings):
+    runtime = autooffload.attach(copy.deepcopy(model), device="cpu", n_persist=0, **settings)
     layout = runtime.layout
     rt.detach(runtime.model)
     return layout
@@ -118,6 +118,37 @@ def test_needed_bytes_count_masters_and_optimizer_state():
     all_persistent = planning.host_bytes_needed(layout, len(layout.chunks), master_weights=True)
     assert all_persistent["masters"] == 0
     assert all_persistent["host store"] == off["host store"] == layout.total_bytes
+
+
+def test_sharded_ranks_need_their_own_chunks_only_and_share_the_host():
+    """Under sharded state a rank keeps the host bytes, staging, masters and optimizer state of
+    the trainable chunks it owns; ranks on one host split its available memory."""
+    model = tiny_llama().to(torch.bfloat16)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    layout = _layout(model, chunk_size=size // 4)
+    assert len(layout.chunks) >= 3
+    whole = planning.host_bytes_needed(layout, n_persist=0, master_weights=True)
+    halves = [
+        planning.host_bytes_needed(
+            layout, n_persist=0, master_weights=True, hosts=lambda i, r=r: i % 2 == r
+        )
+        for r in range(2)
+    ]
+    for part in whole:
+        assert halves[0][part] + halves[1][part] == whole[part]
+        assert halves[0][part] < whole[part] or whole[part] == 0
+    settings = autooffload.Settings(master_weights=True)
+    need = sum(halves[0].values())
+    enough = HostMemory(total_bytes=1 << 40, available_bytes=2 * need, cgroup_limited=False)
+    planning.check_host_memory(
+        layout, 0, settings, memory=enough, hosts=lambda i: i % 2 == 0, local_ranks=2
+    )
+    # Two ranks each needing ``need``: short by one byte is refused, naming the sharing.
+    short = HostMemory(total_bytes=1 << 40, available_bytes=2 * need - 2, cgroup_limited=False)
+    with pytest.raises(PlanError, match="per rank .* shared by the 2 ranks on this host"):
+        planning.check_host_memory(
+            layout, 0, settings, memory=short, hosts=lambda i: i % 2 == 0, local_ranks=2
+        )
 
 
 def test_generous_host_budget_attaches_and_trains():

@@ -37,8 +37,8 @@ def global_batches(n: int, vocab: int = 128, seq: int = 16) -> list[torch.Tensor
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights; a collective under sharding (every rank calls it)."""
-    autooffload.consolidate(model)
+    """The model's weights on every rank; a collective under sharding (every rank calls it)."""
+    autooffload.consolidate(model, to=None)
     return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
 
 
@@ -65,12 +65,24 @@ def sharding_facts(model: torch.nn.Module) -> dict:
             }
         ),
     }
+    manager = runtime.manager
+    trainable = [c for c in runtime.layout.chunks if c.trainable_slots]
+    facts["host_store_bytes"] = manager.host.total_bytes
+    facts["trainable_bytes"] = sum(c.nbytes for c in trainable)
+    facts["hosted_trainable_bytes"] = sum(c.nbytes for c in trainable if manager.hosts(c.index))
+    facts["unconsolidated_error"] = _state_dict_error(model)
+    # Consolidated to rank 0: its state dict reads every chunk, the other rank's still none.
+    autooffload.consolidate(model, to=0)
+    facts["consolidated_to_0_error"] = _state_dict_error(model)
+    return facts
+
+
+def _state_dict_error(model: torch.nn.Module) -> str | None:
     try:
         model.state_dict()
-        facts["unconsolidated_error"] = None
     except autooffload.AutoOffloadError as error:
-        facts["unconsolidated_error"] = str(error)
-    return facts
+        return str(error)
+    return None
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -154,9 +166,10 @@ def case_dp(device, dtype, rank, world, **overrides):
     """Plain loop under torchrun: the attached replicas average gradients themselves (and, by
     default, each rank keeps and updates the CPU optimizer state of its own chunks). The loop
     neither clips nor accumulates, so from its second step the CPU updates offloaded chunks in
-    the backward, as their averaged gradients arrive (the auto mode)."""
+    the backward, as their averaged gradients arrive (the auto mode). Rank 1 builds its model
+    from another seed: the attach makes every replica rank 0's, as DDP does."""
     enable(device, **overrides)
-    model = tiny_llama().to(device, dtype)
+    model = tiny_llama(seed=rank).to(device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     train_local(model, optimizer, global_batches(STEPS), device, rank, world)
     facts = sharding_facts(model)
@@ -354,7 +367,7 @@ def case_mismatch(device, dtype, rank, world, **per_rank):
     enable(device, **(per_rank or {"n_persist": 1 + rank}))
     try:
         tiny_llama().to(device, dtype)
-    except autooffload.AttachError as error:
+    except autooffload.AutoOffloadError as error:
         return str(error)
     finally:
         autooffload.disable()
@@ -453,6 +466,10 @@ def main() -> None:
         shard = "off" if rank else "on"
         report["shard_mismatch_error"] = case_mismatch(
             device, dtype, rank, world, shard_optimizer=shard
+        )
+        # Host memory short on rank 1 only (its budget): both ranks fail the attach with it.
+        report["host_budget_error"] = case_mismatch(
+            device, dtype, rank, world, host_budget=1000 if rank else None
         )
         resumed = case_resume(device, dtype, rank, world, args.out)
         report["resume2_vs_averaged"] = max_diff(resumed, averaged)

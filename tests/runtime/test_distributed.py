@@ -99,6 +99,26 @@ def test_sharded_state_each_rank_keeps_its_half_and_saving_needs_consolidate(cpu
     assert all(0 < f["masters"] < offloaded for f in facts)
     for f in facts:
         assert "autooffload.consolidate(model) on every rank" in f["unconsolidated_error"]
+    # consolidate(to=0) copies the other rank's chunks to rank 0 alone.
+    assert facts[0]["consolidated_to_0_error"] is None
+    assert "to=1 for this rank" in facts[1]["consolidated_to_0_error"]
+
+
+def test_sharded_state_each_rank_hosts_only_its_own_trainable_chunks(cpu_run):
+    """The bf16 (here fp32) host copies are sharded too: a trainable chunk's bytes live on its
+    owner's host alone, so the ranks' host stores together hold each trainable chunk once."""
+    reports, _ = cpu_run
+    facts = [report["sharding"] for report in reports]
+    trainable = facts[0]["trainable_bytes"]
+    assert sum(f["hosted_trainable_bytes"] for f in facts) == trainable > 0
+    for f in facts:
+        assert 0 < f["hosted_trainable_bytes"] < trainable
+        # Every chunk of this model trains: the host store holds this rank's chunks only.
+        assert f["host_store_bytes"] == f["hosted_trainable_bytes"]
+    # Replicated state keeps every chunk on every host.
+    for report in reports:
+        replicated = report["replicated"]
+        assert replicated["hosted_trainable_bytes"] == replicated["trainable_bytes"]
 
 
 def test_chunks_made_persistent_take_their_owners_optimizer_state(cpu_run):
@@ -189,6 +209,15 @@ def test_mismatched_settings_raise_the_same_error_on_every_rank(cpu_run):
     assert len(errors) == 1
     (error,) = errors
     assert error.startswith("ranks disagree on") and "shard_optimizer" in error
+
+
+def test_host_memory_short_on_one_rank_fails_every_ranks_attach(cpu_run):
+    """A rank whose host check fails would leave the others waiting in the attach's next
+    collective: every rank raises it, naming the rank and the setting."""
+    reports, _ = cpu_run
+    errors = [report["host_budget_error"] for report in reports]
+    assert errors[1].startswith("autooffload needs") and "AUTOOFFLOAD_HOST_BUDGET=1000" in errors[1]
+    assert errors[0] == f"rank 1: {errors[1]}"
 
 
 def test_checkpoint_of_two_ranks_resumes_at_two_and_at_one(cpu_run):
