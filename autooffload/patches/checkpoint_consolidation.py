@@ -5,6 +5,8 @@ writing a checkpoint needs one collective on every rank before the saving rank r
 weights and the optimizer state. ``Trainer._save_checkpoint`` runs on every rank and saves the
 optimizer on rank 0 only: it consolidates to rank 0. ``Accelerator.save_state`` asks every
 rank for ``optimizer.state_dict()`` (and writes on the main one): it consolidates to all.
+``Accelerator.load_state`` reads ``model.state_dict()`` for its names and shapes only (in
+safetensors' ``load_model``): chunks the rank does not hold are meta tensors there.
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ def _accelerator_save_state(wrapped: Any, instance: Any, args: tuple, kwargs: di
     return wrapped(*args, **kwargs)
 
 
+def _accelerator_load_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    from autooffload import runtime as rt
+    from autooffload.runtime.sharding import shapes_only
+
+    runtimes = [r for m in getattr(instance, "_models", []) for r in rt.runtimes_in(m)]
+    with shapes_only(runtimes):
+        return wrapped(*args, **kwargs)
+
+
 def install(settings: Settings, target: str) -> None:
     # The module itself: its package may still be initialising (a post-import hook).
     module = sys.modules[target]
@@ -43,6 +54,7 @@ def install(settings: Settings, target: str) -> None:
         _registry.wrap(module.Trainer, "_save_checkpoint", _trainer_save_checkpoint, __name__)
     else:
         _registry.wrap(module.Accelerator, "save_state", _accelerator_save_state, __name__)
+        _registry.wrap(module.Accelerator, "load_state", _accelerator_load_state, __name__)
 
 
 def uninstall() -> None:

@@ -24,7 +24,8 @@ update, the gradient D2H copies and that host memory fall ~N-fold per rank. The 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,8 @@ class Sharding:
         # Bytes of the offloaded chunks other ranks own, on a rank that consolidated them
         # (``consolidate``): valid until the next step or load, which drop them.
         self.weights: dict[int, torch.Tensor] = {}
+        # Inside ``shapes_only``: state-dict entries of those chunks are meta tensors.
+        self.shapes_only = False
         # Optimizer step counter of the last gather_states; its result, per optimizer id.
         self.consolidated_at: int | None = None
         self.consolidated: dict[int, dict[int, dict]] = {}
@@ -175,6 +178,8 @@ class Sharding:
         """A parameter of another rank's chunk ``index`` from its consolidated bytes, as a
         tensor of its own storage (see ``HostArena.alias``)."""
         weights = self.weights.get(index)
+        if weights is None and self.shapes_only:
+            return torch.empty(slot.shape, dtype=slot.dtype, device="meta")
         if weights is None:
             raise self.not_consolidated("model.state_dict()")
         if slot.nbytes == 0:
@@ -254,10 +259,27 @@ class Sharding:
         )
 
     def readable(self, hosts: Callable[[int], bool], persistent: set[int]) -> bool:
-        """Whether every offloaded chunk is hosted here or consolidated to this rank."""
-        return all(
+        """Whether every offloaded chunk is hosted here or consolidated to this rank (or only
+        names and shapes are asked for, ``shapes_only``)."""
+        return self.shapes_only or all(
             index in self.weights or hosts(index) or index in persistent for index in self.trainable
         )
+
+
+@contextlib.contextmanager
+def shapes_only(runtimes: list[Runtime]) -> Iterator[None]:
+    """In the block, ``model.state_dict()`` on a rank without every chunk gives meta tensors
+    for those it lacks instead of raising: for callers that read only names, shapes and
+    storage sharing before they load a state dict (safetensors' ``load_model``, which
+    ``Accelerator.load_state`` uses; it skips meta tensors). Nothing read there is saved."""
+    shardings = [r.manager.sharding for r in runtimes if r.manager.sharding is not None]
+    for sharding in shardings:
+        sharding.shapes_only = True
+    try:
+        yield
+    finally:
+        for sharding in shardings:
+            sharding.shapes_only = False
 
 
 def fetch_offloaded(runtime: Runtime, dst: int | None) -> dict[int, torch.Tensor]:

@@ -85,7 +85,8 @@ def train(out: Path, attached: bool) -> tuple[dict[str, torch.Tensor], dict]:
 
 def accelerate_loop(attached: bool, out: Path) -> dict[str, torch.Tensor]:
     """An accelerate loop: prepare (DDP), accumulate over 2 micro-batches, clip, step, then
-    ``save_state`` into ``out`` (the sharded optimizer state gathered by autooffload's patch)."""
+    ``save_state`` into ``out`` (the sharded optimizer state gathered by autooffload's patch),
+    one more step, and ``load_state`` back (every rank reads ``model.state_dict()`` there)."""
     from accelerate import Accelerator
 
     if attached:
@@ -105,7 +106,21 @@ def accelerate_loop(attached: bool, out: Path) -> dict[str, torch.Tensor]:
             optimizer.step()
             optimizer.zero_grad()
     accelerator.save_state(str(out))
+    # One more step, back to the saved state (load_state must restore the weights), and one
+    # step from there (it must restore the optimizer state too).
+    one_step = range(2)
+    for step in (*one_step, "load", *one_step):
+        if step == "load":
+            accelerator.load_state(str(out))
+            continue
+        ids = rows[2 * step : 2 * step + 2].chunk(world)[rank]
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            optimizer.step()
+            optimizer.zero_grad()
     inner = accelerator.unwrap_model(model)
+    if attached:
+        autooffload.consolidate(inner, to=None)  # every rank reads its state dict below
     weights = {k: v.detach().float().clone() for k, v in inner.state_dict().items()}
     if attached:
         assert rt.runtime_of(inner) is not None, "the accelerate model was not attached"
