@@ -242,12 +242,14 @@ def test_a_patch_module_with_a_broken_import_is_not_hidden(monkeypatch, tmp_path
 def test_every_attribute_touched_by_the_real_patches_is_restored(fake_json_patch, monkeypatch):
     import torch  # noqa: F401 - imported first so the torch patches install at once
     import transformers  # noqa: F401
+    import transformers.generation.utils  # noqa: F401 - sharded_generate's target
 
-    real = ("torch_module", "torch_optim", "peft_lora", "bnb", "hf_collators")
+    real = ("torch_module", "torch_optim", "peft_lora", "bnb", "hf_collators", "sharded_generate")
     monkeypatch.setattr(patches, "PATCH_MODULES", (*real, "_fake_json"))
     autooffload.enable()
     touched = [(r.owner, r.attr, r.original, r.own) for r in _registry.records()]
     assert touched, "no patch was installed"
+    assert any(attr == "generate" for _, attr, _, _ in touched), "sharded_generate not installed"
     autooffload.disable()
     for owner, attr, original, own in touched:
         assert stored(owner, attr) is original, f"{owner!r}.{attr} not restored"

@@ -30,6 +30,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "trl_fused_head",
     "torch_ddp",
     "checkpoint_consolidation",
+    "sharded_generate",
 )
 
 # The registry state: the settings of the current enable() (None when disabled), the

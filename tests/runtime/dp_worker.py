@@ -374,6 +374,32 @@ def case_mismatch(device, dtype, rank, world, **per_rank):
     return "no error"
 
 
+def case_generate(device, dtype, rank, world):
+    """Greedy ``generate`` on every rank from its own prompt, to its own length (the caller
+    leaves ``synced_gpus`` unset): the sharded gathers stay paired, each rank's tokens equal
+    plain generate's on the same weights, and the ranks ran the same number of forwards."""
+    prompt = torch.arange(3 + rank, 8 + 2 * rank).unsqueeze(0).to(device)
+    new_tokens = 3 + 4 * rank
+    plain = tiny_llama().to(device, dtype)
+    expected = plain.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    enable(device)
+    model = tiny_llama().to(device, dtype)
+    from autooffload import runtime as rt
+
+    runtime = rt.runtime_of(model)
+    forwards = runtime.manager.stats["gathers"]
+    try:
+        got = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+        gathers = runtime.manager.stats["gathers"] - forwards
+    finally:
+        autooffload.disable()
+    return {
+        "same_tokens": got.shape == expected.shape and torch.equal(got, expected),
+        "new_tokens": got.shape[1] - prompt.shape[1],
+        "gathers": gathers,
+    }
+
+
 def case_resume(device, dtype, rank, world, out: Path):
     """Train RESUME_AT steps, save on rank 0 (standard layout), reload on every rank into a new
     attached replica (a different plan: everything offloaded) and finish."""
@@ -471,6 +497,7 @@ def main() -> None:
         report["host_budget_error"] = case_mismatch(
             device, dtype, rank, world, host_budget=1000 if rank else None
         )
+        report["generate"] = case_generate(device, dtype, rank, world)
         resumed = case_resume(device, dtype, rank, world, args.out)
         report["resume2_vs_averaged"] = max_diff(resumed, averaged)
         report["hooked_branch_error"] = case_branch_in_forward_hook(device, dtype, rank, world)

@@ -220,6 +220,17 @@ def test_host_memory_short_on_one_rank_fails_every_ranks_attach(cpu_run):
     assert errors[0] == f"rank 1: {errors[1]}"
 
 
+def test_generate_to_different_lengths_on_each_rank_keeps_the_ranks_in_step(cpu_run):
+    """Under sharded state ``generate`` runs with ``synced_gpus`` (as for ZeRO-3): the rank
+    that stops first keeps gathering until the other is done, so both issue the same
+    collectives, and each rank's greedy tokens are plain generate's."""
+    reports, _ = cpu_run
+    facts = [report["generate"] for report in reports]
+    assert [f["new_tokens"] for f in facts] == [3, 7]
+    assert all(f["same_tokens"] for f in facts)
+    assert facts[0]["gathers"] == facts[1]["gathers"] > 0
+
+
 def test_checkpoint_of_two_ranks_resumes_at_two_and_at_one(cpu_run):
     reports, out = cpu_run
     for report in reports:
