@@ -166,13 +166,13 @@ class Settings:
             gradients across ranks chunk by chunk; ``off``: leave gradients local (the script
             reduces them itself).
         shard_optimizer: Under data parallelism, ``auto`` and ``on``: each rank keeps the host
-            weights, fp32 masters, optimizer state and host gradients of only the trainable
-            chunks it owns (chunk ``i`` belongs to rank ``i % world_size``), receives their
-            gradients by ``reduce`` and updates them alone; the others get the chunk's weights by
-            ``broadcast`` when they gather it. Host memory and CPU update time per rank fall
-            ~N-fold; saving then needs :func:`autooffload.consolidate` on every rank (HF
-            ``Trainer`` and accelerate's ``save_state`` do it). ``auto`` is ``on`` whenever some
-            trainable chunk is offloaded; ``off``: every rank keeps and updates all of it.
+            weights (frozen chunks' too) and, for trainable chunks, the fp32 masters, optimizer
+            state and host gradients of only the offloaded chunks it owns (chunk ``i`` belongs
+            to rank ``i % world_size``), receives their gradients by ``reduce`` and updates them
+            alone; the others get the chunk's weights by ``broadcast`` when they gather it. Host
+            memory, H2D copies and CPU update time per rank fall ~N-fold; saving then needs
+            :func:`autooffload.consolidate` on every rank (HF ``Trainer`` and accelerate's
+            ``save_state`` do it). ``off``: every rank keeps and updates all of it.
     """
 
     enabled: bool = _knob(True, "AUTOOFFLOAD", parse_bool, "master switch; 0 turns everything off")
@@ -343,7 +343,7 @@ class Settings:
         "auto",
         "AUTOOFFLOAD_SHARD_OPTIMIZER",
         enum_of(SHARD_OPTIMIZER_MODES),
-        "auto/on (each data-parallel rank owns 1/N of the CPU optimizer state) or off",
+        "auto/on (each data-parallel rank owns 1/N of the host weights and optimizer state) or off",
     )
 
     def __post_init__(self) -> None:

@@ -198,7 +198,14 @@ class DataParallel:
     def measure_gradient_collective(self, nbytes: int, sharded: bool, repeats: int = 3) -> float:
         """Collective: the bandwidth (bytes/s) of the collective that averages one chunk's
         gradients (``reduce`` to the owner under sharded state, ``all_reduce`` otherwise), on a
-        buffer of ``nbytes`` (the largest chunk's trainable bytes) at the real world size."""
+        buffer of ``nbytes`` (the largest chunk's trainable bytes) at the real world size.
+        With no trainable chunk (LoRA: the adapters are resident) there is nothing to time: a
+        one-element buffer would measure latency alone and make every D2H byte (activation
+        swaps) look ~1e5x slower to the planner. The layout is the same on every rank, so
+        every rank skips alike."""
+        if nbytes <= 0:
+            self.gradient_bps = float("inf")
+            return self.gradient_bps
         device = self.collective_device
         buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
         dst = self._global_rank(0)

@@ -188,7 +188,7 @@ class ChunkManager:
 
     def hosts(self, index: int) -> bool:
         """Whether this rank keeps chunk ``index``'s bytes in its host store: every chunk, except
-        under sharding a trainable chunk another rank owns (its owner's copy is the only one)."""
+        under sharding a chunk another rank owns (its owner's copy is the only one)."""
         return self.sharding is None or self.sharding.hosts(index)
 
     def adopt_params(self, sync: Callable[[torch.Tensor], None] | None = None) -> None:

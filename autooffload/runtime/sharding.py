@@ -1,9 +1,10 @@
-"""Sharded CPU optimizer state across data-parallel ranks: chunk ownership and its collectives.
+"""Sharded model states across data-parallel ranks: chunk ownership and its collectives.
 
-ZeRO-style, at chunk granularity (as Gemini and ProTrain shard chunks): the offloaded trainable
-chunk ``i`` belongs to rank ``i % world_size``. Only its owner keeps the chunk's fp32 masters,
-optimizer state, host gradients and gradient staging, and only its owner updates it, so the CPU
-update, the gradient D2H copies and that host memory fall ~N-fold per rank. The protocol:
+ZeRO-style, at chunk granularity (as Gemini and ProTrain shard chunks): chunk ``i`` belongs to
+rank ``i % world_size``. Only its owner keeps the chunk's host bytes and, if it trains, its fp32
+masters, optimizer state, host gradients and gradient staging, and only its owner updates it,
+so the CPU update, the H2D and gradient D2H copies and the host memory fall ~N-fold per rank
+(frozen chunks, LoRA base weights, included). The protocol:
 
 * **backward**: the chunk's flattened gradients are ``reduce``-d (averaged) to the owner, which
   copies them to its host staging as before; the other ranks only keep the buffers alive until
@@ -12,9 +13,8 @@ update, the gradient D2H copies and that host memory fall ~N-fold per rank. The 
   ``broadcast``-s the device bytes to the others, which receive into their chunk storage. Every
   rank gathers and prefetches the same chunks in the same order (prefetch decisions depend only
   on the plan, never on CPU timing, under sharding), so the collectives match.
-* **host copies**: only the owner keeps a sharded chunk's bytes in its host store (the only
-  copy, so replicas cannot drift apart); with the masters, optimizer state and gradients,
-  a rank's host memory for the trainable chunks falls N-fold. Reading another rank's chunk
+* **host copies**: only the owner keeps a chunk's bytes in its host store (the only copy, so
+  replicas cannot drift apart). Reading another rank's chunk
   (``state_dict``, detach) fetches it from its owner: :func:`autooffload.consolidate` on
   every rank gives its destination a copy of each, dropped at the next step.
 * **optimizer state** is gathered to one rank by :meth:`Sharding.gather_states` for a checkpoint
@@ -48,12 +48,14 @@ class NotConsolidatedError(AutoOffloadError):
 
 
 class Sharding:
-    """Which rank owns each offloaded trainable chunk, and the collectives that move it."""
+    """Which rank owns each offloaded chunk, and the collectives that move it."""
 
     def __init__(self, data_parallel: DataParallel, layout: ChunkLayout) -> None:
         self.dp = data_parallel
         self.rank = data_parallel.rank
         self.world_size = data_parallel.world_size
+        self.indices = frozenset(c.index for c in layout.chunks)
+        # The chunks with optimizer state (the rest, frozen, are sharded for their bytes only).
         self.trainable = frozenset(c.index for c in layout.chunks if c.trainable_slots)
         # Bytes of the offloaded chunks other ranks own, on a rank that consolidated them
         # (``consolidate``): valid until the next step or load, which drop them.
@@ -73,8 +75,6 @@ class Sharding:
         """The sharding of a runtime being attached, or None (one rank, or switched off)."""
         if data_parallel is None or settings.shard_optimizer == "off":
             return None
-        if not any(c.trainable_slots for c in layout.chunks):
-            return None  # frozen chunks (LoRA base weights) have no optimizer state to shard
         sharding = Sharding(data_parallel, layout)
         sharding.broadcast_bps = sharding.measure_broadcast(max(c.nbytes for c in layout.chunks))
         return sharding
@@ -97,8 +97,7 @@ class Sharding:
         """The machine as one rank's cost model sees it under sharding. Per rank, the CPU
         update and the gradient D2H copies cover 1/N of the offloaded trainable params
         (rates x N); a gather is 1/N of an H2D copy (the owner's) followed by a broadcast:
-        1 / B_gather = 1 / (N B_h2d) + 1 / B_broadcast  (s/byte). Frozen chunks (not sharded)
-        are costed the same way: an approximation for models mixing both."""
+        1 / B_gather = 1 / (N B_h2d) + 1 / B_broadcast  (s/byte), for frozen chunks too."""
         n = self.world_size
         gather_bps = 1.0 / (1.0 / (n * hw.h2d_bps) + 1.0 / self.broadcast_bps)
         return replace(
@@ -117,13 +116,12 @@ class Sharding:
         return self.owner(index) == self.rank
 
     def hosts(self, index: int) -> bool:
-        """Whether this rank keeps chunk ``index``'s bytes on its host: a frozen chunk (every
-        rank streams its own copy) or a trainable one it owns."""
-        return index not in self.trainable or self.owns(index)
+        """Whether this rank keeps chunk ``index``'s bytes on its host (it owns the chunk)."""
+        return self.owns(index)
 
     def applies(self, index: int, persistent: set[int]) -> bool:
-        """Whether chunk ``index`` is sharded now (trainable and offloaded)."""
-        return index in self.trainable and index not in persistent
+        """Whether chunk ``index`` is sharded now (offloaded: its gathers are broadcasts)."""
+        return index not in persistent
 
     # ---- collectives --------------------------------------------------------------------------
 
@@ -262,7 +260,7 @@ class Sharding:
         """Whether every offloaded chunk is hosted here or consolidated to this rank (or only
         names and shapes are asked for, ``shapes_only``)."""
         return self.shapes_only or all(
-            index in self.weights or hosts(index) or index in persistent for index in self.trainable
+            index in self.weights or hosts(index) or index in persistent for index in self.indices
         )
 
 
@@ -291,7 +289,7 @@ def fetch_offloaded(runtime: Runtime, dst: int | None) -> dict[int, torch.Tensor
         return {}
     runtime.synchronize()
     fetched = {}
-    for index in sorted(sharding.trainable - manager.persistent):
+    for index in sorted(sharding.indices - manager.persistent):
         host = None
         if sharding.owns(index):
             manager._wait(manager.host_busy, index)

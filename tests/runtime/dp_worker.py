@@ -120,7 +120,8 @@ def train_plain(
                     total.add_(p.grad / world)
             optimizer.zero_grad()
         for total, p in zip(averaged, params, strict=True):
-            p.grad = total
+            if p.requires_grad:  # a frozen param keeps no gradient (AdamW would decay it)
+                p.grad = total
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
@@ -173,6 +174,43 @@ def case_dp(device, dtype, rank, world, **overrides):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     train_local(model, optimizer, global_batches(STEPS), device, rank, world)
     facts = sharding_facts(model)
+    result = weights(model)
+    autooffload.disable()
+    return result, facts
+
+
+def lora_model(device, dtype, seed: int = 0) -> torch.nn.Module:
+    """tiny_llama under a PEFT LoRA: every chunk frozen, the adapters resident."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_llama(seed=seed)
+    torch.manual_seed(seed + 100)
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"])
+    return get_peft_model(base, config).to(device, dtype)
+
+
+def case_lora(device, dtype, rank, world):
+    """LoRA under data parallelism: the frozen chunks are sharded too (each rank hosts half of
+    the base model, the others' half comes by broadcast), the adapters are averaged; rank 1
+    starts from another seed (base and adapters), which the attach replaces with rank 0's."""
+    enable(device)
+    model = lora_model(device, dtype, seed=rank)
+    from autooffload import runtime as rt
+
+    runtime = rt.runtime_of(model)
+    manager = runtime.manager
+    facts = {
+        "sharded": manager.sharding is not None,
+        "frozen_chunks": sum(1 for c in runtime.layout.chunks if not c.trainable_slots),
+        "chunks": len(runtime.layout.chunks),
+        "host_store_bytes": manager.host.total_bytes,
+        "total_bytes": runtime.layout.total_bytes,
+        "resident": len(runtime.resident_params),
+        # No offloaded gradient to average: nothing timed, the planner's D2H rate untouched.
+        "gradient_bps": runtime.data_parallel.gradient_bps,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    train_local(model, optimizer, global_batches(STEPS), device, rank, world)
     result = weights(model)
     autooffload.disable()
     return result, facts
@@ -462,6 +500,11 @@ def main() -> None:
             device, dtype, rank, world, gpu_update_in_backward=2
         )
         report["on_device_vs_averaged"] = max_diff(on_device, averaged)
+        lora, report["lora"] = case_lora(device, dtype, rank, world)
+        lora_reference = train_plain(
+            device, dtype, STEPS, world=world, model=lora_model(device, dtype)
+        )[0]
+        report["lora_vs_averaged"] = max_diff(lora, weights(lora_reference))
         promoted, report["promoted_params"] = case_promote(device, dtype, rank, world)
         report["promote_vs_averaged"] = max_diff(promoted, averaged)
         report["dp_vs_averaged"] = max_diff(dp, averaged)

@@ -104,6 +104,22 @@ def test_sharded_state_each_rank_keeps_its_half_and_saving_needs_consolidate(cpu
     assert "to=1 for this rank" in facts[1]["consolidated_to_0_error"]
 
 
+def test_lora_shards_the_frozen_base_and_trains_like_the_averaged_reference(cpu_run):
+    """LoRA: every chunk is frozen; each rank hosts its own half of the base model and gathers
+    the other half by broadcast, the resident adapters are averaged, and the replicas (built
+    from different seeds) train like one process averaging the halves."""
+    reports, _ = cpu_run
+    facts = [report["lora"] for report in reports]
+    assert all(f["sharded"] and f["resident"] > 0 for f in facts)
+    assert all(f["gradient_bps"] == float("inf") for f in facts)
+    assert facts[0]["frozen_chunks"] == facts[0]["chunks"] >= 2
+    total = facts[0]["total_bytes"]
+    assert sum(f["host_store_bytes"] for f in facts) == total
+    assert all(0 < f["host_store_bytes"] < total for f in facts)
+    for report in reports:
+        assert report["lora_vs_averaged"] < TOL
+
+
 def test_sharded_state_each_rank_hosts_only_its_own_trainable_chunks(cpu_run):
     """The bf16 (here fp32) host copies are sharded too: a trainable chunk's bytes live on its
     owner's host alone, so the ranks' host stores together hold each trainable chunk once."""

@@ -38,19 +38,22 @@ def hardware() -> HardwareProfile:
     return make_hardware(h2d_bps=50e9, d2h_bps=50e9, duplex_bps=90e9, cpu_optim_params_per_s=2e9)
 
 
-def test_chunks_are_owned_round_robin_and_only_offloaded_trainable_ones_are_sharded():
+def test_chunks_are_owned_round_robin_and_every_offloaded_one_is_sharded():
     ranks = [sharding(r, 2, [True, True, False, True, True]) for r in range(2)]
     for index in range(5):
         assert sum(s.owns(index) for s in ranks) == 1
+        # Exactly one host copy of every chunk, frozen ones included: its owner's.
+        assert sum(s.hosts(index) for s in ranks) == 1
     assert [ranks[0].owns(i) for i in range(5)] == [True, False, True, False, True]
     persistent = {0}
     assert [ranks[1].applies(i, persistent) for i in range(5)] == [
         False,  # persistent: replicated on every GPU, updated by the user's optimizer
         True,
-        False,  # frozen: no optimizer state, every rank streams its own host copy
+        True,  # frozen: no optimizer state, but its bytes come from the owner too
         True,
         True,
     ]
+    assert ranks[0].trainable == {0, 1, 3, 4}
 
 
 def test_per_rank_hardware_view_divides_cpu_work_and_adds_the_broadcast():
