@@ -25,7 +25,7 @@ so the CPU update, the H2D and gradient D2H copies and the host memory fall ~N-f
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -256,11 +256,12 @@ class Sharding:
             " or set AUTOOFFLOAD_SHARD_OPTIMIZER=off"
         )
 
-    def readable(self, hosts: Callable[[int], bool], persistent: set[int]) -> bool:
+    def readable(self, persistent: set[int]) -> bool:
         """Whether every offloaded chunk is hosted here or consolidated to this rank (or only
         names and shapes are asked for, ``shapes_only``)."""
         return self.shapes_only or all(
-            index in self.weights or hosts(index) or index in persistent for index in self.indices
+            index in self.weights or self.hosts(index) or index in persistent
+            for index in self.indices
         )
 
 

@@ -70,7 +70,7 @@ class ModelStateHooks:
             self._destination = None
             manager = self.runtime.manager
             sharding = manager.sharding
-            if sharding is not None and not sharding.readable(manager.hosts, manager.persistent):
+            if sharding is not None and not sharding.readable(manager.persistent):
                 raise sharding.not_consolidated("model.state_dict()")
             # Pending CPU updates write the host store: the state dict shows the stepped weights.
             self.runtime.synchronize()
