@@ -471,11 +471,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    # gloo on CUDA: every rank on GPU 0 (NCCL refuses two ranks on one device). The runtime's
+    # CUDA paths (chunk buffers, streams, GPU updates) under data parallelism on one GPU, with
+    # the collectives on host copies as in the CPU simulation.
+    parser.add_argument("--backend", default=None, choices=["nccl", "gloo"])
     args = parser.parse_args()
     device, dtype = args.device, getattr(torch, args.dtype)
+    backend = args.backend or ("nccl" if device == "cuda" else "gloo")
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    backend = "nccl" if device == "cuda" else "gloo"
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) if backend == "nccl" else 0)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)

@@ -24,9 +24,12 @@ WORKER = Path(__file__).with_name("dp_worker.py")
 TOL = 1e-5
 
 
-def launch(out: Path, device: str, dtype: str = "float32") -> list[dict]:
+def launch(
+    out: Path, device: str, dtype: str = "float32", backend: str | None = None
+) -> list[dict]:
     """Run the worker on two ranks; each rank's report."""
-    return launch_worker(WORKER, out, f"--device={device}", f"--dtype={dtype}")
+    args = [f"--device={device}", f"--dtype={dtype}"]
+    return launch_worker(WORKER, out, *args, *([f"--backend={backend}"] if backend else []))
 
 
 @pytest.fixture(scope="module")
@@ -284,10 +287,9 @@ def test_an_exception_on_one_rank_surfaces_on_the_other_without_a_hang(tmp_path,
     assert rank0["seconds"] < FAULT_TIMEOUT_S + 20  # the group's timeout, plus start-up slack
 
 
-@pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_two_gpus_nccl_fp32_and_bf16(tmp_path):
-    reports = launch(tmp_path / "fp32", "cuda")
+def check_cuda_ranks(out: Path, backend: str) -> None:
+    """fp32 and bf16 runs of the worker on CUDA tensors match the averaged reference."""
+    reports = launch(out / "fp32", "cuda", "float32", backend)
     for report in reports:
         # CUDA kernels of one process vs two: same math, last-bit differences amplified by Adam.
         assert report["dp_vs_averaged"] < 1e-4
@@ -295,21 +297,50 @@ def test_two_gpus_nccl_fp32_and_bf16(tmp_path):
         assert report["resume2_vs_averaged"] < 1e-4
         assert report["dp_ranks_identical"] and report["ddp_ranks_identical"]
         # Sharded (the default) and replicated CPU optimizer state, and a re-plan promoting
-        # sharded chunks, all train like one process over NCCL.
+        # sharded chunks, all train like one process.
         assert report["sharding"]["sharded"] and report["sharding"]["masters"] > 0
         assert report["replicated_vs_averaged"] < 1e-4
-        # The update in the backward over NCCL: on by default for this loop, exact, and =0.
+        # The update in the backward: on by default for this loop, exact, and =0.
         assert report["sharding"]["updates_in_backward"] > 0
         assert report["forced_vs_averaged"] < 1e-4 and report["at_step_vs_averaged"] < 1e-4
         assert report["on_device"]["gpu_updates_in_backward"] == 9
         assert report["on_device_vs_averaged"] < 1e-4
         assert report["promoted_params"] > 0 and report["promote_vs_averaged"] < 1e-4
-    reports = launch(tmp_path / "bf16", "cuda", "bfloat16")
+        # Frozen chunks sharded (LoRA), unused params, a branch, generate, errors.
+        assert report["lora"]["sharded"] and report["lora_vs_averaged"] < 1e-4
+        for shard in ("on", "off"):
+            assert report[f"unused_shard_{shard}_moved"] == 0
+            assert report[f"unused_shard_{shard}_vs_averaged"] < 1e-4
+        assert report["branch_vs_averaged"] < 1e-4
+        assert report["mismatch_error"].startswith("ranks disagree on")
+        assert "came after its gradients were averaged" in report["hooked_branch_error"]
+    facts = [report["sharding"] for report in reports]
+    assert sum(f["hosted_trainable_bytes"] for f in facts) == facts[0]["trainable_bytes"] > 0
+    generated = [report["generate"] for report in reports]
+    assert [f["new_tokens"] for f in generated] == [3, 7]
+    assert all(f["same_tokens"] for f in generated)
+    assert generated[0]["gathers"] == generated[1]["gathers"] > 0
+    reports = launch(out / "bf16", "cuda", "bfloat16", backend)
     for report in reports:
         assert report["dp_ranks_identical"] and report["ddp_ranks_identical"]
         # bf16: both references are a few bf16 ulps (~0.008 at 1.0) from any other rounding
         # of the same math; the yardstick is plain torch's whole-batch vs averaged-halves gap.
         assert report["dp_vs_averaged"] <= 2 * report["averaged_vs_whole_batch"] + 1e-3
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_nccl_fp32_and_bf16(tmp_path):
+    check_cuda_ranks(tmp_path, "nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_ranks_sharing_one_gpu_over_gloo_fp32_and_bf16(tmp_path):
+    """The CUDA side of data parallelism on one GPU: chunk buffers, side streams, the owner's
+    GPU update and the update in the backward, with gloo's collectives on host copies (NCCL
+    refuses two ranks on one device, so only its device-tensor branches are left out)."""
+    check_cuda_ranks(tmp_path, "gloo")
 
 
 @pytest.mark.parametrize(
