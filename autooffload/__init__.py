@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from autooffload import log, openmp, patches
 from autooffload import settings as _settings
-from autooffload.errors import AttachError, AutoOffloadError, PlanError, SettingsError
+from autooffload.errors import (
+    AttachError,
+    AutoOffloadError,
+    OutOfStepError,
+    PlanError,
+    SettingsError,
+)
 from autooffload.settings import Settings
 
 if TYPE_CHECKING:
@@ -24,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttachError",
     "AutoOffloadError",
+    "OutOfStepError",
     "PlanError",
     "Settings",
     "SettingsError",

@@ -28,3 +28,8 @@ class UpdateInBackwardError(AutoOffloadError):
 class DetachStateError(AutoOffloadError):
     """The model was detached whole, but the optimizer state of its offloaded parameters could
     not be handed to the user's optimizer on the detach device (it does not fit there)."""
+
+
+class OutOfStepError(AutoOffloadError):
+    """Data-parallel ranks under sharded model states started different forwards or backwards,
+    or issued different chunk collectives (``runtime/lockstep.py``)."""

@@ -27,6 +27,12 @@ from autooffload.plan.profile import StepProfiler
 from autooffload.runtime.activations import take_over_hf_gradient_checkpointing
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
+from autooffload.runtime.lockstep import (
+    BACKWARD,
+    BACKWARD_END,
+    FORWARD_NO_GRAD,
+    FORWARD_WITH_GRAD,
+)
 from autooffload.runtime.manager import Residency
 
 if TYPE_CHECKING:
@@ -113,6 +119,9 @@ class GroupHooks:
     def _begin_forward(self, module: nn.Module, args: tuple) -> None:
         if in_backward():
             return
+        if self.manager.sharding is not None:
+            phase = FORWARD_WITH_GRAD if torch.is_grad_enabled() else FORWARD_NO_GRAD
+            self.manager.sharding.check_in_step(phase, self.manager.persistent)
         self.recover_interrupted()
         if torch.is_grad_enabled():
             check_params_after_attach(self)
@@ -371,6 +380,8 @@ class GroupHooks:
     def _ensure_end_callback(self) -> None:
         task = torch._C._current_graph_task_id()
         if task != self._backward_task:
+            if self.manager.sharding is not None:
+                self.manager.sharding.check_in_step(BACKWARD, self.manager.persistent)
             self._backward_task = task
             if not self.cleared_since_step:
                 warn_once(
@@ -408,6 +419,8 @@ class GroupHooks:
             ]
             self.data_parallel.end_backward(unchunked)
             self.manager.drop_grads_unused_everywhere()
+        if self.manager.sharding is not None:
+            self.manager.sharding.check_in_step(BACKWARD_END, self.manager.persistent)
         self._backward_task = None
         self._backwards_this_step += 1
         self._trace_end()

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from autooffload.errors import AutoOffloadError
 from autooffload.log import logger
+from autooffload.runtime.lockstep import Lockstep
 
 if TYPE_CHECKING:
     from autooffload.plan.profile_types import HardwareProfile
@@ -67,6 +68,8 @@ class Sharding:
         self.consolidated: dict[int, dict[int, dict]] = {}
         # Measured at attach (Sharding.create); used by the planner's cost model.
         self.broadcast_bps = float("inf")
+        # The start-of-phase exchange (runtime/lockstep.py), made at attach.
+        self.lockstep: Lockstep | None = None
 
     @staticmethod
     def create(
@@ -76,6 +79,7 @@ class Sharding:
         if data_parallel is None or settings.shard_optimizer == "off":
             return None
         sharding = Sharding(data_parallel, layout)
+        sharding.lockstep = Lockstep(sharding.rank, sharding.world_size)
         sharding.broadcast_bps = sharding.measure_broadcast(max(c.nbytes for c in layout.chunks))
         return sharding
 
@@ -108,6 +112,12 @@ class Sharding:
             duplex_bps=1.0 / (1.0 / (n * hw.duplex_bps) + 1.0 / self.broadcast_bps),
         )
 
+    def check_in_step(self, phase: int, persistent: set[int]) -> None:
+        """Where the plan gathers sharded chunks, every rank starts ``phase`` (a forward with or
+        without gradients, a backward), or all raise (runtime/lockstep.py)."""
+        if self.lockstep is not None and not self.indices <= persistent:
+            self.lockstep.check(phase)
+
     def owner(self, index: int) -> int:
         """Group rank owning chunk ``index``."""
         return index % self.world_size
@@ -130,12 +140,16 @@ class Sharding:
 
     def broadcast(self, tensor: torch.Tensor, index: int) -> Any:
         """Start sending the owner's ``tensor`` (chunk bytes) to the other ranks."""
+        if self.lockstep is not None:
+            self.lockstep.issued(index)
         return dist.broadcast(tensor, src=self._src(index), group=self.dp.group, async_op=True)
 
     def reduce(self, flat: torch.Tensor, index: int) -> Any:
         """Start averaging ``flat`` (a chunk's gradients) into the owner's copy."""
         op = self.dp.average_op(flat)
         self.dp.reduced_bytes += flat.numel() * flat.element_size()
+        if self.lockstep is not None:
+            self.lockstep.issued(-1 - index)
         return dist.reduce(flat, dst=self._src(index), op=op, group=self.dp.group, async_op=True)
 
     def all_reduce_(self, value: torch.Tensor, op: Any = None) -> torch.Tensor:

@@ -56,6 +56,10 @@ def sharding_facts(model: torch.nn.Module) -> dict:
         "update_in_backward": runtime.backward_update.on,
         "updates_in_backward": runtime.cpu_optim.updates_in_backward,
         "gradient_bps": runtime.data_parallel.gradient_bps,
+        # Start-of-phase exchanges (runtime/lockstep.py): one per forward and per backward.
+        "lockstep_exchanges": (
+            runtime.manager.sharding.lockstep.exchanges if runtime.manager.sharding else 0
+        ),
         "gpu_updates_in_backward": runtime.cpu_optim.gpu.updates,
         "updated_chunks": len(
             {
@@ -208,6 +212,10 @@ def case_lora(device, dtype, rank, world):
         "resident": len(runtime.resident_params),
         # No offloaded gradient to average: nothing timed, the planner's D2H rate untouched.
         "gradient_bps": runtime.data_parallel.gradient_bps,
+        # Start-of-phase exchanges (runtime/lockstep.py): one per forward and per backward.
+        "lockstep_exchanges": (
+            runtime.manager.sharding.lockstep.exchanges if runtime.manager.sharding else 0
+        ),
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     train_local(model, optimizer, global_batches(STEPS), device, rank, world)

@@ -42,6 +42,9 @@ def test_two_ranks_train_like_one_process_averaging_the_halves(cpu_run):
     reports, _ = cpu_run
     for report in reports:
         assert report["world"] == 2
+        # Every forward, every backward's start and end exchanged (runtime/lockstep.py).
+        assert report["sharding"]["lockstep_exchanges"] == 3 * STEPS
+        assert report["replicated"]["lockstep_exchanges"] == 0
         assert report["dp_vs_averaged"] < TOL
         assert report["dp_ranks_identical"]
         # Against the whole batch in one process, the difference is the one plain torch has
@@ -278,13 +281,70 @@ def test_checkpoint_of_two_ranks_resumes_at_two_and_at_one(cpu_run):
 
 @pytest.mark.parametrize("mode", ["exit", "stall"])
 def test_an_exception_on_one_rank_surfaces_on_the_other_without_a_hang(tmp_path, mode):
-    """Rank 1 raises mid-forward and exits (or stays alive, hung): rank 0, in its backward's
-    gradient average, raises too, at once or at the process group's timeout, never hangs."""
+    """Rank 1 raises mid-forward and exits (or stays alive, hung): rank 0, at the start of its
+    backward, raises too, at once or at the process group's timeout, never hangs."""
     worker = WORKER.with_name("dp_fault_worker.py")
     rank0, rank1 = launch_worker(worker, tmp_path, f"--mode={mode}", expect_failure=True)
     assert rank1["outcome"].startswith("Boom")
-    assert rank0["outcome"] != "finished" and rank0["outcome"].startswith("RuntimeError")
+    # At the start of its backward, rank 0 waits for rank 1 to start one too: gloo's error if
+    # it sees rank 1's connection close, else ours at the timeout.
+    if not rank0["outcome"].startswith("RuntimeError"):
+        assert rank0["outcome"].startswith("OutOfStepError")
+        assert "process group's timeout" in rank0["outcome"] and "a backward" in rank0["outcome"]
     assert rank0["seconds"] < FAULT_TIMEOUT_S + 20  # the group's timeout, plus start-up slack
+
+
+def test_a_forward_on_one_rank_only_is_a_clear_error_on_every_rank(tmp_path):
+    """Under sharded state, rank 0 evaluates a batch (no grad) while rank 1 starts its next
+    training forward: their gathers would pair up (and later send one chunk's bytes into
+    another's storage). Both ranks raise the same error at once, before any gather."""
+    worker = WORKER.with_name("dp_fault_worker.py")
+    rank0, rank1 = launch_worker(worker, tmp_path, "--mode=alone", expect_failure=True)
+    for report in (rank0, rank1):
+        assert report["outcome"].startswith("OutOfStepError: autooffload: the ranks are out of")
+        assert "rank 0: a forward without gradients" in report["outcome"]
+        assert "rank 1: a forward with gradients" in report["outcome"]
+        assert "AUTOOFFLOAD_SHARD_OPTIMIZER=off" in report["outcome"]
+    assert rank0["outcome"] == rank1["outcome"]
+    assert rank0["seconds"] < FAULT_TIMEOUT_S
+
+
+def test_chunk_collectives_that_differ_between_ranks_are_a_clear_error_on_every_rank(tmp_path):
+    """Each exchange carries a hash of the chunk gathers and reduces issued since the last one:
+    rank 1 counts one more before its forward, and both ranks raise the same error there."""
+    worker = WORKER.with_name("dp_fault_worker.py")
+    rank0, rank1 = launch_worker(worker, tmp_path, "--mode=sequence", expect_failure=True)
+    for report in (rank0, rank1):
+        assert report["outcome"].startswith("OutOfStepError: autooffload: the ranks issued")
+        assert "before a forward with gradients" in report["outcome"]
+        assert "a module ran on some ranks only" in report["outcome"]
+    assert rank0["outcome"] == rank1["outcome"]
+    assert rank0["seconds"] < FAULT_TIMEOUT_S
+
+
+def test_a_module_run_on_one_rank_under_sharded_state_fails_both_ranks_without_a_hang(
+    tmp_path,
+):
+    """Its gathers leave the ranks' broadcasts unpaired: the rank in the broadcast fails at
+    the timeout, the other at its next exchange (documented: replicated state runs it)."""
+    worker = WORKER.with_name("dp_fault_worker.py")
+    rank0, rank1 = launch_worker(worker, tmp_path, "--mode=branch", expect_failure=True)
+    for report in (rank0, rank1):
+        assert report["outcome"] != "finished"
+        assert report["outcome"].startswith(("RuntimeError", "OutOfStepError"))
+        assert report["seconds"] < FAULT_TIMEOUT_S + 20
+
+
+def test_a_forward_while_the_other_rank_waits_warns_then_fails_at_the_timeout(tmp_path):
+    """Rank 0 evaluates alone while rank 1 waits in a barrier (``if rank == 0: generate``):
+    rank 0 warns once after STALL_WARNING_S, and raises at the process group's timeout."""
+    worker = WORKER.with_name("dp_fault_worker.py")
+    rank0, rank1 = launch_worker(worker, tmp_path, "--mode=barrier", expect_failure=True)
+    assert rank0["outcome"].startswith("OutOfStepError")
+    assert "a forward without gradients" in rank0["outcome"]
+    assert FAULT_TIMEOUT_S - 1 < rank0["seconds"] < FAULT_TIMEOUT_S + 20
+    assert len(rank0["warnings"]) == 1 and "has waited 1 s" in rank0["warnings"][0]
+    assert rank1["outcome"] != "finished"
 
 
 def check_cuda_ranks(out: Path, backend: str) -> None:
