@@ -167,6 +167,7 @@ PREDICTED_TERMS = (
     ("h2d_stall_s", "H2D stall"),
     ("d2h_stall_s", "D2H stall"),
     ("cpu_optim_stall_s", "CPU-update stall"),
+    ("collective_stall_s", "all-reduce stall"),
     ("other_s", "other"),
 )
 

@@ -344,6 +344,27 @@ class StepWindows:
     """Bytes that GPU path adds in and out (state in; weights and state out, less gradients)."""
 
 
+def persistent_allreduce_exposed(
+    done_bytes: np.ndarray, windows: np.ndarray, allreduce_bps: float
+) -> np.ndarray:
+    """Seconds the persistent chunks' gradient all-reduces (data parallelism) run past the last
+    backward window. Each starts once its chunk's backward is complete (after its lowest unit's
+    window), in one queue at ``allreduce_bps``. With ``end[u]`` the end of unit u's backward
+    window (units run last to first: end[u] = sum_{v >= u} w[v]) and ``done[u]`` the bytes
+    completed there, the queue's max-plus closed form is
+        q = max_u (end[u] + sum_{v <= u} done[v] / B_allreduce);   exposed = max(0, q - end[0])
+    ``windows``: (..., U) without the recompute (a checkpointed unit's recompute only widens
+    the overlap: leaving it out errs long, and keeps the term out of the n_checkpoint prefix
+    sums of ``plan/grid.py``); ``done_bytes``: (U,) or broadcastable to ``windows``. 0 on one
+    process (``allreduce_bps`` inf)."""
+    windows = np.asarray(windows, dtype=np.float64)
+    if not math.isfinite(allreduce_bps):
+        return np.zeros(windows.shape[:-1])
+    ends = np.cumsum(windows[..., ::-1], axis=-1)[..., ::-1]
+    queued = np.cumsum(np.asarray(done_bytes, dtype=np.float64), axis=-1) / allreduce_bps
+    return np.maximum((ends + queued).max(axis=-1) - ends[..., 0], 0.0)
+
+
 def step_windows(
     profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, tables: ChunkTables | None = None
 ) -> StepWindows:
@@ -389,6 +410,7 @@ def step_windows(
     out_bytes = tables.grad_d2h_bytes[p] + (split.out_delta[0] if split else 0)
     state_in = split.state_in[0] if split else np.zeros(n_units)
     bwd_windows = []
+    plain_windows = []  # without the recompute (``persistent_allreduce_exposed``)
     recompute_s = 0.0
     for u in range(n_units):
         gather_bytes = float(tables.bwd_gather_bytes[p, u - 1]) if u > 0 else 0.0
@@ -401,9 +423,16 @@ def step_windows(
         compute = units[u].bwd_s + recompute
         h2d = prefetched + swap_in + float(state_in[u])
         bwd_windows.append(window(compute, h2d, grads_out, exposed))
+        plain_windows.append(max(units[u].bwd_s, transfer_s(h2d, grads_out, hw)) + exposed)
     tail_s = float(out_bytes[0]) / hw.d2h_bps
     stalls["pcie_d2h"] += tail_s
-    t_bwd = sum(bwd_windows) + tail_s + (gpu_optim_s - at_step_s)
+    allreduce_s = float(
+        persistent_allreduce_exposed(
+            tables.persist_grad_done[p], np.array(plain_windows), hw.allreduce_bps
+        )
+    )
+    stalls["collective"] = max(0.0, allreduce_s - tail_s)
+    t_bwd = sum(bwd_windows) + max(tail_s, allreduce_s) + (gpu_optim_s - at_step_s)
 
     t_fwd = unconstrained
     early = None
@@ -462,7 +491,9 @@ def predict_step_time(
         pre_b[u]   = prefetched_bytes(u, room = n_buffer - resident[u], backward)  (of u-1's)
         xfer_b[u]  = transfer_s(pre_b[u] + swap_in[u-1], grad_d2h[u+1])
         w_b[u]     = max(bwd_s[u] + recompute[u], xfer_b[u]) + (bwd_gather[u-1] - pre_b[u])/B_h2d
-        T_bwd      = sum_u w_b[u] + grad_d2h[0] / B_d2h                                      (s)
+        T_bwd      = sum_u w_b[u] + max(grad_d2h[0] / B_d2h, allreduce_exposed)              (s)
+    (``allreduce_exposed``: data parallelism's persistent gradient all-reduces past the last
+    window, ``persistent_allreduce_exposed``; 0 on one process)
     (the post unit L+1 gathers nothing: its chunks stay from its forward; ``chunk_tables``)
     step = T_fwd + T_bwd + other_s.
     """
@@ -492,6 +523,7 @@ def predict_step_time(
         "h2d_stall_s": stalls["pcie_h2d"],
         "d2h_stall_s": stalls["pcie_d2h"],
         "cpu_optim_stall_s": stalls["cpu_optimizer"],
+        "collective_stall_s": stalls["collective"],
         "h2d_bytes": float(tables.fwd_gather_bytes[p].sum() + tables.bwd_gather_bytes[p].sum())
         + swap_bytes
         + windows.backward_update_bytes[0],

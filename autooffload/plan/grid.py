@@ -17,6 +17,7 @@ import numpy as np
 from autooffload.plan.cost import (
     optimizer_step_bytes,
     persist_grads_in_backward,
+    persistent_allreduce_exposed,
 )
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import ChunkTables, chunk_spans, chunk_tables, queued_bytes
@@ -127,6 +128,9 @@ def search_layout(
         own_first = bsplit.lowest_first
         has_update = bsplit.cpu_numel > 0
     tail = out_bytes[:, 0] / d2h
+    tail_d2h = tail
+    allreduce = np.isfinite(hw.allreduce_bps) and tables.persist_grad_done[persist].any()
+    done_bytes = tables.persist_grad_done[persist][:, None, :]
     # Persistent chunks stepped in the backward (``cost.step_windows``), else at step().
     gpu_optim_in_bwd = gpu_optim if profile.persistent_in_backward else np.zeros_like(gpu_optim)
     if profile.persistent_in_backward:
@@ -170,6 +174,11 @@ def search_layout(
         base = np.maximum(bwd_s, bwd_xfer)
         extra = np.maximum(bwd_s + fwd_s, bwd_xfer) - base
         t_bwd = tail[:, None] + (base + bwd_exposed).sum(axis=-1)
+        if allreduce:
+            # Data parallelism: the persistent all-reduces past the last window, beyond the
+            # D2H tail (``cost.persistent_allreduce_exposed``).
+            exposed = persistent_allreduce_exposed(done_bytes, base + bwd_exposed, hw.allreduce_bps)
+            t_bwd = t_bwd + np.maximum(exposed - tail_d2h[:, None], 0.0)
         extra_before = np.concatenate([np.zeros((*extra.shape[:2], 1)), extra.cumsum(-1)], -1)
         recompute = extra_before[..., n_swap + 1 + checkpoints] - extra_before[..., [n_swap + 1]]
         if in_backward:

@@ -13,6 +13,7 @@ pre and post always keep their activations.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -69,6 +70,10 @@ class HardwareProfile:
     """How ``cuda_context_bytes`` was obtained ("nvml", "used_minus_reserved", "none")."""
     measure_s: float = 0.0
     """Wall seconds the measurement took."""
+    allreduce_bps: float = math.inf
+    """Data parallelism: bytes/s of the all-reduce that averages a persistent chunk's gradients
+    in the backward (measured at attach with the real world size and chunk size); inf on one
+    process. Not measured by ``measure_hardware``: ``DataParallel.effective_hardware`` sets it."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -115,6 +115,9 @@ class ChunkTables:
     """Offloaded grads live during u's backward: chunks live at u, or at u+1 (D2H in flight)."""
     persist_grad_bytes: np.ndarray
     """Persistent grads live during u's backward: persistent chunks whose highest unit is >= u."""
+    persist_grad_done: np.ndarray
+    """Persistent grads complete after u's backward (persistent chunks with lowest unit u): under
+    data parallelism their all-reduce starts then."""
     persist_grad_live: np.ndarray
     """Persistent grads live during u's backward under the update in the backward, which steps a
     persistent chunk and drops its grads once the backward is past its lowest unit
@@ -204,6 +207,7 @@ def chunk_tables(profile: ModelProfile) -> ChunkTables:
         grad_d2h_bytes=from_p(lowest * grad[:, None]),
         offload_grad_bytes=from_p((live | live_after) * grad[:, None]),
         persist_grad_bytes=below_p(highest_at_or_after * grad[:, None]),
+        persist_grad_done=below_p(lowest * grad[:, None]),
         persist_grad_live=below_p(live * grad[:, None]),
         cpu_ready_numel=ready,
         persist_bytes=below_p(size),

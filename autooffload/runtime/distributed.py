@@ -84,9 +84,11 @@ class DataParallel:
         self.sync = True
         self._pending: list[Reduction] = []
         self.reduced_bytes = 0
-        # Bytes/s of one chunk's gradient collective, measured at attach
-        # (``measure_gradient_collective``); read by the planner's cost model.
+        # Bytes/s of one chunk's gradient collective, and of the all-reduce of a persistent
+        # chunk's gradients, measured at attach (``measure_gradient_collective``); read by the
+        # planner's cost model.
         self.gradient_bps = float("inf")
+        self.allreduce_bps = float("inf")
 
     @staticmethod
     def create(settings: Settings, device: torch.device) -> DataParallel | None:
@@ -202,40 +204,55 @@ class DataParallel:
         With no trainable chunk (LoRA: the adapters are resident) there is nothing to time: a
         one-element buffer would measure latency alone and make every D2H byte (activation
         swaps) look ~1e5x slower to the planner. The layout is the same on every rank, so
-        every rank skips alike."""
+        every rank skips alike. The all-reduce, which persistent chunks' gradients take under
+        either state, is timed too (``allreduce_bps``)."""
         if nbytes <= 0:
-            self.gradient_bps = float("inf")
+            self.gradient_bps = self.allreduce_bps = float("inf")
             return self.gradient_bps
         device = self.collective_device
         buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
         dst = self._global_rank(0)
 
-        def once() -> None:
-            if sharded:
-                dist.reduce(buffer, dst=dst, op=dist.ReduceOp.SUM, group=self.group)
-            else:
-                dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
+        def reduce() -> None:
+            dist.reduce(buffer, dst=dst, op=dist.ReduceOp.SUM, group=self.group)
 
-        seconds = self.time_collective(once, repeats)
+        def all_reduce() -> None:
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
+
+        # Persistent chunks' gradients are all-reduced under either state; offloaded ones are
+        # reduced to their owner under sharded state.
+        timed = {"all-reduce": self.time_collective(all_reduce, repeats)}
+        if sharded:
+            timed["reduce"] = self.time_collective(reduce, repeats)
         # Every rank takes the slowest rank's figure: the plan is rank 0's, the wait anyone's.
-        measured = torch.tensor([seconds], dtype=torch.float64, device=device)
+        measured = torch.tensor(list(timed.values()), dtype=torch.float64, device=device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.group)
-        self.gradient_bps = buffer.numel() * buffer.element_size() * repeats / measured.item()
+        rates = {
+            name: buffer.numel() * buffer.element_size() * repeats / seconds
+            for name, seconds in zip(timed, measured.tolist(), strict=True)
+        }
+        self.allreduce_bps = rates["all-reduce"]
+        self.gradient_bps = rates["reduce" if sharded else "all-reduce"]
         logger.debug(
-            "gradient %s of %d MiB over %d ranks: %.1f GB/s",
-            "reduce" if sharded else "all-reduce",
+            "gradient collectives of %d MiB over %d ranks: %s",
             nbytes >> 20,
             self.world_size,
-            self.gradient_bps / 1e9,
+            ", ".join(f"{name} {bps / 1e9:.1f} GB/s" for name, bps in rates.items()),
         )
         return self.gradient_bps
 
     def effective_hardware(self, hw: HardwareProfile) -> HardwareProfile:
         """The machine as one rank's cost model sees it: an offloaded chunk's gradients go to
         the host after their collective (``_offload_averaged_grads``: the D2H copy waits for
-        it), so a gradient byte costs 1 / B_d2h + 1 / B_collective seconds. Apply after
-        ``Sharding.effective_hardware`` (whose D2H rate already counts the owner's share)."""
-        return replace(hw, d2h_bps=1.0 / (1.0 / hw.d2h_bps + 1.0 / self.gradient_bps))
+        it), so a gradient byte costs 1 / B_d2h + 1 / B_collective seconds; persistent chunks'
+        gradients are all-reduced at ``allreduce_bps`` (``cost.persistent_allreduce_exposed``).
+        Apply after ``Sharding.effective_hardware`` (whose D2H rate already counts the owner's
+        share)."""
+        return replace(
+            hw,
+            d2h_bps=1.0 / (1.0 / hw.d2h_bps + 1.0 / self.gradient_bps),
+            allreduce_bps=self.allreduce_bps,
+        )
 
     # ---- reduction ----------------------------------------------------------------------------
 

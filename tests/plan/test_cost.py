@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from plan_profiles import MiB, make_hardware, make_profile
 
@@ -15,6 +17,7 @@ from autooffload.plan.cost import (
     calibrate,
     calibrate_compute,
     peak_breakdown,
+    persistent_allreduce_exposed,
     predict_peak_bytes,
     predict_step_time,
     prefetched_bytes,
@@ -477,3 +480,47 @@ def test_under_the_update_in_backward_persistent_grads_live_only_where_their_chu
         },
     )
     assert found.predicted_peak_bytes == int(in_backward["peak"])
+
+
+def test_persistent_all_reduces_exposed_are_their_queue_past_the_last_window():
+    """The closed form equals a queue run unit by unit (last unit first): each persistent
+    chunk's all-reduce starts when its lowest unit's window ends and after the one before."""
+    rng = np.random.default_rng(0)
+    bps = 1e9
+    for _ in range(200):
+        n = int(rng.integers(1, 12))
+        windows = rng.uniform(0, 0.01, n)
+        done = rng.integers(0, 2, n) * rng.uniform(0, 2e7, n)
+        clock = queue = 0.0
+        for u in reversed(range(n)):
+            clock += windows[u]
+            if done[u]:
+                queue = max(queue, clock) + done[u] / bps
+        expected = max(0.0, queue - clock)
+        assert float(persistent_allreduce_exposed(done, windows, bps)) == pytest.approx(expected)
+    # Completing in unit 0's window (the backward's last): wholly exposed; in the first
+    # window (unit 2's), overlapped by the two after it; on one process: nothing.
+    windows = np.ones(3) * 1e-3
+    assert float(persistent_allreduce_exposed(np.array([4e7, 0, 0]), windows, bps)) == (
+        pytest.approx(0.04)
+    )
+    assert float(persistent_allreduce_exposed(np.array([0, 0, 4e7]), windows, bps)) == (
+        pytest.approx(0.038)
+    )
+    assert float(persistent_allreduce_exposed(np.array([5e8, 0, 0]), np.ones(3), math.inf)) == 0
+
+
+def test_a_slow_all_reduce_of_persistent_gradients_lengthens_the_predicted_backward():
+    """Data parallelism: the cost model charges the persistent chunks' all-reduce past the
+    backward's D2H tail (``collective_stall_s``), more persistent chunks more of it."""
+    profile = make_profile(n_blocks=6, chunk_size=32 * MiB)
+    knobs = Knobs(n_persist=4, n_buffer=4, n_swap=0, n_checkpoint=0)
+    hw = make_hardware()
+    alone, base, _ = predict_step_time(profile, hw, knobs)
+    assert base["collective_stall_s"] == 0
+    slow = replace(hw, allreduce_bps=1e9)
+    step, breakdown, bottleneck = predict_step_time(profile, slow, knobs)
+    assert breakdown["collective_stall_s"] > 0
+    assert step == pytest.approx(alone + breakdown["collective_stall_s"], rel=1e-9)
+    fewer = predict_step_time(profile, slow, replace(knobs, n_persist=1))[1]
+    assert fewer["collective_stall_s"] < breakdown["collective_stall_s"]

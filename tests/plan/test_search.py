@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 import time
 from dataclasses import replace
@@ -112,10 +113,14 @@ def _budgets(profiles, hw):
         (20, {"update_in_backward": True, "gpu_update_in_backward": 2, "tied": True}),
         (21, {"update_in_backward": True, "persistent_at_step": True}),
         (22, {"update_in_backward": True, "persistent_at_step": True, "tied": True}),
+        (23, {"allreduce_bps": 5e8, "update_in_backward": True, "persistent_at_step": True}),
+        (24, {"allreduce_bps": 5e8, "tied": True}),
     ],
 )
 def test_search_returns_the_brute_force_optimum(seed, kwargs):
+    kwargs = dict(kwargs)
     hw = make_hardware(h2d_bps=12e9, d2h_bps=12e9, duplex_bps=20e9)  # tight enough to trade off
+    hw = replace(hw, allreduce_bps=kwargs.pop("allreduce_bps", math.inf))
     profiles = _profiles(seed, **kwargs)
     for budget in _budgets(profiles, hw):
         rows = brute_force(profiles, hw, budget)
@@ -145,6 +150,8 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         {"update_in_backward": True, "gpu_update_in_backward": -1},
         {"update_in_backward": True, "gpu_update_in_backward": 3, "tied": True},
         {"update_in_backward": True, "persistent_at_step": True, "tied": True},
+        {"allreduce_bps": 3e8},
+        {"allreduce_bps": 3e8, "update_in_backward": True, "persistent_at_step": True},
     ],
     ids=[
         "tied",
@@ -157,14 +164,21 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         "gpu-in-backward-auto",
         "gpu-in-backward-3",
         "persistent-at-step",
+        "allreduce",
+        "allreduce-update-in-backward",
     ],
 )
 def test_vectorised_rows_equal_the_scalar_model(kwargs):
+    kwargs = dict(kwargs)
+    # Data parallelism's all-reduce of persistent gradients (slow enough to show past the tail).
+    allreduce = kwargs.pop("allreduce_bps", math.inf)
     hw = make_hardware(h2d_bps=8e9, d2h_bps=10e9, duplex_bps=14e9, cpu_optim_params_per_s=2e9)
+    hw = replace(hw, allreduce_bps=allreduce)
     profiles = _profiles(7, **kwargs)
     profile = profiles[SMALL["chunk_size"]]
     found = search_all(profiles, hw, None)
     assert len(found) > 100
+    exposed = 0
     for row in range(len(found)):
         knobs = Knobs(
             int(found.n_persist[row]),
@@ -173,7 +187,10 @@ def test_vectorised_rows_equal_the_scalar_model(kwargs):
             int(found.n_checkpoint[row]),
         )
         assert found.peak_bytes[row] == predict_peak_bytes(profile, hw, knobs)
-        assert found.step_s[row] == pytest.approx(predict_step_time(profile, hw, knobs)[0], 1e-9)
+        step_s, breakdown, _ = predict_step_time(profile, hw, knobs)
+        assert found.step_s[row] == pytest.approx(step_s, 1e-9)
+        exposed += breakdown["collective_stall_s"] > 0
+    assert (exposed > 0) == math.isfinite(allreduce)
 
 
 def test_search_all_lists_every_feasible_config_and_the_plan_is_on_its_frontier():

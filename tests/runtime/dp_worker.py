@@ -56,7 +56,8 @@ def sharding_facts(model: torch.nn.Module) -> dict:
         "update_in_backward": runtime.backward_update.on,
         "updates_in_backward": runtime.cpu_optim.updates_in_backward,
         "gradient_bps": runtime.data_parallel.gradient_bps,
-        # Start-of-phase exchanges (runtime/lockstep.py): one per forward and per backward.
+        "allreduce_bps": runtime.data_parallel.allreduce_bps,
+        # Start-of-phase exchanges (runtime/lockstep.py): forwards, backward starts and ends.
         "lockstep_exchanges": (
             runtime.manager.sharding.lockstep.exchanges if runtime.manager.sharding else 0
         ),
@@ -212,10 +213,6 @@ def case_lora(device, dtype, rank, world):
         "resident": len(runtime.resident_params),
         # No offloaded gradient to average: nothing timed, the planner's D2H rate untouched.
         "gradient_bps": runtime.data_parallel.gradient_bps,
-        # Start-of-phase exchanges (runtime/lockstep.py): one per forward and per backward.
-        "lockstep_exchanges": (
-            runtime.manager.sharding.lockstep.exchanges if runtime.manager.sharding else 0
-        ),
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     train_local(model, optimizer, global_batches(STEPS), device, rank, world)
@@ -253,10 +250,19 @@ def case_calibrate(device, dtype, rank, world):
     from autooffload import runtime as rt
     from autooffload.runtime import runtime as runtime_module
     from autooffload.runtime.calibration import calibrate_after_steps
+    from autooffload.runtime.distributed import DataParallel
 
-    # The CPU rate measured on this tiny model is noise; a fixed one keeps the plans the same.
+    # The CPU rate and the collectives' rates measured on this tiny model are noise (latency);
+    # fixed ones keep the plans the same.
     measured_rate = runtime_module.worker_rate
     runtime_module.worker_rate = lambda mark, optimizer: 2e8
+    measure_collective = DataParallel.measure_gradient_collective
+
+    def fixed_collective(self, nbytes, sharded, repeats=3):
+        self.gradient_bps = self.allreduce_bps = 1e9
+        return self.gradient_bps
+
+    DataParallel.measure_gradient_collective = fixed_collective
     try:
         enable(device, n_persist=None, activation_mode="auto", budget=900_000)
         model = tiny_llama().to(device, dtype)
@@ -265,6 +271,7 @@ def case_calibrate(device, dtype, rank, world):
         train_local(model, optimizer, batches[:3], device, rank, world)
     finally:
         runtime_module.worker_rate = measured_rate
+        DataParallel.measure_gradient_collective = measure_collective
     runtime = rt.runtime_of(model)
     planned = runtime.plan
     predicted, budget = planned.predicted_peak_bytes, planned.budget_bytes

@@ -86,12 +86,18 @@ def test_the_lowest_chunks_are_updated_by_their_owners_device_in_the_backward(cp
 
 @pytest.mark.parametrize("case", ["sharding", "replicated"])
 def test_the_gradient_collective_is_measured_at_attach_and_agreed(cpu_run, case):
-    """reduce (sharded) or all-reduce (replicated) of a chunk's gradients, timed at attach;
-    every rank keeps the slowest rank's figure, so their cost models agree."""
+    """reduce (sharded) or all-reduce (replicated) of a chunk's gradients, and the all-reduce
+    of persistent ones, timed at attach; every rank keeps the slowest rank's figure, so their
+    cost models agree."""
     reports, _ = cpu_run
     measured = [report[case]["gradient_bps"] for report in reports]
     assert 0 < measured[0] < float("inf")
     assert measured[0] == measured[1]
+    # The all-reduce of persistent chunks' gradients (either state), timed alike.
+    allreduce = [report[case]["allreduce_bps"] for report in reports]
+    assert 0 < allreduce[0] < float("inf") and allreduce[0] == allreduce[1]
+    if case == "replicated":
+        assert allreduce == measured
 
 
 def test_sharded_state_each_rank_keeps_its_half_and_saving_needs_consolidate(cpu_run):

@@ -75,14 +75,17 @@ def test_gradients_cost_their_collective_then_the_owners_copy():
     from autooffload.runtime.distributed import DataParallel
 
     dp = object.__new__(DataParallel)
-    dp.gradient_bps = 100e9
+    dp.gradient_bps, dp.allreduce_bps = 100e9, 80e9
     s = sharding(0, 2, [True])
     hw = dp.effective_hardware(s.effective_hardware(hardware()))
     assert 1 / hw.d2h_bps == pytest.approx(1 / (2 * 50e9) + 1 / 100e9)
     assert dp.effective_hardware(hardware()).h2d_bps == hardware().h2d_bps
+    # Persistent chunks' all-reduce: its own measured rate, for the cost model's queue.
+    assert hardware().allreduce_bps == math.inf and hw.allreduce_bps == 80e9
     # Unmeasured (infinitely fast): the copy alone.
-    dp.gradient_bps = math.inf
+    dp.gradient_bps = dp.allreduce_bps = math.inf
     assert dp.effective_hardware(hardware()).d2h_bps == pytest.approx(50e9)
+    assert dp.effective_hardware(hardware()).allreduce_bps == math.inf
 
 
 def test_sharding_shortens_a_cpu_bound_predicted_step():
