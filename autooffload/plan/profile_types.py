@@ -76,13 +76,20 @@ class HardwareProfile:
     process. Not measured by ``measure_hardware``: ``DataParallel.effective_hardware`` sets it."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As a dict for JSON: an unmeasured (infinite) ``allreduce_bps`` as None."""
+        data = asdict(self)
+        if not math.isfinite(data["allreduce_bps"]):
+            data["allreduce_bps"] = None
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
         """Build from ``to_dict`` output; raises ``KeyError``/``TypeError`` on a malformed dict."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        kwargs = {k: v for k, v in data.items() if k in names}
+        if kwargs.get("allreduce_bps", 0) is None:
+            kwargs["allreduce_bps"] = math.inf
+        return cls(**kwargs)
 
 
 @dataclass(frozen=True)

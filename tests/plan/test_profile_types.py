@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,14 @@ def test_hardware_profile_round_trips_and_ignores_unknown_keys():
     hw = make_hardware()
     data = json.loads(json.dumps(hw.to_dict()))
     data["added_in_a_later_version"] = 1
+    assert HardwareProfile.from_dict(data) == hw
+    # Standard JSON: an unmeasured all-reduce rate (inf) travels as null, and back; a measured
+    # one as itself; a dict from before the field existed reads as unmeasured.
+    assert hw.allreduce_bps == math.inf and data["allreduce_bps"] is None
+    measured = replace(hw, allreduce_bps=4e10)
+    text = json.dumps(measured.to_dict(), allow_nan=False)
+    assert HardwareProfile.from_dict(json.loads(text)) == measured
+    del data["allreduce_bps"]
     assert HardwareProfile.from_dict(data) == hw
 
 
