@@ -135,12 +135,13 @@ class Lockstep:
     def _wait(self, work: Any, phase: int) -> None:
         """Wait for the exchange, polling, so that a long wait can warn before the timeout."""
         start = time.perf_counter()
-        delay = 1e-5
+        delay = 0.0  # first 1 ms: yield the GIL and look again; then back off to 10 ms
         warned = False
         while not work.is_completed():
             time.sleep(delay)
-            delay = min(2 * delay, 0.01)
             waited = time.perf_counter() - start
+            if waited > 1e-3:
+                delay = min(2 * max(delay, 5e-5), 0.01)
             if not warned and waited > STALL_WARNING_S:
                 warned = True
                 warn_once(
