@@ -114,7 +114,8 @@ class Sharding:
 
     def check_in_step(self, phase: int, persistent: set[int]) -> None:
         """Where the plan gathers sharded chunks, every rank starts ``phase`` (a forward with or
-        without gradients, a backward), or all raise (runtime/lockstep.py)."""
+        without gradients, a backward, a backward's end) after the same chunk collectives, or
+        all raise (runtime/lockstep.py)."""
         if self.lockstep is not None and not self.indices <= persistent:
             self.lockstep.check(phase)
 

@@ -300,32 +300,34 @@ def test_an_exception_on_one_rank_surfaces_on_the_other_without_a_hang(tmp_path,
     assert rank0["seconds"] < FAULT_TIMEOUT_S + 20  # the group's timeout, plus start-up slack
 
 
+def same_error_at_once(out: Path, mode: str) -> str:
+    """The fault worker's ``mode`` on two ranks: both failed with one outcome, before the
+    process group's timeout; that outcome."""
+    worker = WORKER.with_name("dp_fault_worker.py")
+    rank0, rank1 = launch_worker(worker, out, f"--mode={mode}", expect_failure=True)
+    assert rank0["outcome"] == rank1["outcome"] != "finished"
+    assert rank0["seconds"] < FAULT_TIMEOUT_S and rank1["seconds"] < FAULT_TIMEOUT_S
+    return rank0["outcome"]
+
+
 def test_a_forward_on_one_rank_only_is_a_clear_error_on_every_rank(tmp_path):
     """Under sharded state, rank 0 evaluates a batch (no grad) while rank 1 starts its next
     training forward: their gathers would pair up (and later send one chunk's bytes into
     another's storage). Both ranks raise the same error at once, before any gather."""
-    worker = WORKER.with_name("dp_fault_worker.py")
-    rank0, rank1 = launch_worker(worker, tmp_path, "--mode=alone", expect_failure=True)
-    for report in (rank0, rank1):
-        assert report["outcome"].startswith("OutOfStepError: autooffload: the ranks are out of")
-        assert "rank 0: a forward without gradients" in report["outcome"]
-        assert "rank 1: a forward with gradients" in report["outcome"]
-        assert "AUTOOFFLOAD_SHARD_OPTIMIZER=off" in report["outcome"]
-    assert rank0["outcome"] == rank1["outcome"]
-    assert rank0["seconds"] < FAULT_TIMEOUT_S
+    outcome = same_error_at_once(tmp_path, "alone")
+    assert outcome.startswith("OutOfStepError: autooffload: the ranks are out of")
+    assert "rank 0: a forward without gradients" in outcome
+    assert "rank 1: a forward with gradients" in outcome
+    assert "AUTOOFFLOAD_SHARD_OPTIMIZER=off" in outcome
 
 
 def test_chunk_collectives_that_differ_between_ranks_are_a_clear_error_on_every_rank(tmp_path):
     """Each exchange carries a hash of the chunk gathers and reduces issued since the last one:
     rank 1 counts one more before its forward, and both ranks raise the same error there."""
-    worker = WORKER.with_name("dp_fault_worker.py")
-    rank0, rank1 = launch_worker(worker, tmp_path, "--mode=sequence", expect_failure=True)
-    for report in (rank0, rank1):
-        assert report["outcome"].startswith("OutOfStepError: autooffload: the ranks issued")
-        assert "before a forward with gradients" in report["outcome"]
-        assert "a module ran on some ranks only" in report["outcome"]
-    assert rank0["outcome"] == rank1["outcome"]
-    assert rank0["seconds"] < FAULT_TIMEOUT_S
+    outcome = same_error_at_once(tmp_path, "sequence")
+    assert outcome.startswith("OutOfStepError: autooffload: the ranks issued")
+    assert "before a forward with gradients" in outcome
+    assert "a module ran on some ranks only" in outcome
 
 
 def test_a_module_run_on_one_rank_under_sharded_state_fails_both_ranks_without_a_hang(
