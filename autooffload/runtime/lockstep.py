@@ -93,9 +93,7 @@ class Lockstep:
         self.rank = rank
         self.world_size = world_size
         self.group = lockstep_group()
-        # Exchanges made, and the seconds they took (waits for late peers included).
         self.exchanges = 0
-        self.seconds = 0.0
         # Hash of the chunk collectives issued since the last exchange, and their count.
         self.sequence = 0
         self.count = 0
@@ -111,11 +109,9 @@ class Lockstep:
         chunk collectives since the last check, or all raise the same error."""
         mine = torch.tensor([phase, self.sequence, self.count], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        start = time.perf_counter()
         work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
         self._wait(work, phase)
         self.exchanges += 1
-        self.seconds += time.perf_counter() - start
         self.sequence = self.count = 0
         phases = [int(t[0]) for t in gathered]
         if len(set(phases)) > 1:
