@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+import nccl_emulation  # noqa: E402
 from runtime_models import CHUNK_SIZE, tiny_llama  # noqa: E402
 
 import autooffload  # noqa: E402
@@ -488,18 +489,25 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     # gloo on CUDA: every rank on GPU 0 (NCCL refuses two ranks on one device). The runtime's
     # CUDA paths (chunk buffers, streams, GPU updates) under data parallelism on one GPU, with
-    # the collectives on host copies as in the CPU simulation.
-    parser.add_argument("--backend", default=None, choices=["nccl", "gloo"])
+    # the collectives on host copies as in the CPU simulation. nccl-emulated: the same, with
+    # the runtime in its NCCL branches and NCCL's tensor contract checked (nccl_emulation.py).
+    parser.add_argument("--backend", default=None, choices=["nccl", "gloo", "nccl-emulated"])
     args = parser.parse_args()
     device, dtype = args.device, getattr(torch, args.dtype)
     backend = args.backend or ("nccl" if device == "cuda" else "gloo")
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) if backend == "nccl" else 0)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    if backend == "nccl-emulated":
+        nccl_emulation.install()
+    dist.init_process_group(
+        "gloo" if backend == "nccl-emulated" else backend, timeout=datetime.timedelta(seconds=120)
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     report: dict = {"rank": rank, "world": world}
     try:
+        if backend == "nccl-emulated":
+            report["emulation_rejects_host_tensors"] = nccl_emulation.rejects_host_tensors()
         averaged = weights(train_plain(device, dtype, STEPS, world=world)[0])
         whole = weights(train_plain(device, dtype, STEPS)[0])
         averaged_clip = weights(
@@ -581,6 +589,7 @@ def main() -> None:
             ][:5]
         if rank == 0:
             torch.save(averaged, args.out / "averaged.pt")
+        report["nccl_emulated_calls"] = dict(nccl_emulation.calls)
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         report["error"] = traceback.format_exc()
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -388,6 +388,13 @@ def check_cuda_ranks(out: Path, backend: str) -> None:
     assert [f["new_tokens"] for f in generated] == [3, 7]
     assert all(f["same_tokens"] for f in generated)
     assert generated[0]["gathers"] == generated[1]["gathers"] > 0
+    if backend == "nccl-emulated":
+        # The NCCL branches ran, every collective on this rank's device (else an error above).
+        calls = [report["nccl_emulated_calls"] for report in reports]
+        assert all(report["emulation_rejects_host_tensors"] for report in reports)
+        assert all(c["broadcast"] > 0 and c["reduce"] > 0 and c["all_reduce"] > 0 for c in calls)
+        # Consolidating to one rank (the checkpoint) sends point to point.
+        assert sum(c.get("send", 0) for c in calls) == sum(c.get("recv", 0) for c in calls) > 0
     reports = launch(out / "bf16", "cuda", "bfloat16", backend)
     for report in reports:
         assert report["dp_ranks_identical"] and report["ddp_ranks_identical"]
@@ -404,11 +411,27 @@ def test_two_gpus_nccl_fp32_and_bf16(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_two_ranks_sharing_one_gpu_over_gloo_fp32_and_bf16(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "nccl-emulated"])
+def test_two_ranks_sharing_one_gpu_fp32_and_bf16(tmp_path, backend):
     """The CUDA side of data parallelism on one GPU: chunk buffers, side streams, the owner's
-    GPU update and the update in the backward, with gloo's collectives on host copies (NCCL
-    refuses two ranks on one device, so only its device-tensor branches are left out)."""
-    check_cuda_ranks(tmp_path, "gloo")
+    GPU update and the update in the backward. NCCL refuses two ranks on one device, so the
+    collectives run over gloo: in gloo's branches, and in NCCL's with its tensor contract
+    checked (``nccl_emulation.py``); NCCL's own stream and transport are left out."""
+    check_cuda_ranks(tmp_path, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_lockstep_group_takes_the_timeout_of_an_nccl_default_group(tmp_path, backend):
+    """The exchange's gloo group (made under torchrun's NCCL group, or accelerate's mixed one)
+    times out with the user's group, not gloo's 30 min default; one rank, since NCCL refuses
+    two on one GPU."""
+    worker = Path(__file__).with_name("lockstep_nccl_worker.py")
+    (report,) = launch_worker(worker, tmp_path, f"--backend={backend}", nproc=1)
+    assert "nccl" in report["backend"]
+    assert report["timeout_s"] == report["lockstep_timeout_s"] == 17
+    assert report["exchanges"] == 1
 
 
 @pytest.mark.parametrize(
