@@ -222,6 +222,49 @@ def case_lora(device, dtype, rank, world):
     return result, facts
 
 
+def qlora_model(device, dtype, seed: int = 0) -> torch.nn.Module:
+    """tiny_llama with bitsandbytes nf4 (double quantization) decoder linears, quantized on
+    ``device``, under a PEFT LoRA: every chunk frozen (packed weights and quant states)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.peft.qlora_runs import quantize_linears
+
+    base = quantize_linears(tiny_llama(seed=seed).to(dtype), device=device, compute_dtype=dtype)
+    torch.manual_seed(seed + 100)
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"])
+    return get_peft_model(base, config).to(device)
+
+
+def case_qlora(device, dtype, rank, world):
+    """QLoRA under data parallelism: the 4-bit base is sharded like any frozen chunk, its quant
+    states with it; rank 1 quantized another seed's weights, which the attach replaces with
+    rank 0's bytes; the adapters are averaged."""
+    import bitsandbytes as bnb
+
+    from autooffload import runtime as rt
+
+    enable(device)
+    model = qlora_model(device, dtype, seed=rank)
+    runtime = rt.runtime_of(model)
+    quantized = [p for p in model.parameters() if isinstance(p, bnb.nn.Params4bit)]
+    facts = {
+        "sharded": runtime.manager.sharding is not None,
+        "quantized": len(quantized),
+        "quantized_offloaded": sum(runtime.is_offloaded(p) for p in quantized),
+        "quant_state_tensors_chunked": all(
+            runtime.owns(t) for p in quantized for t in runtime.quantized.of(p)
+        ),
+        "host_store_bytes": runtime.manager.host.total_bytes,
+        "total_bytes": runtime.layout.total_bytes,
+    }
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR)
+    train_local(model, optimizer, global_batches(STEPS), device, rank, world)
+    result = weights(model)
+    autooffload.disable()
+    return result, facts
+
+
 def case_promote(device, dtype, rank, world):
     """Sharded, and after a few steps a re-plan makes more chunks persistent: their owners'
     optimizer state moves into every rank's optimizer, and training goes on unchanged."""
@@ -532,6 +575,11 @@ def main() -> None:
             device, dtype, STEPS, world=world, model=lora_model(device, dtype)
         )[0]
         report["lora_vs_averaged"] = max_diff(lora, weights(lora_reference))
+        qlora_reference = train_plain(
+            device, dtype, STEPS, world=world, model=qlora_model(device, dtype)
+        )[0]
+        qlora, report["qlora"] = case_qlora(device, dtype, rank, world)
+        report["qlora_vs_averaged"] = max_diff(qlora, weights(qlora_reference))
         promoted, report["promoted_params"] = case_promote(device, dtype, rank, world)
         report["promote_vs_averaged"] = max_diff(promoted, averaged)
         report["dp_vs_averaged"] = max_diff(dp, averaged)

@@ -132,6 +132,24 @@ def test_lora_shards_the_frozen_base_and_trains_like_the_averaged_reference(cpu_
         assert report["lora_vs_averaged"] < TOL
 
 
+def test_qlora_base_is_sharded_with_its_quant_states_and_trains_like_one_process(cpu_run):
+    """QLoRA (bitsandbytes nf4, double quantization) under data parallelism: the packed 4-bit
+    weights and every quant-state tensor travel in their chunks, each rank hosts its own
+    chunks' part, rank 1's base (quantized from another seed) is replaced by rank 0's at
+    attach, and the adapters train like one process averaging the halves."""
+    reports, _ = cpu_run
+    facts = [report["qlora"] for report in reports]
+    for f in facts:
+        assert f["sharded"] and f["quant_state_tensors_chunked"]
+        # All but the one persistent chunk's (n_persist=1) quantized weights are offloaded.
+        assert 0 < f["quantized_offloaded"] < f["quantized"]
+    total = facts[0]["total_bytes"]
+    assert sum(f["host_store_bytes"] for f in facts) == total
+    assert all(0 < f["host_store_bytes"] < total for f in facts)
+    for report in reports:
+        assert report["qlora_vs_averaged"] < TOL
+
+
 def test_sharded_state_each_rank_hosts_only_its_own_trainable_chunks(cpu_run):
     """The bf16 (here fp32) host copies are sharded too: a trainable chunk's bytes live on its
     owner's host alone, so the ranks' host stores together hold each trainable chunk once."""
@@ -376,6 +394,8 @@ def check_cuda_ranks(out: Path, backend: str) -> None:
         assert report["promoted_params"] > 0 and report["promote_vs_averaged"] < 1e-4
         # Frozen chunks sharded (LoRA), unused params, a branch, generate, errors.
         assert report["lora"]["sharded"] and report["lora_vs_averaged"] < 1e-4
+        assert report["qlora"]["quant_state_tensors_chunked"]
+        assert report["qlora"]["sharded"] and report["qlora_vs_averaged"] < 1e-4
         for shard in ("on", "off"):
             assert report[f"unused_shard_{shard}_moved"] == 0
             assert report[f"unused_shard_{shard}_vs_averaged"] < 1e-4
