@@ -127,7 +127,7 @@ def search(
     variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs)
     best, _ = _run(variants, hw, budget_bytes, fixed, min_persist=min_persist)
     if best is None:
-        raise _infeasible(variants, hw, budget_bytes, fixed)
+        raise _infeasible(variants, hw, budget_bytes, fixed, min_persist)
     source = "search" if not fixed else ("user" if len(fixed) == len(KNOBS) else "user+search")
     profile = _best_backward_split(best.profile, hw, best.knobs, budget_bytes)
     return make_plan(profile, hw, best.knobs, budget_bytes, source)
@@ -290,11 +290,20 @@ def _infeasible(
     hw: HardwareProfile,
     budget: int | None,
     fixed: dict[str, int],
+    min_persist: int = 0,
 ) -> PlanError:
     """The error for an empty feasible set: which fixed knob to change and to what, or budget."""
     budget_text = (
         "unbounded budget" if budget is None else f"budget {budget / GiB:.2f} GiB ({budget} bytes)"
     )
+    if min_persist and _run(profiles, hw, budget, fixed)[0] is not None:
+        # Only the floor on n_persist (chunks already persistent) is in the way.
+        floor = _run(profiles, hw, None, fixed, by_peak=True, min_persist=min_persist)[0]
+        least = "" if floor is None else f" (smallest predicted peak {floor.peak / GiB:.2f} GiB)"
+        return PlanError(
+            f"no configuration keeping the {min_persist} persistent chunks (n_persist >="
+            f" {min_persist}) fits the {budget_text}{least}; plans with fewer fit"
+        )
     alternatives = []
     for name in KNOBS:
         if name not in fixed:

@@ -160,8 +160,9 @@ def calibrate_after_steps(
     - the measured step time (``StepTimer``) off the plan's step as predicted with the two
       above by more than ``STEP_MARGIN`` scales the units' compute times
       (``cost.calibrate_compute``), when a scale explains it.
-    Any of them re-runs the search, which may promote chunks but never demotes one (that would
-    move live optimizer state back). Returns the new plan, or None when the assumptions held or
+    Any of them re-runs the search, which may promote chunks or demote them (their optimizer
+    state moves between the user's optimizer and the CPU twins: ``Runtime.apply_plan``).
+    Returns the new plan, or None when the assumptions held or
     the plan stays. Logged once whenever it acts.
 
     ``drift``: a settled plan's periodic check (``check_planned_steps``). It acts only on a step
@@ -247,7 +248,6 @@ def _calibration(
         hw,
         request.budget_bytes,
         request.fixed,
-        min_persist=plan.n_persist,
         checkpoint_inputs=request.checkpoint_inputs,
     )
     outcome: Plan | str
@@ -336,9 +336,8 @@ def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
         # time on top of the last (the drift checks repeat every window).
         warn_once(
             "calibration-no-plan",
-            f"autooffload: {what}, and no plan keeping the {plan.n_persist} persistent chunks"
-            f" fits the budget ({new_plan}); set AUTOOFFLOAD_BUDGET lower to leave the"
-            " allocator more room",
+            f"autooffload: {what}, and no plan fits the budget ({new_plan}); the plan stays;"
+            " set AUTOOFFLOAD_BUDGET lower to leave the allocator more room",
         )
         return None
     runtime.profile = found.profile

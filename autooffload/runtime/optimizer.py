@@ -846,6 +846,21 @@ class CpuOptimizer(HostGradNorms):
                     moved[key] = value.to(device, slot.dtype).view(slot.shape)
             optimizer.state[slot.param] = moved
 
+    def demote_chunk(self, chunk: Chunk) -> None:
+        """``chunk`` is offloaded again (a re-plan; the manager wrote its bytes back to the host
+        store): its trainable params get masters from those bytes (on the owner, under sharded
+        state) and are updated by the CPU twins from now on. Their state is still in the
+        user's optimizer; ``state.adopt_existing_state`` moves it to the twins."""
+        self.wait()
+        for slot in chunk.trainable_slots:
+            # The gradient left from the step just taken (no zero_grad yet): an offloaded
+            # param has none on the device, and zero_grad(set_to_none=False) would keep this
+            # one there for good, memory the new plan does not count.
+            slot.param.grad = None
+            self.offloaded_ids.add(id(slot.param))
+        if self.sharding is None or self.sharding.owns(chunk.index):
+            self._make_masters(chunk)
+
     def shutdown(self) -> None:
         """Join the worker and drop every host tensor this side holds (masters that are views
         of the pinned host store, host gradients, twin states) and the manager's callbacks into

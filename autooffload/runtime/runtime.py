@@ -237,22 +237,34 @@ class Runtime(GroupHooks):
         new_persistent = set(range(plan.n_persist))
         promoted = sorted(new_persistent - self.manager.persistent)
         demoted = sorted(self.manager.persistent - new_persistent)
-        if demoted:
-            raise PlanError(
-                f"re-plan would move {len(demoted)} persistent chunks back to the CPU, which this"
-                " version cannot do with live optimizer state; set AUTOOFFLOAD_N_PERSIST to fix"
-                " the persistent set"
-            )
         self.cpu_optim.wait()
         for index in promoted:
             self.cpu_optim.promote_chunk(self.layout.chunks[index], self.device)
+        # Demoted chunks' bytes are written back to the host store here (their owner's).
         self.manager.set_persistent(sorted(new_persistent), plan.n_buffer)
         self._slot_cache = None
+        if demoted:
+            self._demote(demoted)
         self._assign_gpu_updates(plan)
         if plan.block_policies and self.settings.activation_mode != "off":
             for group, policy in zip(self._blocks_in_order(), plan.block_policies, strict=False):
                 self.apply_block_policy(group.module, policy)
         self.plan = plan
+
+    def _demote(self, indices: list[int]) -> None:
+        """Chunks leave the GPU (a calibration found the plan does not fit): the CPU optimizer
+        takes their params, and their optimizer state moves from the user's optimizers to the
+        CPU twins (under sharded state to the owner's; the other ranks drop their replica of
+        it, which is the same)."""
+        from autooffload.runtime.state import adopt_existing_state
+
+        for index in indices:
+            self.cpu_optim.demote_chunk(self.layout.chunks[index])
+        for optimizer in self.optimizers:
+            if not any(o is optimizer for o in self.cpu_optim.optimizers):
+                # Bound before any of its params was offloaded: it gets twins now.
+                self.cpu_optim.bind(optimizer)
+            adopt_existing_state(self, optimizer)
 
     def _assign_gpu_updates(self, plan: Plan) -> None:
         """The offloaded chunks the GPU updates (plan/update_split.py): the last k at

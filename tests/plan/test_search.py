@@ -308,6 +308,26 @@ def test_nothing_fits_reports_the_smallest_peak():
     assert search(profiles, hw, smallest).predicted_peak_bytes == smallest
 
 
+def test_a_floor_on_persistent_chunks_that_alone_keeps_plans_out_is_named():
+    """A re-plan keeping the persistent chunks (``min_persist``) that fits only with fewer: the
+    error names the floor and its smallest peak, not the smallest peak without it (which fits
+    the budget and read as a contradiction: "nothing fits ... the smallest peak is 7 GiB")."""
+    hw = make_hardware()
+    profiles = _profiles(10)
+    rows = brute_force(profiles, hw, None)
+    floor = max(row[3].n_persist for row in rows)
+    with_floor = min(row[1] for row in rows if row[3].n_persist >= floor)
+    without = min(row[1] for row in rows)
+    assert without < with_floor
+    budget = (without + with_floor) // 2
+    with pytest.raises(PlanError) as error:
+        search(profiles, hw, budget, min_persist=floor)
+    text = str(error.value)
+    assert f"keeping the {floor} persistent chunks" in text and "plans with fewer fit" in text
+    assert f"{with_floor / 2**30:.2f} GiB" in text
+    assert search(profiles, hw, budget).n_persist < floor
+
+
 @pytest.mark.parametrize(
     "fixed, match",
     [

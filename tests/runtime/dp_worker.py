@@ -287,6 +287,36 @@ def case_promote(device, dtype, rank, world):
     return result, promoted
 
 
+def case_demote(device, dtype, rank, world):
+    """Sharded, three chunks persistent, then a re-plan (a calibration over the budget) keeps
+    one: the demoted chunks' bytes go back to their owners' hosts, their optimizer state from
+    every rank's optimizer to the owner's CPU twins, and training goes on unchanged."""
+    from dataclasses import replace
+
+    from autooffload import runtime as rt
+
+    enable(device, n_persist=3)
+    model = tiny_llama().to(device, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    batches = global_batches(STEPS)
+    train_local(model, optimizer, batches[:3], device, rank, world)
+    runtime = rt.runtime_of(model)
+    offloaded = len(runtime.cpu_optim.offloaded_ids)
+    masters = len(runtime.cpu_optim.masters)
+    runtime.apply_plan(replace(runtime.plan, n_persist=1))
+    facts = {
+        "demoted_params": len(runtime.cpu_optim.offloaded_ids) - offloaded,
+        "new_masters": len(runtime.cpu_optim.masters) - masters,
+        "state_left_in_optimizer": sum(
+            1 for p in optimizer.state if runtime.is_offloaded(p) and optimizer.state[p]
+        ),
+    }
+    train_local(model, optimizer, batches[3:], device, rank, world)
+    result = weights(model)
+    autooffload.disable()
+    return result, facts
+
+
 def case_calibrate(device, dtype, rank, world):
     """Planned by the search, then calibrated after its steps with a peak over the prediction
     measured on rank 1 only: both ranks re-plan to the same plan (rank 1's peak counts) and
@@ -582,6 +612,8 @@ def main() -> None:
         report["qlora_vs_averaged"] = max_diff(qlora, weights(qlora_reference))
         promoted, report["promoted_params"] = case_promote(device, dtype, rank, world)
         report["promote_vs_averaged"] = max_diff(promoted, averaged)
+        demoted, report["demoted"] = case_demote(device, dtype, rank, world)
+        report["demote_vs_averaged"] = max_diff(demoted, averaged)
         report["dp_vs_averaged"] = max_diff(dp, averaged)
         report["dp_vs_whole_batch"] = max_diff(dp, whole)
         report["averaged_vs_whole_batch"] = max_diff(averaged, whole)

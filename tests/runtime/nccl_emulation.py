@@ -9,9 +9,11 @@ first checks its tensors as NCCL would -- CUDA tensors on this rank's device, co
 op NCCL has -- and then runs on host copies over gloo (AVG as a sum then a division), in the
 order of the calling stream, as NCCL orders a collective after the work queued before it.
 
-What it cannot show: NCCL's own stream and its timing (the collective here is done when the
-call returns), and NCCL-only failures (topology, transport). Groups other than the main one
-(the runtime's gloo lockstep group) pass through untouched.
+An asynchronous collective's result reaches its tensors only at ``wait()``, so a read of it
+before the wait sees the old values (under NCCL, a race). What it cannot show: NCCL reading
+its input late (here the input is copied when the call is made, so a write to it before the
+wait goes unseen), NCCL's timing, and NCCL-only failures (topology, transport). Groups other
+than the main one (the runtime's gloo lockstep group) pass through untouched.
 """
 
 from __future__ import annotations
@@ -39,14 +41,23 @@ NCCL_OPS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT")
 calls: Counter[str] = Counter()
 
 
-class _Done:
-    """The work handle of a collective that completed before its call returned."""
+class _Pending:
+    """The work handle of an asynchronous collective, done over gloo when it was called but
+    written to its device tensors only at ``wait()`` (or a completed ``is_completed()``): under
+    NCCL the result is ordered for the current stream only by ``wait()``, so a read before it
+    races. Here it reads the old values, which the tests see."""
+
+    def __init__(self, deliver: Callable[[], None]) -> None:
+        self._deliver: Callable[[], None] | None = deliver
 
     def wait(self, timeout: Any = None) -> bool:
+        if self._deliver is not None:
+            self._deliver()
+            self._deliver = None
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self.wait()
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -92,13 +103,19 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if average:
             staged["op"] = dist.ReduceOp.SUM
         result = original(**staged)
-        if receives == "all" or (receives == "dst" and dist.get_rank() == arguments["dst"]):
-            for n in names:
-                for device_tensor, host in zip(_tensors(arguments[n]), hosts[n], strict=True):
-                    if average:
-                        host.div_(dist.get_world_size())
-                    device_tensor.copy_(host)
-        return _Done() if arguments.get("async_op") else result
+
+        def deliver() -> None:
+            if receives == "all" or (receives == "dst" and dist.get_rank() == arguments["dst"]):
+                for n in names:
+                    for device_tensor, host in zip(_tensors(arguments[n]), hosts[n], strict=True):
+                        if average:
+                            host.div_(dist.get_world_size())
+                        device_tensor.copy_(host)
+
+        if arguments.get("async_op"):
+            return _Pending(deliver)
+        deliver()
+        return result
 
     return collective
 

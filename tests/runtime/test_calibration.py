@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+import autooffload
 from autooffload import runtime as rt
 from autooffload.plan.cost import predict_peak_bytes
 from autooffload.runtime import calibration
@@ -100,6 +101,67 @@ def test_a_peak_over_the_prediction_recalibrates_and_replans(
     assert predict_peak_bytes(runtime.profile, hw, plan.knobs) > new_plan.budget_bytes
     assert new_plan.predicted_peak_bytes <= new_plan.budget_bytes
     assert rt.last_plan() is new_plan
+
+
+def test_a_peak_that_only_fewer_persistent_chunks_fit_demotes_them_and_training_goes_on(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    """The measured peak leaves no plan keeping the persistent chunks under the budget, but
+    plans with fewer fit: the calibration demotes chunks (their bytes written back to the host
+    store, their AdamW state moved from the user's optimizer to the CPU twins) and training goes
+    on as plain torch's. Until the twenty-second session the plan stayed, over the budget
+    (Llama-8B @ 24 GiB on an H100: 5 allocator retries in 4 steps, 25% over its prediction)."""
+    reference = make_llama(n_layers=4)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    batches = make_batches(6)
+    for ids in batches:
+        reference(input_ids=ids, labels=ids).loss.backward()
+        plain.step()
+        plain.zero_grad()
+
+    runtime = _planned(make_llama, offload_cpu, make_batches, 900_000, monkeypatch)
+    plan = runtime.plan
+    predicted, budget = plan.predicted_peak_bytes, plan.budget_bytes
+    rows = runtime.search_request.candidates()
+    keeping = int(rows.peak_bytes[rows.n_persist >= plan.n_persist].min())
+    fewer = int(rows.peak_bytes[rows.n_persist < plan.n_persist].min())
+    assert plan.n_persist >= 1 and fewer * 1.05 < keeping, plan.summary()
+    k = (budget / keeping + budget / fewer) / 2
+    assert predicted * k > budget
+    model, optimizer = runtime.model, runtime.optimizers[0]
+    # As the runtime calibrates: at the end of a step, its gradients not yet zeroed.
+    model(input_ids=batches[3], labels=batches[3]).loss.backward()
+    optimizer.step()
+    new_plan = calibrate_after_steps(runtime, int(predicted * k))
+    left = runtime.layout.chunks[new_plan.n_persist : plan.n_persist]
+    # Their gradients are dropped: zero_grad(set_to_none=False) would keep them on the device.
+    assert all(s.param.grad is None for chunk in left for s in chunk.slots)
+    optimizer.zero_grad(set_to_none=False)
+    assert new_plan is not None and runtime.plan is new_plan
+    assert new_plan.n_persist < plan.n_persist, new_plan.summary()
+    assert set(runtime.manager.persistent) == set(range(new_plan.n_persist))
+    demoted = [
+        slot.param
+        for chunk in runtime.layout.chunks[new_plan.n_persist : plan.n_persist]
+        for slot in chunk.trainable_slots
+    ]
+    assert demoted and all(runtime.is_offloaded(p) for p in demoted)
+    # The state left the user's optimizer for the twins, Adam's step count with it.
+    assert not any(optimizer.state.get(p) for p in demoted)
+    twins = rt.runtime_of(model).cpu_optim
+    states = [twins.twins_of(chunk) for chunk in left]
+    assert all(states)
+    for ids in batches[4:]:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    twins.wait()
+    step = [twin.state[twins.masters[id(demoted[0])]]["step"] for twin in states[0]]
+    assert [int(s) for s in step] == [len(batches)]
+    autooffload.disable()
+    expected = reference.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_a_calibration_that_keeps_the_plan_reports_the_calibrated_prediction(

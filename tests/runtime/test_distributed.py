@@ -174,6 +174,21 @@ def test_chunks_made_persistent_take_their_owners_optimizer_state(cpu_run):
         assert report["promote_vs_averaged"] < TOL
 
 
+def test_chunks_moved_back_to_the_cpu_give_their_state_to_their_owners_twins(cpu_run):
+    """A re-plan with fewer persistent chunks under sharded state: each demoted chunk's owner
+    makes masters and takes the optimizer state, the other rank drops its replica of it, and
+    training goes on like one process averaging the halves."""
+    reports, _ = cpu_run
+    facts = [report["demoted"] for report in reports]
+    assert facts[0]["demoted_params"] == facts[1]["demoted_params"] > 0
+    # Two chunks demoted, one owned by each rank.
+    assert all(0 < f["new_masters"] < f["demoted_params"] for f in facts)
+    assert sum(f["new_masters"] for f in facts) == facts[0]["demoted_params"]
+    assert all(f["state_left_in_optimizer"] == 0 for f in facts)
+    for report in reports:
+        assert report["demote_vs_averaged"] < TOL
+
+
 def test_calibration_under_data_parallelism_takes_every_ranks_peak_and_one_plan(cpu_run):
     """Only rank 1 measured a peak over the prediction; both ranks calibrate and re-plan alike
     (rank 0 alone would have kept its plan), and the trajectory is unchanged."""
@@ -392,6 +407,7 @@ def check_cuda_ranks(out: Path, backend: str) -> None:
         assert report["on_device"]["gpu_updates_in_backward"] == 9
         assert report["on_device_vs_averaged"] < 1e-4
         assert report["promoted_params"] > 0 and report["promote_vs_averaged"] < 1e-4
+        assert report["demoted"]["demoted_params"] > 0 and report["demote_vs_averaged"] < 1e-4
         # Frozen chunks sharded (LoRA), unused params, a branch, generate, errors.
         assert report["lora"]["sharded"] and report["lora_vs_averaged"] < 1e-4
         assert report["qlora"]["quant_state_tensors_chunked"]
