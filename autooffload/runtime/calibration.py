@@ -161,7 +161,8 @@ def calibrate_after_steps(
       above by more than ``STEP_MARGIN`` scales the units' compute times
       (``cost.calibrate_compute``), when a scale explains it.
     Any of them re-runs the search, which may promote chunks or demote them (their optimizer
-    state moves between the user's optimizer and the CPU twins: ``Runtime.apply_plan``).
+    state moves between the user's optimizer and the CPU twins: ``Runtime.apply_plan``); a
+    ``drift`` check only promotes.
     Returns the new plan, or None when the assumptions held or
     the plan stays. Logged once whenever it acts.
 
@@ -248,6 +249,9 @@ def _calibration(
         hw,
         request.budget_bytes,
         request.fixed,
+        # A drift check keeps the persistent chunks: under a hard cap the reserved peak fills
+        # the cap whatever the plan, and each check every DRIFT_WINDOW_STEPS would demote again.
+        min_persist=plan.n_persist if drift else 0,
         checkpoint_inputs=request.checkpoint_inputs,
     )
     outcome: Plan | str

@@ -128,6 +128,11 @@ def test_a_peak_that_only_fewer_persistent_chunks_fit_demotes_them_and_training_
     assert plan.n_persist >= 1 and fewer * 1.05 < keeping, plan.summary()
     k = (budget / keeping + budget / fewer) / 2
     assert predicted * k > budget
+    # A settled plan's drift check keeps the persistent chunks (under a hard cap the reserved
+    # peak reads as the cap whatever the plan: every check would demote again).
+    with pytest.warns(UserWarning, match=f"keeping the {plan.n_persist} persistent chunks"):
+        assert calibrate_after_steps(runtime, int(predicted * k), drift=True) is None
+    assert runtime.plan is plan
     model, optimizer = runtime.model, runtime.optimizers[0]
     # As the runtime calibrates: at the end of a step, its gradients not yet zeroed.
     model(input_ids=batches[3], labels=batches[3]).loss.backward()
