@@ -265,56 +265,53 @@ def case_qlora(device, dtype, rank, world):
     return result, facts
 
 
-def case_promote(device, dtype, rank, world):
-    """Sharded, and after a few steps a re-plan makes more chunks persistent: their owners'
-    optimizer state moves into every rank's optimizer, and training goes on unchanged."""
-    from dataclasses import replace
-
+def replan_midway(device, dtype, rank, world, switch, **settings):
+    """Sharded: three steps, then ``switch(runtime, optimizer)`` re-plans (and returns what the
+    test reads of it), then the rest of the steps; the trained weights and those facts."""
     from autooffload import runtime as rt
 
-    enable(device)
+    enable(device, **settings)
     model = tiny_llama().to(device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     batches = global_batches(STEPS)
     train_local(model, optimizer, batches[:3], device, rank, world)
-    runtime = rt.runtime_of(model)
-    promoted = len(runtime.cpu_optim.offloaded_ids)
-    runtime.apply_plan(replace(runtime.plan, n_persist=3))
-    promoted -= len(runtime.cpu_optim.offloaded_ids)
+    facts = switch(rt.runtime_of(model), optimizer)
     train_local(model, optimizer, batches[3:], device, rank, world)
     result = weights(model)
     autooffload.disable()
-    return result, promoted
+    return result, facts
+
+
+def case_promote(device, dtype, rank, world):
+    """Sharded, and after a few steps a re-plan makes more chunks persistent: their owners'
+    optimizer state moves into every rank's optimizer, and training goes on unchanged."""
+
+    def promote(runtime, optimizer):
+        offloaded = len(runtime.cpu_optim.offloaded_ids)
+        runtime.apply_plan(dataclasses.replace(runtime.plan, n_persist=3))
+        return offloaded - len(runtime.cpu_optim.offloaded_ids)
+
+    return replan_midway(device, dtype, rank, world, promote)
 
 
 def case_demote(device, dtype, rank, world):
     """Sharded, three chunks persistent, then a re-plan (a calibration over the budget) keeps
     one: the demoted chunks' bytes go back to their owners' hosts, their optimizer state from
     every rank's optimizer to the owner's CPU twins, and training goes on unchanged."""
-    from dataclasses import replace
 
-    from autooffload import runtime as rt
+    def demote(runtime, optimizer):
+        offloaded = len(runtime.cpu_optim.offloaded_ids)
+        masters = len(runtime.cpu_optim.masters)
+        runtime.apply_plan(dataclasses.replace(runtime.plan, n_persist=1))
+        return {
+            "demoted_params": len(runtime.cpu_optim.offloaded_ids) - offloaded,
+            "new_masters": len(runtime.cpu_optim.masters) - masters,
+            "state_left_in_optimizer": sum(
+                1 for p in optimizer.state if runtime.is_offloaded(p) and optimizer.state[p]
+            ),
+        }
 
-    enable(device, n_persist=3)
-    model = tiny_llama().to(device, dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    batches = global_batches(STEPS)
-    train_local(model, optimizer, batches[:3], device, rank, world)
-    runtime = rt.runtime_of(model)
-    offloaded = len(runtime.cpu_optim.offloaded_ids)
-    masters = len(runtime.cpu_optim.masters)
-    runtime.apply_plan(replace(runtime.plan, n_persist=1))
-    facts = {
-        "demoted_params": len(runtime.cpu_optim.offloaded_ids) - offloaded,
-        "new_masters": len(runtime.cpu_optim.masters) - masters,
-        "state_left_in_optimizer": sum(
-            1 for p in optimizer.state if runtime.is_offloaded(p) and optimizer.state[p]
-        ),
-    }
-    train_local(model, optimizer, batches[3:], device, rank, world)
-    result = weights(model)
-    autooffload.disable()
-    return result, facts
+    return replan_midway(device, dtype, rank, world, demote, n_persist=3)
 
 
 def case_calibrate(device, dtype, rank, world):

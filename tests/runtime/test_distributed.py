@@ -125,11 +125,16 @@ def test_lora_shards_the_frozen_base_and_trains_like_the_averaged_reference(cpu_
     assert all(f["sharded"] and f["resident"] > 0 for f in facts)
     assert all(f["gradient_bps"] == float("inf") for f in facts)
     assert facts[0]["frozen_chunks"] == facts[0]["chunks"] >= 2
+    assert_each_rank_hosts_its_share(facts)
+    for report in reports:
+        assert report["lora_vs_averaged"] < TOL
+
+
+def assert_each_rank_hosts_its_share(facts: list[dict]) -> None:
+    """Every chunk is hosted once across the ranks, and each rank hosts part of the model."""
     total = facts[0]["total_bytes"]
     assert sum(f["host_store_bytes"] for f in facts) == total
     assert all(0 < f["host_store_bytes"] < total for f in facts)
-    for report in reports:
-        assert report["lora_vs_averaged"] < TOL
 
 
 def test_qlora_base_is_sharded_with_its_quant_states_and_trains_like_one_process(cpu_run):
@@ -143,9 +148,7 @@ def test_qlora_base_is_sharded_with_its_quant_states_and_trains_like_one_process
         assert f["sharded"] and f["quant_state_tensors_chunked"]
         # All but the one persistent chunk's (n_persist=1) quantized weights are offloaded.
         assert 0 < f["quantized_offloaded"] < f["quantized"]
-    total = facts[0]["total_bytes"]
-    assert sum(f["host_store_bytes"] for f in facts) == total
-    assert all(0 < f["host_store_bytes"] < total for f in facts)
+    assert_each_rank_hosts_its_share(facts)
     for report in reports:
         assert report["qlora_vs_averaged"] < TOL
 
