@@ -3,6 +3,7 @@ against what the plan assumed, and the one re-plan that follows when they differ
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -12,7 +13,7 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger, warn_once
-from autooffload.plan.profile_types import HardwareProfile, ModelProfile
+from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION, HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
 
@@ -105,7 +106,7 @@ def check_planned_steps(runtime: Runtime) -> Plan | None:
     runtime.cpu_optim.wait()  # this step's update belongs to the measured window
     new_plan = calibrate_after_steps(
         runtime,
-        torch.cuda.max_memory_reserved(runtime.device),
+        measured_need(runtime),
         worker_rate(runtime.cpu_mark, runtime.cpu_optim),
         timer.median_step_s(runtime.plan) if timer is not None else None,
         drift=drift,
@@ -122,6 +123,26 @@ def check_planned_steps(runtime: Runtime) -> Plan | None:
     runtime.step_timer = StepTimer(runtime.plan, cuda=runtime.manager.is_cuda)
     runtime.cpu_mark = runtime.cpu_optim.mark()
     return new_plan
+
+
+def measured_need(runtime: Runtime) -> int:
+    """The device memory the steps since the last check needed, in the units of the predicted
+    peak (the allocator's fragmentation included).
+
+    Under expandable segments (the default while attached) this is the allocated peak times
+    ``EXPANDABLE_FRAGMENTATION``, not the reserved peak. The caching allocator maps new pages
+    rather than wait for freed blocks still in use on another stream (likely: the host runs
+    ahead of the copy streams) and gives its cache back only when an allocation would cross
+    the cap (a retry), so the reserved peak grows to the cap every step whatever the plan
+    needs: an 8B plan with 18.8 GiB allocated reserved 26 GiB under a 26 GiB cap and ran
+    under a 19.5 GiB one (``devtools/cap_need.py``, BENCHMARKS.md). Calibrating on it
+    demoted chunks that fitted. Without expandable segments the held segments fragment for
+    real and the reserved peak is what the plan needs."""
+    device = runtime.device
+    profile = runtime.profile
+    if profile is not None and profile.expandable_segments:
+        return math.ceil(torch.cuda.max_memory_allocated(device) * EXPANDABLE_FRAGMENTATION)
+    return torch.cuda.max_memory_reserved(device)
 
 
 def fresh_peak(device: torch.device) -> None:
@@ -152,7 +173,7 @@ def calibrate_after_steps(
     drift: bool = False,
 ) -> Plan | None:
     """Check the planned steps against what their plan assumed, in this order:
-    - the measured peak (bytes reserved by the allocator) above the prediction by more than
+    - the measured peak (``measured_need``) above the prediction by more than
       ``CALIBRATION_MARGIN`` calibrates the fragmentation factor (``cost.calibrate``);
     - the CPU worker's measured rate (``worker_rate``: the update contended by the running step,
       gradient accumulation included) off the planned one by more than ``CPU_RATE_MARGIN``

@@ -12,6 +12,7 @@ import pytest
 from autooffload.bench import report
 from autooffload.bench.__main__ import main
 from autooffload.bench.frontier import MAX_OTHERS, plot_frontier, summarise_candidates
+from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
 from autooffload.plan.search import Candidates
 
 GiB = 1 << 30
@@ -127,13 +128,31 @@ def test_table_shows_predicted_vs_measured_with_error_percentages() -> None:
     assert len(cells) == len(header)
     row = dict(zip(header, cells))
     assert row["peak err %"] == "+5.0"
-    assert row["pred peak / meas reserved GiB"] == "10.50 / 10.00"
+    assert row["pred peak / meas need GiB"] == "10.50 / 10.00"
     assert row["alloc err %"] == "-10.0"
     assert row["pred / meas alloc GiB"] == "9.00 / 10.00"
     assert (row["step ms"], row["pred step ms"], row["step err %"]) == ("1000", "900", "-10.0")
     notes = "\n".join(table)
-    assert "peak vs max reserved: +5.0% .. +5.0%" in notes
+    assert "peak vs need: +5.0% .. +5.0%" in notes
     assert "within +-5%: 1 of 1" in notes and "within +-15%: 1 of 1" in notes
+
+
+def test_under_expandable_segments_the_peak_is_checked_against_the_allocated_need() -> None:
+    """The reserved peak runs to the cap whatever the plan needs; under expandable segments the
+    need is the allocated maximum times the allocator's prior."""
+    run = planned_run(24.0, 0)
+    run.update(
+        expandable_segments=True,
+        predicted_peak_bytes=int(20.6 * GiB),
+        peak_timed_reserved_gib=23.97,
+        peak_timed_allocated_gib=20.0,
+    )
+    (row,) = report.summarise([run])
+    assert row["measured_peak_gib"] == pytest.approx(20.0 * EXPANDABLE_FRAGMENTATION)
+    assert row["peak_err_pct"] == pytest.approx(0.0, abs=1e-6)
+    run["expandable_segments"] = False
+    (row,) = report.summarise([run])
+    assert row["measured_peak_gib"] == pytest.approx(23.97)
 
 
 def test_errors_fall_back_to_whole_run_peaks_and_skip_unplanned_peers() -> None:

@@ -13,18 +13,22 @@ import pytest
 
 from autooffload.bench.runner import CommonSettings, PeerSpec, RunSpec, cap_label, run_one
 from autooffload.bench.workloads import get_workload
+from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
 from autooffload.runtime.planning import BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE
 
 pytestmark = pytest.mark.gpu
 
 GiB = 1 << 30
 # Issue 13: predicted vs measured peak within 5%, step time within 15%. The predicted peak
-# includes the allocator's fragmentation, so it is compared with the memory the allocator held
-# (max reserved) during the timed steps; the timed steps run the searched plan as calibrated:
-# steps 1-2 profile, step 3 switches to the searched plan, after step 7 the calibration may
-# re-plan (peak, CPU rate, step time), step 8 may switch to that plan (the allocator's cache is
-# emptied at each switch, so the timed peak is this plan's); a switched plan is checked again
-# five steps on, and the bench's warm-up goes on until the plan has settled.
+# includes the allocator's fragmentation, so it is compared with the memory the timed steps
+# needed: under the allocator's expandable segments (the bench's runs) their allocated maximum
+# times the allocator's prior, as the calibration reads it (``calibration.measured_need``: the
+# reserved maximum runs to the cap whatever the plan needs), else the reserved maximum; the plan
+# fitting under the cap is checked for real by the budget sweep below. The timed steps run the
+# searched plan as calibrated: steps 1-2 profile, step 3 switches to the searched plan, after step
+# 7 the calibration may re-plan (peak, CPU rate, step time), step 8 may switch to that plan (the
+# allocator's cache is emptied at each switch, so the timed peak is this plan's); a switched plan
+# is checked again five steps on, and the bench's warm-up goes on until the plan has settled.
 PEAK_TOLERANCE = 0.05
 STEP_TOLERANCE = 0.15
 WARMUP, STEPS = 8, 4
@@ -91,12 +95,15 @@ def test_predicted_peak_and_step_time_match_the_measurement(
     assert result["candidates"]["chosen_on_frontier"], result["candidates"]["chosen"]
     predicted_peak = result["predicted_peak_bytes"] / GiB
     measured_peak = result["peak_timed_reserved_gib"]
+    if result.get("expandable_segments"):
+        measured_peak = result["peak_timed_allocated_gib"] * EXPANDABLE_FRAGMENTATION
     predicted_step, measured_step = result["predicted_step_s"], result["step_s_median"]
     peak_error = (predicted_peak - measured_peak) / measured_peak
     step_error = (predicted_step - measured_step) / measured_step
     numbers = (
-        f"{workload} @ {cap_gib} GiB: peak predicted {predicted_peak:.2f} GiB vs reserved"
-        f" {measured_peak:.2f} GiB ({peak_error:+.1%}); step predicted {predicted_step * 1e3:.0f}"
+        f"{workload} @ {cap_gib} GiB: peak predicted {predicted_peak:.2f} GiB vs need"
+        f" {measured_peak:.2f} GiB (reserved {result['peak_timed_reserved_gib']:.2f},"
+        f" {peak_error:+.1%}); step predicted {predicted_step * 1e3:.0f}"
         f" ms vs {measured_step * 1e3:.0f} ms ({step_error:+.1%})\n{describe(result)}"
     )
     print(numbers.splitlines()[0])  # noqa: T201 - shown by ``pytest -rP`` for the benchmarks log

@@ -93,14 +93,15 @@ def test_cache_is_keyed_by_optimizer_and_threads(tmp_path, counted, monkeypatch)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_measurement_is_fast_and_plausible(tmp_path):
-    # The runtime measures at the first profiling step, after the script built its optimizer;
-    # a fresh process's first torch.optim constructor imports torch._dynamo (1-4 s), which is
-    # not the measurement's (an H100 machine: 5.2-6.9 s cold in a fresh process, 0.6 s after).
+def test_cuda_measurement_is_plausible(tmp_path):
+    # Its duration is printed, not asserted (no test asserts on wall time): 1.0-1.1 s on the
+    # H100 machine once torch._dynamo is imported (a fresh process's first torch.optim
+    # constructor, 1-4 s, which the runtime's measurement never pays: the script built its
+    # optimizer before the first profiling step).
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     profile = measure_hardware("cuda", tmp_path, reprofile=True)
     print(f"\nCUDA profile measured in {profile.measure_s:.2f} s: {profile}")
-    assert profile.measure_s < 5
+    assert profile.measure_s > 0
     assert 1e9 < profile.h2d_bps < 1e12 and 1e9 < profile.d2h_bps < 1e12
     assert profile.duplex_bps >= 0.9 * max(profile.h2d_bps, profile.d2h_bps)
     assert 0 < profile.cuda_context_bytes < 4 << 30

@@ -4,6 +4,7 @@ fragmentation factor and re-plans (issue 13), keeping the persistent chunks."""
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 
 import pytest
@@ -458,3 +459,22 @@ def test_a_calibration_that_no_plan_fits_warns_once_and_changes_nothing(
             warnings.simplefilter("error")  # a second warning would raise here
             assert calibrate_after_steps(runtime, far, drift=drift) is None
     assert runtime.profile.fragmentation_factor == profile.fragmentation_factor
+
+
+@pytest.mark.parametrize("expandable", [True, False])
+def test_the_need_is_the_allocated_peak_under_expandable_segments(monkeypatch, expandable):
+    """Under expandable segments the reserved peak runs to the cap whatever the plan needs (8B:
+    26 GiB reserved under a 26 GiB cap, ran under 19.5 GiB), so the calibration reads the
+    allocated peak with the allocator's prior; without them, the reserved peak."""
+    from types import SimpleNamespace
+
+    from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 18 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 26 * gib)
+    runtime = SimpleNamespace(
+        device=torch.device("cpu"), profile=SimpleNamespace(expandable_segments=expandable)
+    )
+    need = calibration.measured_need(runtime)
+    assert need == (math.ceil(18 * gib * EXPANDABLE_FRAGMENTATION) if expandable else 26 * gib)
