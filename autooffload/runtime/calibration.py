@@ -270,8 +270,8 @@ def _calibration(
         hw,
         request.budget_bytes,
         request.fixed,
-        # A drift check keeps the persistent chunks: under a hard cap the reserved peak fills
-        # the cap whatever the plan, and each check every DRIFT_WINDOW_STEPS would demote again.
+        # A drift check keeps the persistent chunks: without expandable segments the reserved
+        # peak fills a hard cap whatever the plan, and each check would demote again.
         min_persist=plan.n_persist if drift else 0,
         checkpoint_inputs=request.checkpoint_inputs,
     )
