@@ -11,7 +11,7 @@ from typing import Any
 from autooffload.atomic import atomic_write, write_text_atomic
 from autooffload.bench.frontier import is_planned, plot_frontier
 from autooffload.bench.runner import failure_message
-from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
+from autooffload.plan.profile_types import measured_need
 
 GiB = 1 << 30
 SCHEMA = "autooffload.bench/1"
@@ -152,19 +152,16 @@ def _prediction_errors(row: dict[str, Any]) -> None:
     steps needed, the allocated bytes against their maximum (whole-run maxima when not
     recorded), and the step time against the median timed step.
 
-    The need is the allocated maximum times ``EXPANDABLE_FRAGMENTATION`` where the run had the
-    allocator's expandable segments (its reserved peak runs to the cap whatever the plan needs:
-    ``calibration.measured_need``), else the reserved maximum."""
+    The need is ``profile_types.measured_need``: the allocated maximum with the allocator's
+    prior where the run had expandable segments (its reserved peak runs to the cap whatever
+    the plan needs), else the reserved maximum."""
     reserved = row.get("peak_timed_reserved_gib") or row.get("peak_reserved_gib")
     row["measured_allocated_gib"] = row.get("peak_timed_allocated_gib") or row.get(
         "peak_allocated_gib"
     )
     allocated = row["measured_allocated_gib"]
-    row["measured_peak_gib"] = (
-        allocated * EXPANDABLE_FRAGMENTATION
-        if row.get("expandable_segments") and allocated
-        else reserved
-    )
+    expandable = bool(row.get("expandable_segments") and allocated)
+    row["measured_peak_gib"] = measured_need(allocated, reserved, expandable)
     row["peak_err_pct"] = _error_pct(row["predicted_peak_gib"], row["measured_peak_gib"])
     row["alloc_err_pct"] = _error_pct(row["predicted_allocated_gib"], row["measured_allocated_gib"])
     row["step_err_pct"] = _error_pct(row["predicted_step_s"], row["step_s_median"])

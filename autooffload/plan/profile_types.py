@@ -37,6 +37,21 @@ FALLBACK_FRAGMENTATION = 1.20
 EXPANDABLE_FRAGMENTATION = 1.03
 
 
+def measured_need(allocated: float, reserved: float, expandable_segments: bool) -> float:
+    """What a measured run needed in device memory, in the units of a predicted peak (the
+    allocator's fragmentation included), from its allocated and reserved peaks.
+
+    Under expandable segments this is ``allocated`` x ``EXPANDABLE_FRAGMENTATION``, not the
+    reserved peak: the caching allocator maps new pages rather than wait for freed blocks still
+    in use on another stream (likely: the host runs ahead of the copy streams) and gives its
+    cache back only when an allocation would cross the cap (a retry), so the reserved peak
+    grows to the cap every step whatever the plan needs. An 8B plan with 18.8 GiB allocated
+    reserved 26 GiB under a 26 GiB cap and ran under a 19.5 GiB one (``devtools/cap_need.py``,
+    BENCHMARKS.md). Without expandable segments the held segments fragment for real and
+    ``reserved`` is the need."""
+    return allocated * EXPANDABLE_FRAGMENTATION if expandable_segments else reserved
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """Measured properties of one machine (GPU + host); see ``plan.hardware.measure_hardware``."""

@@ -13,7 +13,8 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger, warn_once
-from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION, HardwareProfile, ModelProfile
+from autooffload.plan.profile_types import HardwareProfile, ModelProfile
+from autooffload.plan.profile_types import measured_need as need_from_peaks
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
 
@@ -126,23 +127,16 @@ def check_planned_steps(runtime: Runtime) -> Plan | None:
 
 
 def measured_need(runtime: Runtime) -> int:
-    """The device memory the steps since the last check needed, in the units of the predicted
-    peak (the allocator's fragmentation included).
-
-    Under expandable segments (the default while attached) this is the allocated peak times
-    ``EXPANDABLE_FRAGMENTATION``, not the reserved peak. The caching allocator maps new pages
-    rather than wait for freed blocks still in use on another stream (likely: the host runs
-    ahead of the copy streams) and gives its cache back only when an allocation would cross
-    the cap (a retry), so the reserved peak grows to the cap every step whatever the plan
-    needs: an 8B plan with 18.8 GiB allocated reserved 26 GiB under a 26 GiB cap and ran
-    under a 19.5 GiB one (``devtools/cap_need.py``, BENCHMARKS.md). Calibrating on it
-    demoted chunks that fitted. Without expandable segments the held segments fragment for
-    real and the reserved peak is what the plan needs."""
+    """The device memory the steps since the last check needed (``profile_types.measured_need``:
+    under expandable segments the allocated peak with the allocator's prior, not the reserved
+    peak, which runs to the cap whatever the plan needs; calibrating on it demoted chunks that
+    fitted)."""
     device = runtime.device
-    profile = runtime.profile
-    if profile is not None and profile.expandable_segments:
-        return math.ceil(torch.cuda.max_memory_allocated(device) * EXPANDABLE_FRAGMENTATION)
-    return torch.cuda.max_memory_reserved(device)
+    expandable = runtime.profile is not None and runtime.profile.expandable_segments
+    need = need_from_peaks(
+        torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device), expandable
+    )
+    return math.ceil(need)
 
 
 def fresh_peak(device: torch.device) -> None:
