@@ -11,7 +11,7 @@ from typing import Any
 from autooffload.atomic import atomic_write, write_text_atomic
 from autooffload.bench.frontier import is_planned, plot_frontier
 from autooffload.bench.runner import failure_message
-from autooffload.plan.profile_types import measured_need
+from autooffload.plan.profile_types import need_from_peaks
 
 GiB = 1 << 30
 SCHEMA = "autooffload.bench/1"
@@ -152,7 +152,7 @@ def _prediction_errors(row: dict[str, Any]) -> None:
     steps needed, the allocated bytes against their maximum (whole-run maxima when not
     recorded), and the step time against the median timed step.
 
-    The need is ``profile_types.measured_need``: the allocated maximum with the allocator's
+    The need is ``profile_types.need_from_peaks``: the allocated maximum with the allocator's
     prior where the run had expandable segments (its reserved peak runs to the cap whatever
     the plan needs), else the reserved maximum."""
     reserved = row.get("peak_timed_reserved_gib") or row.get("peak_reserved_gib")
@@ -161,7 +161,7 @@ def _prediction_errors(row: dict[str, Any]) -> None:
     )
     allocated = row["measured_allocated_gib"]
     expandable = bool(row.get("expandable_segments") and allocated)
-    row["measured_peak_gib"] = measured_need(allocated, reserved, expandable)
+    row["measured_peak_gib"] = need_from_peaks(allocated, reserved, expandable)
     row["peak_err_pct"] = _error_pct(row["predicted_peak_gib"], row["measured_peak_gib"])
     row["alloc_err_pct"] = _error_pct(row["predicted_allocated_gib"], row["measured_allocated_gib"])
     row["step_err_pct"] = _error_pct(row["predicted_step_s"], row["step_s_median"])

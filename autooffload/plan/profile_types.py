@@ -37,7 +37,7 @@ FALLBACK_FRAGMENTATION = 1.20
 EXPANDABLE_FRAGMENTATION = 1.03
 
 
-def measured_need(allocated: float, reserved: float, expandable_segments: bool) -> float:
+def need_from_peaks(allocated: float, reserved: float, expandable_segments: bool) -> float:
     """What a measured run needed in device memory, in the units of a predicted peak (the
     allocator's fragmentation included), from its allocated and reserved peaks.
 

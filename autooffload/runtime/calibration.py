@@ -13,8 +13,7 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger, warn_once
-from autooffload.plan.profile_types import HardwareProfile, ModelProfile
-from autooffload.plan.profile_types import measured_need as need_from_peaks
+from autooffload.plan.profile_types import HardwareProfile, ModelProfile, need_from_peaks
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
 
@@ -127,7 +126,7 @@ def check_planned_steps(runtime: Runtime) -> Plan | None:
 
 
 def measured_need(runtime: Runtime) -> int:
-    """The device memory the steps since the last check needed (``profile_types.measured_need``:
+    """The device memory the steps since the last check needed (``profile_types.need_from_peaks``:
     under expandable segments the allocated peak with the allocator's prior, not the reserved
     peak, which runs to the cap whatever the plan needs; calibrating on it demoted chunks that
     fitted)."""

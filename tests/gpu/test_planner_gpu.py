@@ -13,7 +13,7 @@ import pytest
 
 from autooffload.bench.runner import CommonSettings, PeerSpec, RunSpec, cap_label, run_one
 from autooffload.bench.workloads import get_workload
-from autooffload.plan.profile_types import measured_need
+from autooffload.plan.profile_types import need_from_peaks
 from autooffload.runtime.planning import BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +22,7 @@ GiB = 1 << 30
 # Issue 13: predicted vs measured peak within 5%, step time within 15%. The predicted peak
 # includes the allocator's fragmentation, so it is compared with the memory the timed steps
 # needed: under the allocator's expandable segments (the bench's runs) their allocated maximum
-# times the allocator's prior, as the calibration reads it (``profile_types.measured_need``: the
+# times the allocator's prior, as the calibration reads it (``profile_types.need_from_peaks``: the
 # reserved maximum runs to the cap whatever the plan needs), else the reserved maximum; the plan
 # fitting under the cap is checked for real by the budget sweep below. The timed steps run the
 # searched plan as calibrated: steps 1-2 profile, step 3 switches to the searched plan, after step
@@ -94,7 +94,7 @@ def test_predicted_peak_and_step_time_match_the_measurement(
     assert result["plan"]["source"] in ("search", "search, calibrated"), describe(result)
     assert result["candidates"]["chosen_on_frontier"], result["candidates"]["chosen"]
     predicted_peak = result["predicted_peak_bytes"] / GiB
-    measured_peak = measured_need(
+    measured_peak = need_from_peaks(
         result["peak_timed_allocated_gib"],
         result["peak_timed_reserved_gib"],
         bool(result.get("expandable_segments")),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 import autooffload
 from autooffload import runtime as rt
 from autooffload.plan.cost import predict_peak_bytes
+from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
 from autooffload.runtime import calibration
 from autooffload.runtime.calibration import (
     CALIBRATE_AFTER_STEPS,
@@ -466,10 +468,6 @@ def test_the_need_is_the_allocated_peak_under_expandable_segments(monkeypatch, e
     """Under expandable segments the reserved peak runs to the cap whatever the plan needs (8B:
     26 GiB reserved under a 26 GiB cap, ran under 19.5 GiB), so the calibration reads the
     allocated peak with the allocator's prior; without them, the reserved peak."""
-    from types import SimpleNamespace
-
-    from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
-
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 18 * gib)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 26 * gib)
