@@ -432,6 +432,52 @@ def test_a_drift_replan_needs_a_faster_plan_or_a_running_plan_that_no_longer_fit
     assert calibration._unless_faster(plan, slightly, tight, chunk) is slightly
 
 
+@pytest.mark.parametrize(("gain", "switches"), [(REPLAN_GAIN / 2, False), (2 * REPLAN_GAIN, True)])
+def test_a_first_check_switches_only_for_a_faster_plan(
+    make_llama, offload_cpu, make_batches, monkeypatch, gain, switches
+):
+    """A first check (not a drift check) whose calibrated search finds another configuration
+    predicted less than REPLAN_GAIN faster than the running one keeps the running one, with its
+    calibrated prediction: a CPU rate read 10-15% off on a busy host flipped a chunk between the
+    GPU and CPU updates at each check."""
+    from dataclasses import replace
+
+    from autooffload.plan.search import SearchRequest
+
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    plan = runtime.plan
+    searched = SearchRequest.plan
+
+    knobs = plan.knobs
+    running = {
+        "n_persist": knobs.n_persist,
+        "n_buffer": knobs.n_buffer,
+        "n_swap": knobs.n_swap,
+        "n_checkpoint": knobs.n_checkpoint,
+    }
+
+    def scripted(request):
+        # The search finds another configuration, ``gain`` faster than the running one as the
+        # calibrated model predicts it.
+        stay = searched(replace(request, fixed=running))
+        if request.fixed == running:
+            return stay
+        return replace(
+            stay, n_buffer=plan.n_buffer + 1, predicted_step_s=stay.predicted_step_s * (1 - gain)
+        )
+
+    monkeypatch.setattr(SearchRequest, "plan", scripted)
+    new_plan = calibrate_after_steps(runtime, plan.predicted_peak_bytes, PLANNED_RATE / 20)
+    assert runtime.search_request.hw.cpu_optim_params_per_s == PLANNED_RATE / 20, "not calibrated"
+    if switches:
+        assert new_plan is not None and runtime.plan is new_plan
+        assert new_plan.n_buffer == plan.n_buffer + 1
+    else:
+        assert new_plan is None, "switched for a gain under REPLAN_GAIN"
+        assert runtime.plan.configures_like(plan)
+        assert runtime.plan.predicted_step_s != plan.predicted_step_s, "stale prediction kept"
+
+
 def test_arming_the_calibration_times_the_plan_from_the_switch(
     make_llama, offload_cpu, make_batches, monkeypatch
 ):
