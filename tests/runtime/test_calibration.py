@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +32,8 @@ from autooffload.runtime.calibration import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "plan"))
 
 
 # The CPU rate the profiling step measures on this tiny model is noise; a fixed one keeps the
@@ -476,6 +480,42 @@ def test_a_first_check_switches_only_for_a_faster_plan(
         assert new_plan is None, "switched for a gain under REPLAN_GAIN"
         assert runtime.plan.configures_like(plan)
         assert runtime.plan.predicted_step_s != plan.predicted_step_s, "stale prediction kept"
+
+
+@pytest.mark.parametrize(
+    ("in_backward", "planned", "measured"), [(False, 5e9, 4.2e9), (True, 9e8, 6.5e8)]
+)
+def test_a_split_moved_by_the_cpu_rate_alone_needs_the_same_gain(in_backward, planned, measured):
+    """The count of chunks updated on the GPU follows the CPU rate: a re-measured rate that moves
+    it with every knob the same switches only for REPLAN_GAIN, like any other configuration
+    (on this compute-bound profile the split changes nothing in the predicted step)."""
+    from dataclasses import replace
+
+    from plan_profiles import MiB, make_hardware, make_profile
+
+    from autooffload.plan.search import SearchRequest
+
+    profile = make_profile(seed=5, n_blocks=4, chunk_size=48 * MiB, block_param_bytes=64 * MiB)
+    if in_backward:
+        profile = replace(profile, update_in_backward=True, gpu_update_in_backward=-1)
+    else:
+        profile = replace(profile, gpu_update=-1)
+    split = "gpu_backward_chunks" if in_backward else "gpu_update_chunks"
+
+    def request_at(rate: float) -> SearchRequest:
+        hw = make_hardware(cpu_optim_params_per_s=rate)
+        return SearchRequest({profile.chunk_size: profile}, hw, None)
+
+    running, request = request_at(planned).plan(), request_at(measured)
+    found = request.plan()
+    assert found.knobs == running.knobs and getattr(found, split) != getattr(running, split)
+    chunk = profile.chunk_size
+    kept = calibration._unless_faster(running, found, request, chunk)
+    assert kept.configures_like(running), "the split moved for a gain under REPLAN_GAIN"
+    assert getattr(kept, split) == getattr(running, split)
+    # The running split's calibrated prediction: a faster other split is taken.
+    fast = replace(found, predicted_step_s=kept.predicted_step_s * (1 - 2 * REPLAN_GAIN))
+    assert calibration._unless_faster(running, fast, request, chunk) is fast
 
 
 def test_arming_the_calibration_times_the_plan_from_the_switch(
