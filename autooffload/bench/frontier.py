@@ -43,7 +43,10 @@ def summarise_candidates(
     Throughput is ``tokens_per_step / predicted step`` (the bench's own token count, so that it
     compares with the measured tokens/s). ``frontier``: the Pareto rows by peak (at most
     ``MAX_FRONTIER``); ``others``: at most ``max_others`` of the rest, evenly spaced by peak;
-    ``chosen``: the plan's row; ``chosen_on_frontier``: no feasible row is both smaller and faster.
+    ``chosen``: the plan's row; ``chosen_on_frontier``: no feasible row is both smaller and faster;
+    ``frontier_gain``: how much shorter the fastest row's step is than the plan's among the rows
+    no larger than it (0 on the frontier; a calibration keeps a running plan unless another is
+    ``calibration.REPLAN_GAIN`` faster).
     """
     peak = np.asarray(candidates.peak_bytes, dtype=np.float64)
     step = np.asarray(candidates.step_s, dtype=np.float64)
@@ -87,6 +90,9 @@ def summarise_candidates(
         "others": rows(_spread(rest, max_others)),
         "chosen": chosen,
         "chosen_on_frontier": not bool(dominated.any()),
+        "frontier_gain": float(max(0.0, 1.0 - step[no_larger].min() / plan_step))
+        if no_larger.any()
+        else 0.0,
     }
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from autooffload.bench import report
 from autooffload.bench.__main__ import main
-from autooffload.bench.frontier import MAX_OTHERS, plot_frontier, summarise_candidates
+from autooffload.bench.frontier import MAX_OTHERS, REL_TOL, plot_frontier, summarise_candidates
 from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
 from autooffload.plan.search import Candidates
 
@@ -65,7 +65,7 @@ def test_summary_has_the_frontier_a_bounded_sample_and_the_chosen_plan() -> None
     chosen = summary["chosen"]
     assert chosen[:2] == [round(found.peak_bytes[fastest] / GiB, 4), round(tput[fastest], 1)]
     assert chosen[1] == pytest.approx(frontier[-1, 1])  # the fastest is the frontier's end
-    assert summary["chosen_on_frontier"] is True
+    assert summary["chosen_on_frontier"] is True and summary["frontier_gain"] == 0.0
     json.dumps(summary)  # JSON-ready as it is
 
 
@@ -73,8 +73,14 @@ def test_a_dominated_plan_is_flagged_off_the_frontier() -> None:
     found = synthetic_candidates(400, 10.0, seed=1)
     frontier = set(found.frontier().tolist())
     dominated = next(i for i in np.argsort(found.step_s)[::-1] if i not in frontier)
-    summary = summarise_candidates(found, plan_of(found, int(dominated), 10.0), TOKENS)
+    plan = plan_of(found, int(dominated), 10.0)
+    summary = summarise_candidates(found, plan, TOKENS)
     assert summary["chosen_on_frontier"] is False
+    # The gain: the fastest row no larger than the plan, against the plan's step.
+    no_larger = found.peak_bytes <= plan.predicted_peak_bytes * (1 + REL_TOL)
+    best = found.step_s[no_larger].min()
+    assert summary["frontier_gain"] == pytest.approx(1 - best / plan.predicted_step_s)
+    assert summary["frontier_gain"] > 0
 
 
 def planned_run(cap_gib: float, seed: int, measured: dict | None = None) -> dict:
