@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -309,13 +309,7 @@ def _unless_faster(plan: Plan, found: Plan, request: SearchRequest, chunk_size: 
     updated on the GPU) no longer fits the calibrated model or ``found`` is predicted
     ``REPLAN_GAIN`` faster than it; else the running configuration with its calibrated
     prediction."""
-    knobs = plan.knobs
-    fixed = {
-        "n_persist": knobs.n_persist,
-        "n_buffer": knobs.n_buffer,
-        "n_swap": knobs.n_swap,
-        "n_checkpoint": knobs.n_checkpoint,
-    }
+    fixed = asdict(plan.knobs)
     profiles = {
         size: _with_running_split(profile, plan)
         for size, profile in request.profiles_by_chunk_size.items()

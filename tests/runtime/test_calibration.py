@@ -3,6 +3,7 @@ fragmentation factor and re-plans (issue 13), keeping the persistent chunks."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -452,13 +453,7 @@ def test_a_first_check_switches_only_for_a_faster_plan(
     plan = runtime.plan
     searched = SearchRequest.plan
 
-    knobs = plan.knobs
-    running = {
-        "n_persist": knobs.n_persist,
-        "n_buffer": knobs.n_buffer,
-        "n_swap": knobs.n_swap,
-        "n_checkpoint": knobs.n_checkpoint,
-    }
+    running = dataclasses.asdict(plan.knobs)  # the fixed knobs of the running configuration
 
     def scripted(request):
         # The search finds another configuration, ``gain`` faster than the running one as the
