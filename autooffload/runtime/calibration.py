@@ -280,7 +280,7 @@ def _calibration(
         )
     except PlanError as error:
         outcome = str(error)
-    # Every check, the first ones included: a window's CPU rate moves by 10-15% on a busy host,
+    # Every check, the first ones included: a window's CPU rate moves by 10-20% on a busy host,
     # and each such reading re-planned for a predicted gain under 2%, flipping one chunk between
     # the GPU and CPU updates and back (3.6B at 16 GiB: 398 -> 404 -> 411 -> 404 ms predicted).
     if isinstance(outcome, Plan) and not outcome.configures_like(plan):
