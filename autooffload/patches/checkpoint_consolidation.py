@@ -6,7 +6,7 @@ weights and the optimizer state. ``Trainer._save_checkpoint`` runs on every rank
 optimizer on rank 0 only: it consolidates to rank 0. ``Accelerator.save_state`` asks every
 rank for ``optimizer.state_dict()`` (and writes on the main one): it consolidates to all.
 ``Accelerator.load_state`` reads ``model.state_dict()`` for its names and shapes only (in
-safetensors' ``load_model``): chunks the rank does not hold are meta tensors there.
+safetensors' ``load_model``): chunks the rank does not hold are uninitialised placeholders there.
 """
 
 from __future__ import annotations

@@ -61,8 +61,10 @@ class Sharding:
         # Bytes of the offloaded chunks other ranks own, on a rank that consolidated them
         # (``consolidate``): valid until the next step or load, which drop them.
         self.weights: dict[int, torch.Tensor] = {}
-        # Inside ``shapes_only``: state-dict entries of those chunks are meta tensors.
+        # Inside ``shapes_only``: state-dict entries of those chunks are placeholders, one per
+        # slot (tied parameters share it), by (chunk index, offset).
         self.shapes_only = False
+        self.placeholders: dict[tuple[int, int], torch.Tensor] = {}
         # Optimizer step counter of the last gather_states; its result, per optimizer id.
         self.consolidated_at: int | None = None
         self.consolidated: dict[int, dict[int, dict]] = {}
@@ -192,7 +194,14 @@ class Sharding:
         tensor of its own storage (see ``HostArena.alias``)."""
         weights = self.weights.get(index)
         if weights is None and self.shapes_only:
-            return torch.empty(slot.shape, dtype=slot.dtype, device="meta")
+            # Not meta: safetensors finds tied parameters by their storage and skips meta
+            # tensors, so a tied pair of a chunk this rank lacks read as two tensors, one
+            # missing from the file (flaky with the plan: only offloaded chunks of another
+            # rank). One uninitialised host tensor per slot: its pages are never touched.
+            key = (index, slot.offset)
+            if key not in self.placeholders:
+                self.placeholders[key] = torch.empty(slot.shape, dtype=slot.dtype)
+            return self.placeholders[key]
         if weights is None:
             raise self.not_consolidated("model.state_dict()")
         if slot.nbytes == 0:
@@ -282,10 +291,11 @@ class Sharding:
 
 @contextlib.contextmanager
 def shapes_only(runtimes: list[Runtime]) -> Iterator[None]:
-    """In the block, ``model.state_dict()`` on a rank without every chunk gives meta tensors
-    for those it lacks instead of raising: for callers that read only names, shapes and
-    storage sharing before they load a state dict (safetensors' ``load_model``, which
-    ``Accelerator.load_state`` uses; it skips meta tensors). Nothing read there is saved."""
+    """In the block, ``model.state_dict()`` on a rank without every chunk gives uninitialised
+    placeholders (tied parameters share one) for those it lacks instead of raising: for
+    callers that read only names, shapes and storage sharing before they load a state dict
+    (safetensors' ``load_model``, which ``Accelerator.load_state`` uses). Nothing read there
+    is saved."""
     shardings = [r.manager.sharding for r in runtimes if r.manager.sharding is not None]
     for sharding in shardings:
         sharding.shapes_only = True
@@ -294,6 +304,7 @@ def shapes_only(runtimes: list[Runtime]) -> Iterator[None]:
     finally:
         for sharding in shardings:
             sharding.shapes_only = False
+            sharding.placeholders = {}
 
 
 def fetch_offloaded(runtime: Runtime, dst: int | None) -> dict[int, torch.Tensor]:

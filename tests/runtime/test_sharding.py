@@ -105,3 +105,29 @@ def test_reading_unconsolidated_state_names_the_fix():
     assert isinstance(error, NotConsolidatedError)
     assert "autooffload.consolidate(model) on every rank" in str(error)
     assert "AUTOOFFLOAD_SHARD_OPTIMIZER=off" in str(error)
+
+
+def test_shapes_only_placeholders_keep_tied_parameters_one_storage():
+    """Inside ``shapes_only`` a chunk another rank hosts reads as placeholders, not meta
+    tensors: safetensors' ``load_model`` (Accelerator.load_state) finds tied parameters by
+    their storage and skips meta tensors, so a tied embedding and head of such a chunk read as
+    two tensors, one missing from the file (a flaky failure, with the plan)."""
+    from safetensors.torch import _remove_duplicate_names
+
+    from autooffload.runtime.chunks import ParamSlot
+    from autooffload.runtime.sharding import Sharding, shapes_only
+
+    weight = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
+    slot = ParamSlot(weight, "embed.weight", 0, 48, weight.shape, weight.dtype)
+    sharding = object.__new__(Sharding)  # only the state weight_alias reads
+    sharding.weights, sharding.shapes_only, sharding.placeholders = {}, False, {}
+    runtime = SimpleNamespace(manager=SimpleNamespace(sharding=sharding))
+    with shapes_only([runtime]):
+        embed, head = sharding.weight_alias(3, slot), sharding.weight_alias(3, slot)
+        assert not embed.is_meta and embed.shape == weight.shape and embed.dtype == weight.dtype
+        assert embed.data_ptr() == head.data_ptr()
+        removed = _remove_duplicate_names(
+            {"embed.weight": embed, "head.weight": head}, preferred_names=["embed.weight"]
+        )
+        assert removed == {"embed.weight": ["head.weight"]}
+    assert sharding.placeholders == {} and not sharding.shapes_only
