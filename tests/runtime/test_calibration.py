@@ -18,6 +18,7 @@ import autooffload
 from autooffload import runtime as rt
 from autooffload.plan.cost import predict_peak_bytes
 from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
+from autooffload.plan.search import SearchRequest
 from autooffload.runtime import calibration
 from autooffload.runtime.calibration import (
     CALIBRATE_AFTER_STEPS,
@@ -32,9 +33,10 @@ from autooffload.runtime.calibration import (
     calibrate_after_steps,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 sys.path.insert(0, str(Path(__file__).parents[1] / "plan"))
+from plan_profiles import MiB, make_hardware, make_profile  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # The CPU rate the profiling step measures on this tiny model is noise; a fixed one keeps the
@@ -445,10 +447,6 @@ def test_a_first_check_switches_only_for_a_faster_plan(
     predicted less than REPLAN_GAIN faster than the running one keeps the running one, with its
     calibrated prediction: a CPU rate read 10-15% off on a busy host flipped a chunk between the
     GPU and CPU updates at each check."""
-    from dataclasses import replace
-
-    from autooffload.plan.search import SearchRequest
-
     runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
     plan = runtime.plan
     searched = SearchRequest.plan
@@ -458,10 +456,10 @@ def test_a_first_check_switches_only_for_a_faster_plan(
     def scripted(request):
         # The search finds another configuration, ``gain`` faster than the running one as the
         # calibrated model predicts it.
-        stay = searched(replace(request, fixed=running))
+        stay = searched(dataclasses.replace(request, fixed=running))
         if request.fixed == running:
             return stay
-        return replace(
+        return dataclasses.replace(
             stay, n_buffer=plan.n_buffer + 1, predicted_step_s=stay.predicted_step_s * (1 - gain)
         )
 
@@ -484,17 +482,11 @@ def test_a_split_moved_by_the_cpu_rate_alone_needs_the_same_gain(in_backward, pl
     """The count of chunks updated on the GPU follows the CPU rate: a re-measured rate that moves
     it with every knob the same switches only for REPLAN_GAIN, like any other configuration
     (on this compute-bound profile the split changes nothing in the predicted step)."""
-    from dataclasses import replace
-
-    from plan_profiles import MiB, make_hardware, make_profile
-
-    from autooffload.plan.search import SearchRequest
-
     profile = make_profile(seed=5, n_blocks=4, chunk_size=48 * MiB, block_param_bytes=64 * MiB)
     if in_backward:
-        profile = replace(profile, update_in_backward=True, gpu_update_in_backward=-1)
+        profile = dataclasses.replace(profile, update_in_backward=True, gpu_update_in_backward=-1)
     else:
-        profile = replace(profile, gpu_update=-1)
+        profile = dataclasses.replace(profile, gpu_update=-1)
     split = "gpu_backward_chunks" if in_backward else "gpu_update_chunks"
 
     def request_at(rate: float) -> SearchRequest:
@@ -509,7 +501,9 @@ def test_a_split_moved_by_the_cpu_rate_alone_needs_the_same_gain(in_backward, pl
     assert kept.configures_like(running), "the split moved for a gain under REPLAN_GAIN"
     assert getattr(kept, split) == getattr(running, split)
     # The running split's calibrated prediction: a faster other split is taken.
-    fast = replace(found, predicted_step_s=kept.predicted_step_s * (1 - 2 * REPLAN_GAIN))
+    fast = dataclasses.replace(
+        found, predicted_step_s=kept.predicted_step_s * (1 - 2 * REPLAN_GAIN)
+    )
     assert calibration._unless_faster(running, fast, request, chunk) is fast
 
 
