@@ -349,10 +349,12 @@ def _step_calibration(
         with_checkpoint_inputs_on_cpu,
     )
 
-    # The plan's own variant: its checkpointed blocks may keep their inputs in host memory.
-    variant = profile
+    # The plan's own variant: its checkpointed blocks may keep their inputs in host memory, and
+    # its GPU update split stays at the running count (on auto it would follow the new CPU rate
+    # to another split, and the running step would be judged against that split's prediction).
+    variant = _with_running_split(profile, plan)
     if "checkpoint_cpu" in plan.block_policies:
-        variant = with_checkpoint_inputs_on_cpu(profile, hw)
+        variant = with_checkpoint_inputs_on_cpu(variant, hw)
     predicted = predict_step_time(variant, hw, plan.knobs)[0]
     if abs(measured_step_s / predicted - 1) <= STEP_MARGIN:
         return None

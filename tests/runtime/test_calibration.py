@@ -16,7 +16,7 @@ import torch
 
 import autooffload
 from autooffload import runtime as rt
-from autooffload.plan.cost import predict_peak_bytes
+from autooffload.plan.cost import predict_peak_bytes, predict_step_time
 from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
 from autooffload.plan.search import SearchRequest
 from autooffload.runtime import calibration
@@ -505,6 +505,49 @@ def test_a_split_moved_by_the_cpu_rate_alone_needs_the_same_gain(in_backward, pl
         found, predicted_step_s=kept.predicted_step_s * (1 - 2 * REPLAN_GAIN)
     )
     assert calibration._unless_faster(running, fast, request, chunk) is fast
+
+
+def _split_moved(in_backward: bool, planned: float, measured: float):
+    """A profile whose auto GPU update split moves between the CPU rates ``planned`` and
+    ``measured``; the plan searched at ``planned``, and the hardware at ``measured``."""
+    profile = make_profile(seed=5, n_blocks=4, chunk_size=48 * MiB, block_param_bytes=64 * MiB)
+    if in_backward:
+        profile = dataclasses.replace(profile, update_in_backward=True, gpu_update_in_backward=-1)
+    else:
+        profile = dataclasses.replace(profile, gpu_update=-1)
+    hw = make_hardware(cpu_optim_params_per_s=planned)
+    running = SearchRequest({profile.chunk_size: profile}, hw, None).plan()
+    return profile, running, make_hardware(cpu_optim_params_per_s=measured)
+
+
+@pytest.mark.parametrize(
+    ("in_backward", "planned", "measured"), [(False, 5e9, 1e9), (True, 2e9, 4e8)]
+)
+def test_the_step_is_judged_against_the_running_split_not_the_one_a_new_rate_picks(
+    in_backward, planned, measured
+):
+    """A re-measured CPU rate moves the auto split; the running step is compared with the
+    running split's prediction at that rate, so a step that matches it scales no compute (it
+    was compared with the other split's, 15-75% off here, and the compute scaled to match)."""
+    profile, running, slow = _split_moved(in_backward, planned, measured)
+    as_running = calibration._with_running_split(profile, running)
+    expected = predict_step_time(as_running, slow, running.knobs)[0]
+    auto = predict_step_time(profile, slow, running.knobs)[0]
+    assert expected > auto * (1 + 2 * STEP_MARGIN), "the split must matter on this profile"
+    assert calibration._step_calibration(running, profile, slow, expected) is None
+
+
+def test_a_slower_step_is_fitted_with_the_running_split():
+    profile, running, slow = _split_moved(False, 5e9, 1e9)
+    expected = predict_step_time(
+        calibration._with_running_split(profile, running), slow, running.knobs
+    )[0]
+    scaled, what = calibration._step_calibration(running, profile, slow, 1.2 * expected)
+    assert scaled.gpu_update == -1, "the calibrated profile keeps the auto split"
+    as_running = calibration._with_running_split(scaled, running)
+    refit = predict_step_time(as_running, slow, running.knobs)[0]
+    assert refit == pytest.approx(1.2 * expected, rel=0.02)
+    assert f"predicted {expected * 1e3:.0f} ms" in what
 
 
 def test_arming_the_calibration_times_the_plan_from_the_switch(
