@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 CALIBRATE_AFTER_STEPS = 5
 CALIBRATION_MARGIN = 0.02
 CPU_RATE_MARGIN = 0.10
+# The host copies' measured rates (``copy_rates``) raise the probed ones by more than this;
+# a window with less than COPY_RATE_MIN_BYTES copied one way does not measure that way.
+COPY_RATE_MARGIN = 0.10
+COPY_RATE_MIN_BYTES = 1 << 30
 # How far the measured step time may be from the prediction (with the calibrated peak and CPU
 # rate) before the units' compute times are scaled to it (``cost.calibrate_compute``).
 STEP_MARGIN = 0.05
@@ -93,6 +97,7 @@ def arm_calibration(runtime: Runtime, plan: Plan) -> None:
     runtime.calibrate_at_step = runtime.steps_taken + CALIBRATE_AFTER_STEPS
     runtime.step_timer = StepTimer(plan, cuda=True)
     runtime.cpu_mark = runtime.cpu_optim.mark()
+    runtime.copy_mark = copy_mark(runtime)
     runtime.calibration_settled = False
 
 
@@ -111,6 +116,7 @@ def check_planned_steps(runtime: Runtime) -> Plan | None:
         worker_rate(runtime.cpu_mark, runtime.cpu_optim),
         timer.median_step_s(runtime.plan) if timer is not None else None,
         drift=drift,
+        measured_copy_bps=copy_rates(runtime.copy_mark, runtime),
     )
     if new_plan is not None:
         runtime.calibration_switches += 1
@@ -123,6 +129,7 @@ def check_planned_steps(runtime: Runtime) -> Plan | None:
     runtime.calibrate_at_step = runtime.steps_taken + window
     runtime.step_timer = StepTimer(runtime.plan, cuda=runtime.manager.is_cuda)
     runtime.cpu_mark = runtime.cpu_optim.mark()
+    runtime.copy_mark = copy_mark(runtime)
     return new_plan
 
 
@@ -159,12 +166,44 @@ def worker_rate(mark: tuple[float, int], optimizer: CpuOptimizer) -> float | Non
     return params / seconds if seconds > 0 and params > 0 else None
 
 
+def copy_mark(runtime: Runtime) -> tuple[float, float, float, float]:
+    """The manager's copy counters now: (H2D bytes, H2D seconds, D2H bytes, D2H seconds), the
+    seconds those of the copies' CUDA events that finished (``fold_copy_times``)."""
+    manager = runtime.manager
+    manager.fold_copy_times(wait=manager.is_cuda)
+    stats = manager.stats
+    return (
+        float(stats["h2d_bytes"]),
+        float(stats["h2d_s"]),
+        float(stats["d2h_bytes"]),
+        float(stats["d2h_s"]),
+    )
+
+
+def copy_rates(
+    mark: tuple[float, float, float, float] | None, runtime: Runtime
+) -> tuple[float | None, float | None] | None:
+    """The chunk copies' bytes per second of copy time since ``mark`` (``copy_mark``), H2D
+    and D2H; None for a direction that copied less than COPY_RATE_MIN_BYTES, and None on a
+    CPU device (its copies are not timed). Each is the rate the copies ran at beside the other
+    direction's and the compute's traffic: no more than the link's own rate in that direction."""
+    if mark is None or not runtime.manager.is_cuda:
+        return None
+    now = copy_mark(runtime)
+
+    def rate(moved: float, seconds: float) -> float | None:
+        return moved / seconds if moved >= COPY_RATE_MIN_BYTES and seconds > 0 else None
+
+    return rate(now[0] - mark[0], now[1] - mark[1]), rate(now[2] - mark[2], now[3] - mark[3])
+
+
 def calibrate_after_steps(
     runtime: Runtime,
     measured_peak: int,
     measured_cpu_rate: float | None = None,
     measured_step_s: float | None = None,
     drift: bool = False,
+    measured_copy_bps: tuple[float | None, float | None] | None = None,
 ) -> Plan | None:
     """Check the planned steps against what their plan assumed, in this order:
     - the measured peak (``measured_need``) above the prediction by more than
@@ -172,6 +211,9 @@ def calibrate_after_steps(
     - the CPU worker's measured rate (``worker_rate``: the update contended by the running step,
       gradient accumulation included) off the planned one by more than ``CPU_RATE_MARGIN``
       replaces it;
+    - the chunk copies' measured H2D and D2H rates (``copy_rates``) above the probed ones by
+      more than ``COPY_RATE_MARGIN`` raise them (``_raised_copy_rates``): a copy that ran that
+      fast beside the other traffic shows the probe read the link low;
     - the measured step time (``StepTimer``) off the plan's step as predicted with the two
       above by more than ``STEP_MARGIN`` scales the units' compute times
       (``cost.calibrate_compute``), when a scale explains it.
@@ -194,15 +236,26 @@ def calibrate_after_steps(
     in step."""
     dp = runtime.data_parallel
     if dp is not None:
-        measured = dp.gather_object((int(measured_peak), measured_cpu_rate, measured_step_s))
-        measured_peak = max(peak for peak, _, _ in measured)
-        rates = [rate for _, rate, _ in measured if rate]
+        measured = dp.gather_object(
+            (int(measured_peak), measured_cpu_rate, measured_step_s, measured_copy_bps)
+        )
+        measured_peak = max(peak for peak, _, _, _ in measured)
+        rates = [rate for _, rate, _, _ in measured if rate]
         measured_cpu_rate = min(rates) if rates else None
-        steps = [step for _, _, step in measured]
+        steps = [step for _, _, step, _ in measured]
         measured_step_s = max(steps) if all(steps) else None  # type: ignore[type-var]
+        # Each rank's link raises the plan only as far as the slowest rank's copies show.
+        copies = [copy for _, _, _, copy in measured]
+        measured_copy_bps = None
+        if all(copies):
+            measured_copy_bps = tuple(  # type: ignore[assignment]
+                None if None in way else min(way) for way in zip(*copies)
+            )
     decision: _Calibration | None = None
     if dp is None or dp.rank == 0:
-        decision = _calibration(runtime, measured_peak, measured_cpu_rate, measured_step_s, drift)
+        decision = _calibration(
+            runtime, measured_peak, measured_cpu_rate, measured_step_s, drift, measured_copy_bps
+        )
     if dp is not None:
         decision = dp.agree_object(decision)
     return None if decision is None else _apply_calibration(runtime, decision)
@@ -225,6 +278,7 @@ def _calibration(
     measured_cpu_rate: float | None,
     measured_step_s: float | None = None,
     drift: bool = False,
+    measured_copy_bps: tuple[float | None, float | None] | None = None,
 ) -> _Calibration | None:
     """The calibrated profile and hardware, and the plan searched with them; None when the
     measurements are within the margins of what the plan assumed."""
@@ -254,6 +308,11 @@ def _calibration(
             f"CPU update {measured_cpu_rate / 1e9:.2f} Gparam/s measured vs"
             f" {planned_rate / 1e9:.2f} planned"
         )
+    if measured_copy_bps is not None:
+        raised = _raised_copy_rates(hw, *measured_copy_bps)
+        if raised is not None:
+            hw, what = raised
+            found.append(what)
     if measured_step_s:
         step = _step_calibration(plan, calibrated, hw, measured_step_s)
         if step is not None:
@@ -286,6 +345,37 @@ def _calibration(
     if isinstance(outcome, Plan) and not outcome.configures_like(plan):
         outcome = _unless_faster(plan, outcome, new_request, runtime.layout.chunk_size)
     return _Calibration("; ".join(found), calibrated, new_request, outcome, drift)
+
+
+def _raised_copy_rates(
+    hw: HardwareProfile, h2d: float | None, d2h: float | None
+) -> tuple[HardwareProfile, str] | None:
+    """``hw`` with its copy rates raised to the measured ones where those exceed them by more
+    than COPY_RATE_MARGIN, and the log's words; None when neither does.
+
+    The probe times one 256 MiB copy at attach; on a busy host it has read an H100's pinned
+    H2D at 24 GB/s where the run's chunk copies then moved 42 GB/s (the plan predicted a
+    PCIe-bound 639 ms step that ran in 452). A measured rate is taken beside the other
+    direction's copies and the compute's traffic, so it can only be below the link's own: it
+    raises the probed rate and never lowers it. The both-ways rate was probed in the same
+    moment, so it is scaled by the larger of the two raises (capped at the sum of the one-way
+    rates, and at least the larger of them)."""
+    factors = []
+    words = []
+    new_rates = {}
+    for name, measured, planned in (("H2D", h2d, hw.h2d_bps), ("D2H", d2h, hw.d2h_bps)):
+        if measured is not None and measured > planned * (1 + COPY_RATE_MARGIN):
+            factors.append(measured / planned)
+            new_rates[name] = measured
+            words.append(f"{name} {measured / 1e9:.1f} GB/s measured vs {planned / 1e9:.1f} probed")
+    if not factors:
+        return None
+    h2d_bps = new_rates.get("H2D", hw.h2d_bps)
+    d2h_bps = new_rates.get("D2H", hw.d2h_bps)
+    duplex = min(hw.duplex_bps * max(factors), h2d_bps + d2h_bps)
+    duplex = max(duplex, h2d_bps, d2h_bps)
+    raised = replace(hw, h2d_bps=h2d_bps, d2h_bps=d2h_bps, duplex_bps=duplex)
+    return raised, "host copies " + ", ".join(words)
 
 
 def _calibrated_source(source: str) -> str:

@@ -24,6 +24,8 @@ from autooffload.runtime.calibration import (
     CALIBRATE_AFTER_STEPS,
     CALIBRATION_MARGIN,
     CALIBRATION_ROUNDS,
+    COPY_RATE_MARGIN,
+    COPY_RATE_MIN_BYTES,
     CPU_RATE_MARGIN,
     DRIFT_MARGIN,
     DRIFT_WINDOW_STEPS,
@@ -205,7 +207,9 @@ def test_the_runtime_checks_the_peak_two_steps_after_the_switch(
     monkeypatch.setattr(
         calibration,
         "calibrate_after_steps",
-        lambda r, peak, rate, step_s, drift: seen.append((r, peak, rate, step_s)),
+        lambda r, peak, rate, step_s, drift, measured_copy_bps: seen.append(
+            (r, peak, rate, step_s)
+        ),
     )
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 123)
     runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
@@ -302,6 +306,72 @@ def test_a_slower_cpu_update_than_planned_replans_and_promotes(
         optimizer.zero_grad()
 
 
+def test_copies_faster_than_the_probe_raise_its_rates_and_slower_ones_do_not(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    """The chunk copies ran faster than the attach probe measured the link: its rates are
+    raised to them (the log says so) and the search re-runs on them; slower copies (taken beside
+    the other direction's traffic) and a raise within the margin leave the probe's rates."""
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    plan, probed = runtime.plan, runtime.search_request.hw
+    peak = plan.predicted_peak_bytes
+    near = (probed.h2d_bps * (1 + COPY_RATE_MARGIN / 2), probed.d2h_bps / 2)
+    assert calibrate_after_steps(runtime, peak, PLANNED_RATE, measured_copy_bps=near) is None
+    assert runtime.search_request.hw is probed and runtime.plan is plan
+    logger, records = logging.getLogger("autooffload"), _Records()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(records)
+    try:
+        calibrate_after_steps(
+            runtime, peak, PLANNED_RATE, measured_copy_bps=(2 * probed.h2d_bps, None)
+        )
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    hw = runtime.search_request.hw
+    assert hw.h2d_bps == 2 * probed.h2d_bps and hw.d2h_bps == probed.d2h_bps
+    assert hw.duplex_bps == min(2 * probed.duplex_bps, hw.h2d_bps + hw.d2h_bps)
+    assert len(records.lines) == 1 and "host copies H2D" in records.lines[0], records.lines
+    assert rt.last_plan().source == "search, calibrated"
+
+
+@pytest.mark.parametrize(
+    ("measured", "expected"),
+    [
+        # Both ways raised: the both-ways rate by the larger factor, under the one-way sum.
+        ((48e9, 49e9), (48e9, 49e9, min(45e9 * 2, 97e9))),
+        # One way, the both-ways rate already above that one's raise: the floor is one way.
+        ((None, 60e9), (24e9, 60e9, 45e9 * 60 / 43)),
+        # A raise past the sum of the one-way rates is capped at that sum.
+        ((100e9, None), (100e9, 43e9, 143e9)),
+    ],
+)
+def test_the_raised_copy_rates_keep_the_both_ways_rate_between_its_bounds(measured, expected):
+    hw = make_hardware(h2d_bps=24e9, d2h_bps=43e9, duplex_bps=45e9)
+    raised, _ = calibration._raised_copy_rates(hw, *measured)
+    got = (raised.h2d_bps, raised.d2h_bps, raised.duplex_bps)
+    assert got == pytest.approx(expected)
+    assert max(raised.h2d_bps, raised.d2h_bps) <= raised.duplex_bps
+    assert raised.duplex_bps <= raised.h2d_bps + raised.d2h_bps
+
+
+def test_copy_rates_need_a_gigabyte_each_way_and_a_cuda_device():
+    """The rates are the bytes over the CUDA-timed seconds since the mark, per direction; a
+    direction that moved under COPY_RATE_MIN_BYTES (latency-bound copies) measures nothing."""
+    stats = {"h2d_bytes": 0, "h2d_s": 0.0, "d2h_bytes": 0, "d2h_s": 0.0}
+    manager = SimpleNamespace(is_cuda=True, stats=stats, fold_copy_times=lambda wait: None)
+    runtime = SimpleNamespace(manager=manager)
+    mark = calibration.copy_mark(runtime)
+    stats.update(h2d_bytes=4 * COPY_RATE_MIN_BYTES, h2d_s=0.1, d2h_bytes=COPY_RATE_MIN_BYTES // 2)
+    stats["d2h_s"] = 0.01
+    h2d, d2h = calibration.copy_rates(mark, runtime)
+    assert h2d == pytest.approx(40 * COPY_RATE_MIN_BYTES) and d2h is None
+    assert calibration.copy_rates(None, runtime) is None
+    manager.is_cuda = False
+    assert calibration.copy_rates(mark, runtime) is None
+
+
 def test_the_optimizer_step_temporaries_follow_the_optimizer_implementation():
     """foreach (torch's CUDA default) builds whole-group temporaries; fused and per-tensor
     kernels, the CPU, and bitsandbytes optimizers count none."""
@@ -341,15 +411,25 @@ def test_under_data_parallelism_the_slowest_ranks_step_is_judged(
     peak = runtime.plan.predicted_peak_bytes
     judged = []
     monkeypatch.setattr(
-        calibration, "_calibration", lambda r, p, rate, step, drift: judged.append((p, rate, step))
+        calibration,
+        "_calibration",
+        lambda r, p, rate, step, drift, copies: judged.append((p, rate, step, copies)),
     )
-    monkeypatch.setattr(runtime, "data_parallel", _TwoRanks((peak + 5, PLANNED_RATE / 2, 0.3)))
-    calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2)
-    assert judged[-1] == (peak + 5, PLANNED_RATE / 2, 0.3), "not the worst rank's figures"
-    # A rank without a step measurement (a step of several backwards there): none is judged.
-    monkeypatch.setattr(runtime, "data_parallel", _TwoRanks((peak, PLANNED_RATE, None)))
-    calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2)
-    assert judged[-1] == (peak, PLANNED_RATE, None)
+    mine = (40e9, 50e9)
+    other = (peak + 5, PLANNED_RATE / 2, 0.3, (45e9, 30e9))
+    monkeypatch.setattr(runtime, "data_parallel", _TwoRanks(other))
+    calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2, measured_copy_bps=mine)
+    # The largest peak, the slowest CPU update, step and copies (each way) of any rank.
+    assert judged[-1] == (peak + 5, PLANNED_RATE / 2, 0.3, (40e9, 30e9)), "not the worst"
+    # A rank without a step measurement (a step of several backwards there), or without a
+    # copy rate one way (too few bytes moved): none is judged.
+    other = (peak, PLANNED_RATE, None, (45e9, None))
+    monkeypatch.setattr(runtime, "data_parallel", _TwoRanks(other))
+    calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2, measured_copy_bps=mine)
+    assert judged[-1] == (peak, PLANNED_RATE, None, (40e9, None))
+    monkeypatch.setattr(runtime, "data_parallel", _TwoRanks((peak, PLANNED_RATE, None, None)))
+    calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2, measured_copy_bps=mine)
+    assert judged[-1][3] is None
 
 
 def test_a_switch_is_checked_again_and_a_kept_plan_settles_into_drift_checks(
@@ -365,7 +445,7 @@ def test_a_switch_is_checked_again_and_a_kept_plan_settles_into_drift_checks(
     outcomes = iter([switched, None, switched, switched, switched, None])
     calls: list[tuple[int, bool]] = []
 
-    def scripted(r, peak, rate, step_s, drift):
+    def scripted(r, peak, rate, step_s, drift, measured_copy_bps=None):
         calls.append((r.steps_taken - start, drift))
         return next(outcomes)
 
