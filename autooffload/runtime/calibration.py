@@ -32,8 +32,9 @@ CPU_RATE_MARGIN = 0.10
 # a window with less than COPY_RATE_MIN_BYTES copied one way does not measure that way.
 COPY_RATE_MARGIN = 0.10
 COPY_RATE_MIN_BYTES = 1 << 30
-# How far the measured step time may be from the prediction (with the calibrated peak and CPU
-# rate) before the units' compute times are scaled to it (``cost.calibrate_compute``).
+# How far the measured step time may be from the prediction (with the calibrated peak, CPU
+# rate and copy rates) before the units' compute times are scaled to it
+# (``cost.calibrate_compute``).
 STEP_MARGIN = 0.05
 # A calibration that switches the plan checks the new plan the same way, CALIBRATE_AFTER_STEPS
 # later (the new plan's prediction is otherwise never measured: a swap-heavy re-plan ran 23%
@@ -214,9 +215,9 @@ def calibrate_after_steps(
     - the chunk copies' measured H2D and D2H rates (``copy_rates``) above the probed ones by
       more than ``COPY_RATE_MARGIN`` raise them (``_raised_copy_rates``): a copy that ran that
       fast beside the other traffic shows the probe read the link low;
-    - the measured step time (``StepTimer``) off the plan's step as predicted with the two
-      above by more than ``STEP_MARGIN`` scales the units' compute times
-      (``cost.calibrate_compute``), when a scale explains it.
+    - the measured step time (``StepTimer``) off the plan's step as predicted with the
+      calibrations above (at the plan's own GPU update split) by more than ``STEP_MARGIN``
+      scales the units' compute times (``cost.calibrate_compute``), when a scale explains it.
     Any of them re-runs the search, which may promote chunks or demote them (their optimizer
     state moves between the user's optimizer and the CPU twins: ``Runtime.apply_plan``); a
     ``drift`` check only promotes.

@@ -159,6 +159,8 @@ class Runtime(GroupHooks):
         # The CPU worker's (busy_s, updated_params) when it was last known idle: the start of
         # the window its rate is measured over (``calibration.worker_rate``).
         self.cpu_mark: tuple[float, int] = (0.0, 0)
+        # The chunk copies' counters at the same mark (``calibration.copy_mark``; None before
+        # the first planned steps): their measured rates raise a probe that read the link low.
         self.copy_mark: tuple[float, float, float, float] | None = None
         # The planned steps' times since the last check (CUDA only).
         self.step_timer: StepTimer | None = None
