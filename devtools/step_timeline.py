@@ -26,7 +26,7 @@ import torch
 
 from autooffload.plan.cost import predict_step_time, step_windows
 from autooffload.runtime import runtime_of
-from autooffload.runtime.calibration import _with_running_split
+from autooffload.runtime.calibration import with_running_split
 from autooffload.setting_values import parse_size_or_fraction
 from devtools._workload import capped_workload, plain_workload
 
@@ -137,7 +137,7 @@ def main() -> None:
     plan = runtime.plan
     # As the calibration judges the running step: at the plan's GPU update split (on auto, a
     # calibrated CPU rate would re-derive another split than the one running).
-    profile = _with_running_split(request.profiles_by_chunk_size[plan.chunk_size], plan)
+    profile = with_running_split(request.profiles_by_chunk_size[plan.chunk_size], plan)
     predicted_s, breakdown, bottleneck = predict_step_time(profile, request.hw, plan.knobs)
     windows = step_windows(profile, request.hw, plan.knobs)
     print(plan.summary())

@@ -240,13 +240,12 @@ def calibrate_after_steps(
         measured = dp.gather_object(
             (int(measured_peak), measured_cpu_rate, measured_step_s, measured_copy_bps)
         )
-        measured_peak = max(peak for peak, _, _, _ in measured)
-        rates = [rate for _, rate, _, _ in measured if rate]
+        peaks, cpu_rates, steps, copies = zip(*measured)
+        measured_peak = max(peaks)
+        rates = [rate for rate in cpu_rates if rate]
         measured_cpu_rate = min(rates) if rates else None
-        steps = [step for _, _, step, _ in measured]
-        measured_step_s = max(steps) if all(steps) else None  # type: ignore[type-var]
+        measured_step_s = max(steps) if all(steps) else None
         # Each rank's link raises the plan only as far as the slowest rank's copies show.
-        copies = [copy for _, _, _, copy in measured]
         measured_copy_bps = None
         if all(copies):
             measured_copy_bps = tuple(  # type: ignore[assignment]
@@ -361,22 +360,28 @@ def _raised_copy_rates(
     raises the probed rate and never lowers it. The both-ways rate was probed in the same
     moment, so it is scaled by the larger of the two raises (capped at the sum of the one-way
     rates, and at least the larger of them)."""
-    factors = []
-    words = []
-    new_rates = {}
-    for name, measured, planned in (("H2D", h2d, hw.h2d_bps), ("D2H", d2h, hw.d2h_bps)):
-        if measured is not None and measured > planned * (1 + COPY_RATE_MARGIN):
-            factors.append(measured / planned)
-            new_rates[name] = measured
-            words.append(f"{name} {measured / 1e9:.1f} GB/s measured vs {planned / 1e9:.1f} probed")
-    if not factors:
+
+    def raised(measured: float | None, probed: float) -> float:
+        return measured if measured and measured > probed * (1 + COPY_RATE_MARGIN) else probed
+
+    ways = (
+        ("H2D", raised(h2d, hw.h2d_bps), hw.h2d_bps),
+        ("D2H", raised(d2h, hw.d2h_bps), hw.d2h_bps),
+    )
+    words = [
+        f"{name} {new / 1e9:.1f} GB/s measured vs {old / 1e9:.1f} probed"
+        for name, new, old in ways
+        if new != old
+    ]
+    if not words:
         return None
-    h2d_bps = new_rates.get("H2D", hw.h2d_bps)
-    d2h_bps = new_rates.get("D2H", hw.d2h_bps)
-    duplex = min(hw.duplex_bps * max(factors), h2d_bps + d2h_bps)
-    duplex = max(duplex, h2d_bps, d2h_bps)
-    raised = replace(hw, h2d_bps=h2d_bps, d2h_bps=d2h_bps, duplex_bps=duplex)
-    return raised, "host copies " + ", ".join(words)
+    (_, h2d_bps, _), (_, d2h_bps, _) = ways
+    factor = max(new / old for _, new, old in ways)
+    duplex = max(min(hw.duplex_bps * factor, h2d_bps + d2h_bps), h2d_bps, d2h_bps)
+    return (
+        replace(hw, h2d_bps=h2d_bps, d2h_bps=d2h_bps, duplex_bps=duplex),
+        "host copies " + ", ".join(words),
+    )
 
 
 def _calibrated_source(source: str) -> str:
@@ -402,7 +407,7 @@ def _unless_faster(plan: Plan, found: Plan, request: SearchRequest, chunk_size: 
     prediction."""
     fixed = asdict(plan.knobs)
     profiles = {
-        size: _with_running_split(profile, plan)
+        size: with_running_split(profile, plan)
         for size, profile in request.profiles_by_chunk_size.items()
     }
     try:
@@ -414,7 +419,7 @@ def _unless_faster(plan: Plan, found: Plan, request: SearchRequest, chunk_size: 
     return replace(stay, chunk_size=chunk_size, source=found.source)
 
 
-def _with_running_split(profile: ModelProfile, plan: Plan) -> ModelProfile:
+def with_running_split(profile: ModelProfile, plan: Plan) -> ModelProfile:
     """``profile`` with the GPU update split the search picks on auto fixed at ``plan``'s count:
     the split follows the CPU rate, which a window reads 10-20% off on a busy host (3.6B at 16
     GiB: 3 -> 6 -> 5 chunks updated on the GPU in three checks)."""
@@ -443,7 +448,7 @@ def _step_calibration(
     # The plan's own variant: its checkpointed blocks may keep their inputs in host memory, and
     # its GPU update split stays at the running count (on auto it would follow the new CPU rate
     # to another split, and the running step would be judged against that split's prediction).
-    variant = _with_running_split(profile, plan)
+    variant = with_running_split(profile, plan)
     if "checkpoint_cpu" in plan.block_policies:
         variant = with_checkpoint_inputs_on_cpu(variant, hw)
     predicted = predict_step_time(variant, hw, plan.knobs)[0]

@@ -610,7 +610,7 @@ def test_the_step_is_judged_against_the_running_split_not_the_one_a_new_rate_pic
     running split's prediction at that rate, so a step that matches it scales no compute (it
     was compared with the other split's, 15-75% off here, and the compute scaled to match)."""
     profile, running, slow = _split_moved(in_backward, planned, measured)
-    as_running = calibration._with_running_split(profile, running)
+    as_running = calibration.with_running_split(profile, running)
     expected = predict_step_time(as_running, slow, running.knobs)[0]
     auto = predict_step_time(profile, slow, running.knobs)[0]
     assert expected > auto * (1 + 2 * STEP_MARGIN), "the split must matter on this profile"
@@ -620,11 +620,11 @@ def test_the_step_is_judged_against_the_running_split_not_the_one_a_new_rate_pic
 def test_a_slower_step_is_fitted_with_the_running_split():
     profile, running, slow = _split_moved(False, 5e9, 1e9)
     expected = predict_step_time(
-        calibration._with_running_split(profile, running), slow, running.knobs
+        calibration.with_running_split(profile, running), slow, running.knobs
     )[0]
     scaled, what = calibration._step_calibration(running, profile, slow, 1.2 * expected)
     assert scaled.gpu_update == -1, "the calibrated profile keeps the auto split"
-    as_running = calibration._with_running_split(scaled, running)
+    as_running = calibration.with_running_split(scaled, running)
     refit = predict_step_time(as_running, slow, running.knobs)[0]
     assert refit == pytest.approx(1.2 * expected, rel=0.02)
     assert f"predicted {expected * 1e3:.0f} ms" in what
