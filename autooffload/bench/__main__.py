@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="gradient checkpointing on/off (default: the workload's)",
     )
+    parser.add_argument(
+        "--accum",
+        type=int,
+        help="micro-batches per optimizer step (gradient accumulation; default 1); tokens/s"
+        " counts them all",
+    )
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     parser.add_argument(
         "--plot",
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.workload:
         parser.error(f"--workload is required; valid workloads: {', '.join(WORKLOADS)}")
     try:
-        workloads = resolve_workloads(args.workload, args.bs, args.seq, args.gc)
+        workloads = resolve_workloads(args.workload, args.bs, args.seq, args.gc, args.accum)
         peers = parse_peers(args.peers, parse_options(args.autooffload_opt))
         caps = parse_caps(args.cap)
         vanilla_caps = parse_caps(args.vanilla_cap) if args.vanilla_cap else None

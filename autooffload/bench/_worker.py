@@ -202,12 +202,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         from autooffload.bench.peers import PeerContext, get_peer
         from autooffload.bench.workloads import get_workload
 
-        workload = get_workload(spec["workload"], spec.get("bs"), spec.get("seq"), spec.get("gc"))
+        workload = get_workload(
+            spec["workload"], spec.get("bs"), spec.get("seq"), spec.get("gc"), spec.get("accum")
+        )
         ctx = PeerContext(
             workload, device, spec.get("cap_bytes"), spec["seed"], spec.get("options", {})
         )
         build_start = time.perf_counter()
         trainee = get_peer(spec["peer"]).setup(ctx)
+        trainee.accum = workload.accum
         result["setup_s"] = time.perf_counter() - build_start
         if device == "cuda":
             result["peak_setup_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB

@@ -7,6 +7,7 @@ cannot run in this environment raises :class:`PeerUnavailable` (reported as "ski
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -38,18 +39,37 @@ class PeerContext:
 
 
 class Trainee:
-    """A model and optimizer ready to train; ``step`` runs one forward/backward/update."""
+    """A model and optimizer ready to train; ``step`` runs ``accum`` forward/backward passes
+    (gradient accumulation: each loss scaled by 1/accum, the cross-rank gradient sync skipped
+    for all but the last, as HF Trainer and accelerate do), then one update."""
+
+    accum: int = 1
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        loss.backward()
+        total = None
+        for micro in range(self.accum):
+            with self.sync_context(last=micro == self.accum - 1):
+                loss = self.forward(batch)
+                (loss / self.accum if self.accum > 1 else loss).backward()
+            loss = loss.detach()
+            total = loss if total is None else total + loss
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total / self.accum
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One micro-batch's loss."""
+        return self.model(**batch).loss
+
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Around a micro-batch's forward and backward: DDP's ``no_sync`` for all but the last."""
+        if not last and isinstance(self.model, nn.parallel.DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
 
     def on_timing_start(self) -> None:
         """Called after warm-up, before the first timed step."""
@@ -107,13 +127,9 @@ class SaveOnCpuTrainee(Trainee):
         super().__init__(model, optimizer)
         self.pin = pin
 
-    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.autograd.graph.save_on_cpu(pin_memory=self.pin):
-            loss = self.model(**batch).loss
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+            return self.model(**batch).loss
 
 
 def _setup_save_on_cpu(ctx: PeerContext) -> Trainee:
@@ -177,6 +193,15 @@ class AutoOffloadTrainee(Trainee):
 
     def on_timing_start(self) -> None:
         self.stats_at_start = self._stats()
+
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Under data parallelism autooffload averages gradients at every backward unless in
+        ``autooffload.no_sync`` (the last micro-batch syncs)."""
+        if last or not _data_parallel():
+            return contextlib.nullcontext()
+        import autooffload
+
+        return autooffload.no_sync(self.model)
 
     def report(self, timed_steps: int) -> dict[str, Any]:
         import autooffload
@@ -366,18 +391,30 @@ def _fsdp2_trainee(ctx: PeerContext, fused: bool | None) -> Trainee:
     else:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=ctx.workload.lr, weight_decay=0.0)
-    return DistributedTrainee(model, optimizer)
+    return FSDP2Trainee(model, optimizer)
 
 
 # --- DeepSpeed ZeRO-3 with param + optimizer offload -------------------------------------------
 
 
+class FSDP2Trainee(DistributedTrainee):
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """FSDP2 reduce-scatters every backward unless told not to: the last one only."""
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+
 class DeepSpeedTrainee(DistributedTrainee):
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.model.backward(loss)
-        self.model.step()
-        return loss.detach()
+        # The engine scales each loss by 1/accum and steps at the last micro-batch
+        # (gradient_accumulation_steps in its config).
+        total = None
+        for _ in range(self.accum):
+            loss = self.model(**batch).loss
+            self.model.backward(loss)
+            self.model.step()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total / self.accum
 
 
 def _deepspeed_unavailable(workload: Workload, device: str) -> str | None:
@@ -403,7 +440,7 @@ def _setup_deepspeed(ctx: PeerContext) -> Trainee:
     model = build_model(ctx.workload, seed=ctx.seed)
     config = {
         "train_micro_batch_size_per_gpu": ctx.workload.bs,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": ctx.workload.accum,
         "bf16": {"enabled": ctx.workload.dtype == "bfloat16"},
         "zero_optimization": {
             "stage": 3,

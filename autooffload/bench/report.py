@@ -364,6 +364,7 @@ def workload_meta(workload: Any) -> dict[str, Any]:
         "bs": workload.bs,
         "seq": workload.seq,
         "gc": workload.gc,
+        "accum": workload.accum,
         "dtype": workload.dtype,
         "approx_params": workload.approx_params(),
         "text_dims": workload.text_dims,
@@ -402,7 +403,8 @@ def _qualify_shapes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         {
             **run,
             "workload": f"{run['workload']} bs{run.get('bs')} seq{run.get('seq')}"
-            + ("" if run.get("gc") is None else (" gc" if run["gc"] else " no-gc")),
+            + ("" if run.get("gc") is None else (" gc" if run["gc"] else " no-gc"))
+            + (f" accum{run['accum']}" if (run.get("accum") or 1) > 1 else ""),
         }
         if len(shapes[run["workload"]]) > 1
         else run
@@ -411,7 +413,7 @@ def _qualify_shapes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _shape(run: dict[str, Any]) -> tuple:
-    return (run.get("bs"), run.get("seq"), run.get("gc"))
+    return (run.get("bs"), run.get("seq"), run.get("gc"), run.get("accum") or 1)
 
 
 def write_plots(payload: dict[str, Any], path: Path, title: str = "") -> list[Path]:

@@ -255,6 +255,7 @@ def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> 
         "bs": run.workload.bs,
         "seq": run.workload.seq,
         "gc": run.workload.gc,
+        "accum": run.workload.accum,
         "peer": run.peer.name,
         "options": run.peer.options,
         "device": common.device,
@@ -354,7 +355,7 @@ def failure_message(result: dict[str, Any]) -> str:
 
 
 def resolve_workloads(
-    names: str, bs: int | None, seq: int | None, gc: bool | None
+    names: str, bs: int | None, seq: int | None, gc: bool | None, accum: int | None = None
 ) -> list[Workload]:
     """Comma-separated workload names -> workloads with overrides (clear error if unknown)."""
-    return [get_workload(n.strip(), bs, seq, gc) for n in names.split(",") if n.strip()]
+    return [get_workload(n.strip(), bs, seq, gc, accum) for n in names.split(",") if n.strip()]

@@ -116,10 +116,12 @@ class Workload:
     description: str = ""
     autooffload_defaults: dict[str, Any] = field(default_factory=dict)
     cpu_only: bool = False
+    accum: int = 1
+    """Micro-batches per optimizer step (gradient accumulation; each of ``bs`` x ``seq``)."""
 
     @property
     def tokens_per_step(self) -> int:
-        return self.bs * self.seq
+        return self.bs * self.seq * self.accum
 
     def approx_params(self) -> int:
         """Approximate parameter count of the base model (for dry runs and memory estimates)."""
@@ -140,7 +142,8 @@ class Workload:
         params = self.approx_params()
         size = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
         gc = "gc" if self.gc else "no-gc"
-        return f"{self.name}: ~{size} params, {self.mode}, bs {self.bs} seq {self.seq} {gc}"
+        accum = f" accum {self.accum}" if self.accum > 1 else ""
+        return f"{self.name}: ~{size} params, {self.mode}, bs {self.bs} seq {self.seq}{accum} {gc}"
 
 
 def _w(**kwargs: Any) -> Workload:
@@ -330,9 +333,14 @@ class UnknownNameError(ValueError):
 
 
 def get_workload(
-    name: str, bs: int | None = None, seq: int | None = None, gc: bool | None = None
+    name: str,
+    bs: int | None = None,
+    seq: int | None = None,
+    gc: bool | None = None,
+    accum: int | None = None,
 ) -> Workload:
-    """The workload ``name`` with its batch size, sequence length or checkpointing overridden."""
+    """The workload ``name`` with its batch size, sequence length, checkpointing or gradient
+    accumulation overridden."""
     if name not in WORKLOADS:
         valid = ", ".join(WORKLOADS)
         raise UnknownNameError(f"unknown workload {name!r}; valid workloads: {valid}")
@@ -344,6 +352,10 @@ def get_workload(
         changes["seq"] = seq
     if gc is not None:
         changes["gc"] = gc
+    if accum is not None:
+        if accum < 1:
+            raise ValueError(f"invalid accum {accum}: micro-batches per step must be >= 1")
+        changes["accum"] = accum
     return replace(workload, **changes) if changes else workload
 
 
@@ -354,6 +366,7 @@ def workload_to_dict(workload: Workload) -> dict[str, Any]:
         "bs": workload.bs,
         "seq": workload.seq,
         "gc": workload.gc,
+        "accum": workload.accum,
         "mode": workload.mode,
         "arch": workload.arch,
         "dtype": workload.dtype,

@@ -315,6 +315,43 @@ def backward_update_done(
     )
 
 
+def accumulation_terms(
+    profile: ModelProfile,
+    tables: ChunkTables,
+    rate: float,
+    p: int,
+    left_after: np.ndarray,
+    gpu_micro_s: float,
+) -> tuple[float, float, float]:
+    """Gradient accumulation over ``M = profile.micro_batches`` micro-batches per step:
+    ``(later_micro_s, lag_s, worker_s)``.
+
+    A step runs M forwards and backwards, then ``optimizer.step()``. Every backward copies the
+    offloaded chunks' gradients to the host, where the CPU worker adds each micro-batch's onto
+    the sum of the earlier ones at ``rate`` (``HardwareProfile.cpu_accumulate_params_per_s``),
+    in arrival order, beside the GPU (the next forward gathers weights, which the adds do not
+    touch). With A = offload_numel / rate (one micro-batch's adds) and ``gpu_micro_s`` a later
+    micro-batch's GPU time (its forward from the first gathers, no CPU update to wait for, and
+    its backward without the cross-rank all-reduce that ``no_sync`` skips):
+        later_micro_s = max(gpu_micro_s, A)        (the worker must keep pace, or the next
+                                                    backward's copies wait for its staging)
+        lag_s = backward_update_done at ``rate``   (the adds still running after the last
+                                                    backward, which the update at step() queues
+                                                    behind, so its ready times shift by lag_s)
+        step = first micro-batch (``step_windows``, its update waits shifted by lag_s)
+               + (M - 1) * later_micro_s
+    ``worker_s`` is A. All zero with one micro-batch; A and lag_s zero at an unmeasured
+    (infinite) rate. The first micro-batch's gradients are copied, not added: it runs as
+    without accumulation. (The update in the backward never runs with accumulation: no lag.)"""
+    if profile.micro_batches <= 1:
+        return 0.0, 0.0, 0.0
+    worker_s = float(tables.offload_numel[p]) / rate if math.isfinite(rate) else 0.0
+    lag = 0.0
+    if worker_s and not profile.update_in_backward:
+        lag = backward_update_done(profile, tables, rate, p, left_after)
+    return max(gpu_micro_s, worker_s), lag, worker_s
+
+
 @dataclass(frozen=True)
 class StepWindows:
     """The predicted step, window by window (``predict_step_time``'s formulas).
@@ -342,6 +379,12 @@ class StepWindows:
     """Offloaded chunks the GPU updates in the backward (``update_split.backward_split``)."""
     backward_update_bytes: tuple[float, float] = (0.0, 0.0)
     """Bytes that GPU path adds in and out (state in; weights and state out, less gradients)."""
+    later_micro_s: float = 0.0
+    """Gradient accumulation: the wall time of each micro-batch after the first of a step
+    (``accumulation_terms``); 0 with one micro-batch."""
+    accumulate_lag_s: float = 0.0
+    """Gradient accumulation: how long after the last backward the CPU worker is still adding
+    gradients, which the update at ``step()`` waits for (``accumulation_terms``)."""
 
 
 def persistent_allreduce_exposed(
@@ -433,6 +476,18 @@ def step_windows(
     )
     stalls["collective"] = max(0.0, allreduce_s - tail_s)
     t_bwd = sum(bwd_windows) + max(tail_s, allreduce_s) + (gpu_optim_s - at_step_s)
+    # A later micro-batch of gradient accumulation: gathers from the start, no update to wait
+    # for, no all-reduce (``no_sync``), and its persistent gradients kept, not stepped.
+    later_gpu_s = first_gather_s + sum(fwd_windows) + sum(bwd_windows) + tail_s
+    later_gpu_s += gpu_optim_s - at_step_s
+    later_micro_s, lag, worker_s = accumulation_terms(
+        profile,
+        tables,
+        hw.cpu_accumulate_params_per_s,
+        p,
+        np.concatenate([[0.0], np.cumsum(bwd_windows)]),
+        later_gpu_s,
+    )
 
     t_fwd = unconstrained
     early = None
@@ -448,10 +503,17 @@ def step_windows(
     for u in range(n_units):
         waits = split.cpu_units[0, u] if split else tables.cpu_ready_numel[p, u] >= 0
         if waits:
-            ready = split_ready[u] if early is None else early
+            ready = split_ready[u] + lag if early is None else early
             ready += float(tables.fwd_gather_bytes[p, u]) / hw.h2d_bps
             t_fwd = max(t_fwd, ready + float(suffix[u]))
     stalls["cpu_optimizer"] = t_fwd - unconstrained
+    if profile.micro_batches > 1:
+        # Every micro-batch runs the same windows: their stalls recur; the worker's adds stall
+        # a later micro-batch where they outlast its GPU time.
+        later = profile.micro_batches - 1
+        for name in ("pcie_h2d", "pcie_d2h"):
+            stalls[name] *= profile.micro_batches
+        stalls["cpu_accumulate"] = later * (later_micro_s - later_gpu_s)
     return StepWindows(
         tuple(float(w) for w in fwd_windows),
         tuple(float(w) for w in bwd_windows),
@@ -465,6 +527,8 @@ def step_windows(
         gpu_chunks,
         int(split.gpu_chunks[0]) if split else 0,
         (float(state_in.sum()), float(split.out_delta[0].sum())) if split else (0.0, 0.0),
+        later_micro_s,
+        lag,
     )
 
 
@@ -495,7 +559,9 @@ def predict_step_time(
     (``allreduce_exposed``: data parallelism's persistent gradient all-reduces past the last
     window, ``persistent_allreduce_exposed``; 0 on one process)
     (the post unit L+1 gathers nothing: its chunks stay from its forward; ``chunk_tables``)
-    step = T_fwd + T_bwd + other_s.
+    step = T_fwd + T_bwd + other_s, and with gradient accumulation over M micro-batches
+    + (M - 1) * later_micro_s, the CPU update's ready times shifted by the adds' lag
+    (``accumulation_terms``).
     """
     tables = tables or chunk_tables(profile)
     windows = step_windows(profile, hw, knobs, tables)
@@ -504,9 +570,12 @@ def predict_step_time(
     units = profile.units
     stalls, recompute_s = windows.stalls, windows.recompute_s
     t_fwd, t_bwd, gpu_optim_s = windows.t_fwd, windows.t_bwd, windows.gpu_optim_s
-    step_s = t_fwd + t_bwd + profile.other_s
+    micro = profile.micro_batches
+    later_s = (micro - 1) * windows.later_micro_s
+    step_s = t_fwd + t_bwd + later_s + profile.other_s
 
-    swap_bytes = sum(u.act_bytes_keep for u, pol in zip(units, policies) if pol == "swap")
+    swap_bytes = micro * sum(u.act_bytes_keep for u, pol in zip(units, policies) if pol == "swap")
+    gathers = tables.fwd_gather_bytes[p].sum() + tables.bwd_gather_bytes[p].sum()
     breakdown = {
         "step_s": step_s,
         "fwd_s": t_fwd,
@@ -524,16 +593,18 @@ def predict_step_time(
         "d2h_stall_s": stalls["pcie_d2h"],
         "cpu_optim_stall_s": stalls["cpu_optimizer"],
         "collective_stall_s": stalls["collective"],
-        "h2d_bytes": float(tables.fwd_gather_bytes[p].sum() + tables.bwd_gather_bytes[p].sum())
-        + swap_bytes
-        + windows.backward_update_bytes[0],
-        "d2h_bytes": float(tables.grad_d2h_bytes[p].sum())
+        "h2d_bytes": float(micro * gathers) + swap_bytes + windows.backward_update_bytes[0],
+        "d2h_bytes": float(micro * tables.grad_d2h_bytes[p].sum())
         + swap_bytes
         + windows.backward_update_bytes[1],
         "swap_bytes": float(swap_bytes),
-        "tokens_per_s": profile.batch_tokens / step_s if step_s > 0 else math.inf,
+        "tokens_per_s": micro * profile.batch_tokens / step_s if step_s > 0 else math.inf,
         "update_in_backward": float(profile.update_in_backward),
         "persistent_at_step": float(profile.persistent_at_step),
+        "micro_batches": float(micro),
+        "later_micro_s": windows.later_micro_s,
+        "accumulate_lag_s": windows.accumulate_lag_s,
+        "cpu_accumulate_stall_s": stalls.get("cpu_accumulate", 0.0),
     }
     breakdown = {key: float(value) for key, value in breakdown.items()}
     return float(step_s), breakdown, _bottleneck(step_s, recompute_s, stalls)

@@ -127,6 +127,23 @@ def search_layout(
         last_first = int(first_unit[profile.n_chunks - 1])
         own_first = bsplit.lowest_first
         has_update = bsplit.cpu_numel > 0
+    micro = profile.micro_batches
+    accumulate_rate = hw.cpu_accumulate_params_per_s
+    accumulating = micro > 1 and bool(np.isfinite(accumulate_rate))
+    if accumulating:
+        # ``cost.accumulation_terms``: one micro-batch's adds, and the chunks whose adds the
+        # update at step() waits for (all offloaded ones; the lowest, first needed, last).
+        first_unit, _ = chunk_spans(profile)
+        n_chunks = profile.n_chunks
+        adds_s = tables.offload_numel[persist] / accumulate_rate
+        lowest = np.minimum(persist, n_chunks - 1)
+        lowest_s = np.where(
+            persist < n_chunks,
+            np.array([c.trainable_numel for c in profile.chunks])[lowest] / accumulate_rate,
+            0.0,
+        )
+        lowest_first = first_unit[lowest]
+        all_first = np.full(persist.size, int(first_unit[n_chunks - 1]))
     tail = out_bytes[:, 0] / d2h
     tail_d2h = tail
     allreduce = np.isfinite(hw.allreduce_bps) and tables.persist_grad_done[persist].any()
@@ -174,6 +191,9 @@ def search_layout(
         base = np.maximum(bwd_s, bwd_xfer)
         extra = np.maximum(bwd_s + fwd_s, bwd_xfer) - base
         t_bwd = tail[:, None] + (base + bwd_exposed).sum(axis=-1)
+        # A later micro-batch of gradient accumulation (``cost.accumulation_terms``): the
+        # forward from its first gathers, the backward without the all-reduce (``no_sync``).
+        later_gpu = first_gather[:, None] + after[..., 0] + t_bwd
         if allreduce:
             # Data parallelism: the persistent all-reduces past the last window, beyond the
             # D2H tail (``cost.persistent_allreduce_exposed``).
@@ -203,7 +223,28 @@ def search_layout(
             t_fwd = np.maximum(t_fwd[None], done + waits[None])
         else:
             t_fwd = t_fwd[None]
-        step = t_fwd + t_bwd[None] + np.moveaxis(recompute, -1, 0) + profile.other_s
+        recompute = np.moveaxis(recompute, -1, 0)
+        later_micro = 0.0
+        if micro > 1:
+            later_micro = later_gpu[None] + recompute
+            if accumulating:
+                later_micro = np.maximum(later_micro, adds_s[None, :, None])
+                windows_before = np.concatenate(
+                    [np.zeros((*base.shape[:2], 1)), (base + bwd_exposed).cumsum(-1)], -1
+                )
+                ckpt_end = n_swap + 1 + checkpoints
+                left = [
+                    _backward_left(windows_before, extra_before, unit, n_swap + 1, ckpt_end)
+                    for unit in (all_first, lowest_first)
+                ]
+                lag = np.maximum(
+                    np.maximum(adds_s[None, :, None] - left[0], lowest_s[None, :, None] - left[1]),
+                    0.0,
+                )
+                lag = np.where((adds_s > 0)[None, :, None], lag, 0.0)
+                if not in_backward:
+                    t_fwd = np.maximum(t_fwd, waits[None] + lag)
+        step = t_fwd + t_bwd[None] + recompute + profile.other_s + (micro - 1) * later_micro
 
         # Peak memory, shape (K, P, D), for every n_checkpoint at once without a K x P x D x U
         # array: with k checkpoints, units u <= n_swap + k + 1 see every non-swapped block before
@@ -246,7 +287,7 @@ def search_layout(
                     checkpoints[k_idx],
                     peak[ok],
                     step[ok],
-                    profile.batch_tokens / step[ok],
+                    micro * profile.batch_tokens / step[ok],
                 )
             )
     return best

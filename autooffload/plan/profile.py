@@ -153,6 +153,9 @@ class StepProfiler:
     prefetches behind them, which the cost model counts as chunks, not as the post transient."""
     backward_started: bool = False
     backwards: int = 0
+    later_micro_batch: bool = False
+    """A forward began after the step's first backward (gradient accumulation): the marks and
+    peaks stay those of the first micro-batch, which the cost model's windows describe."""
     _chunked_ids: set[int] | None = None
 
     def __post_init__(self) -> None:
@@ -169,6 +172,10 @@ class StepProfiler:
     def on_pre_forward(self, group: Group, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():
             return  # an evaluation forward (no_grad, inference_mode): not the training step's
+        if self.backward_started:
+            self.later_micro_batch = True
+        if self.later_micro_batch:
+            return
         if group.is_block:
             args, kwargs = primary_input(group.module, args, kwargs)
             self.input_bytes.setdefault(group.index, _tensor_bytes(args[:1]))
@@ -179,13 +186,15 @@ class StepProfiler:
         self._mark(group, "fwd")
 
     def on_post_forward(self, group: Group) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self.later_micro_batch:
             return
         if group.is_block and self._is_last_block(group):
             self.clock.reset_peak()
         self._mark(group, "fwd_end")
 
     def on_pre_backward(self, group: Group) -> None:
+        if self.later_micro_batch:
+            return
         if not self.backward_started:
             self.backward_started = True
             self.backwards += 1
@@ -312,9 +321,10 @@ class StepProfiler:
         return fwd_s, bwd_s, int(kept), int(fwd_peak), int(bwd_peak)
 
     def build(
-        self, optim_bytes_per_param: int, grad_accumulation: bool, optim_step_bytes: int = 0
+        self, optim_bytes_per_param: int, micro_batches: int = 1, optim_step_bytes: int = 0
     ) -> ModelProfile:
-        """The ``ModelProfile`` of this step (runs the probes)."""
+        """The ``ModelProfile`` of this step (runs the probes); ``micro_batches`` the step's
+        backward passes (gradient accumulation: the first micro-batch was measured)."""
         runtime = self.runtime
         probes: dict[type, UnitProfile] = {}
         # The probes run blocks in train mode (dropout): the user's RNG streams must not move.
@@ -375,7 +385,8 @@ class StepProfiler:
             optim_bytes_per_param=optim_bytes_per_param,
             optim_step_bytes_per_param=optim_step_bytes,
             weight_dtype=str(runtime.weight_dtype()).replace("torch.", ""),
-            grad_accumulation=grad_accumulation,
+            grad_accumulation=micro_batches > 1,
+            micro_batches=max(1, micro_batches),
             update_in_backward=runtime.backward_update.on,
             persistent_at_step=runtime.data_parallel is not None,
             expandable_segments=runtime.expandable_segments,

@@ -89,12 +89,18 @@ class HardwareProfile:
     """Data parallelism: bytes/s of the all-reduce that averages a persistent chunk's gradients
     in the backward (measured at attach with the real world size and chunk size); inf on one
     process. Not measured by ``measure_hardware``: ``DataParallel.effective_hardware`` sets it."""
+    cpu_accumulate_params_per_s: float = math.inf
+    """Gradient accumulation: offloaded gradient elements the CPU worker adds into the host
+    gradients per second (a micro-batch's staged gradients onto the sum of the earlier ones);
+    inf where unmeasured (no step accumulated yet: no cost). Not measured by
+    ``measure_hardware``: the runtime times the adds of its profiling and planned steps."""
 
     def to_dict(self) -> dict[str, Any]:
-        """As a dict for JSON: an unmeasured (infinite) ``allreduce_bps`` as None."""
+        """As a dict for JSON: an unmeasured (infinite) rate as None."""
         data = asdict(self)
-        if not math.isfinite(data["allreduce_bps"]):
-            data["allreduce_bps"] = None
+        for name in _UNMEASURED_INF:
+            if not math.isfinite(data[name]):
+                data[name] = None
         return data
 
     @classmethod
@@ -102,9 +108,14 @@ class HardwareProfile:
         """Build from ``to_dict`` output; raises ``KeyError``/``TypeError`` on a malformed dict."""
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names}
-        if kwargs.get("allreduce_bps", 0) is None:
-            kwargs["allreduce_bps"] = math.inf
+        for name in _UNMEASURED_INF:
+            if name in kwargs and kwargs[name] is None:
+                kwargs[name] = math.inf
         return cls(**kwargs)
+
+
+# HardwareProfile rates that are infinite until measured (None in JSON).
+_UNMEASURED_INF = ("allreduce_bps", "cpu_accumulate_params_per_s")
 
 
 @dataclass(frozen=True)
@@ -162,7 +173,7 @@ class ModelProfile:
     """Everything after the last block (final norm, head, logits, loss); kept. The logits and the
     loss's temporaries are its ``act_bytes_keep`` and transients (often the largest transient)."""
     batch_tokens: int = 1
-    """Tokens per step (for tokens/s)."""
+    """Tokens per micro-batch (for tokens/s: ``micro_batches`` of them per step)."""
     static_bytes: int = 0
     """Allocator bytes live all step outside chunks and activations (inputs, buffers, workspace)."""
     other_s: float = 0.0
@@ -178,6 +189,10 @@ class ModelProfile:
     """Calibrated allocator fragmentation factor per weight dtype (see ``cost.calibrate``)."""
     grad_accumulation: bool = False
     """True when gradients of persistent chunks stay allocated across forwards (accumulation)."""
+    micro_batches: int = 1
+    """Forward and backward passes per ``optimizer.step()`` (gradient accumulation), as the
+    profiled step ran them: the cost model's step is that many micro-batches (``cost.py``,
+    ``step_windows``), tokens/s counts them all."""
     update_in_backward: bool = False
     """True under ``AUTOOFFLOAD_UPDATE_IN_BACKWARD``: the CPU update of an offloaded chunk starts
     when its gradients arrive in the backward, not at ``optimizer.step()``."""

@@ -134,9 +134,11 @@ class Plan:
                 + in_flight
             )
         if self.predicted_step_s is not None:
+            micro = int(self.breakdown.get("micro_batches", 1))
+            per = f", {micro} micro-batches of accumulation" if micro > 1 else ""
             lines.append(
                 f"  predicted step {self.predicted_step_s * 1e3:.1f} ms"
-                f" (bottleneck: {self.bottleneck})"
+                f" (bottleneck: {self.bottleneck}{per})"
             )
         return "\n".join(lines)
 

@@ -53,15 +53,16 @@ REPLAN_GAIN = 0.05
 class StepTimer:
     """The planned steps' times, from one ``optimizer.step()`` to the next: CUDA events on the
     compute stream (the GPU's timeline, which a host running ahead does not shorten), host
-    clock readings on a CPU device. Started at the plan switch for that plan; a step with more
-    than one backward (gradient accumulation, which the cost model does not time as one step)
-    leaves it without a measurement."""
+    clock readings on a CPU device. Started at the plan switch for that plan. The cost model
+    times a step of the profiled step's micro-batches (``ModelProfile.micro_batches``): a step
+    with another count of backward passes leaves the timer without a measurement."""
 
-    def __init__(self, plan: Plan, cuda: bool) -> None:
+    def __init__(self, plan: Plan, cuda: bool, micro_batches: int = 1) -> None:
         self.plan = plan
         self.cuda = cuda
+        self.micro_batches = micro_batches
         self.marks: list[Any] = []
-        self.one_backward_each = True
+        self.as_profiled = True
 
     def mark(self, backwards: int) -> None:
         """At an ``optimizer.step()`` of a step that ran ``backwards`` backward passes."""
@@ -73,14 +74,14 @@ class StepTimer:
             self.marks.append(time.perf_counter())
         # The first mark closes the switch step (its forward ran the switch): not timed.
         if len(self.marks) > 1:
-            self.one_backward_each &= backwards == 1
+            self.as_profiled &= backwards == self.micro_batches
 
     def median_step_s(self, plan: Plan) -> float | None:
         """Median seconds per step between the marks (steps of one plan vary by 20-40% on a
         launch-bound model: a mean of a few is moved by one slow step), or None with fewer than
-        two marks, a step of several backwards, or another plan than the one timed (an OOM
-        retry's)."""
-        if len(self.marks) < 2 or not self.one_backward_each or plan is not self.plan:
+        two marks, a step of another count of backwards than the profiled one, or another plan
+        than the one timed (an OOM retry's)."""
+        if len(self.marks) < 2 or not self.as_profiled or plan is not self.plan:
             return None
         if self.cuda:
             self.marks[-1].synchronize()
@@ -96,7 +97,7 @@ def arm_calibration(runtime: Runtime, plan: Plan) -> None:
     worker's rate from this mark (the worker is idle: whoever switched waited for it)."""
     fresh_peak(runtime.device)
     runtime.calibrate_at_step = runtime.steps_taken + CALIBRATE_AFTER_STEPS
-    runtime.step_timer = StepTimer(plan, cuda=True)
+    runtime.step_timer = StepTimer(plan, cuda=True, micro_batches=_micro_batches(runtime))
     runtime.cpu_mark = runtime.cpu_optim.mark()
     runtime.copy_mark = copy_mark(runtime)
     runtime.calibration_settled = False
@@ -111,13 +112,18 @@ def check_planned_steps(runtime: Runtime) -> Plan | None:
     timer = runtime.step_timer
     drift = runtime.calibration_settled
     runtime.cpu_optim.wait()  # this step's update belongs to the measured window
+    # Rates over this rank's own chunks; under sharded state the cost model's are per model.
+    shards = runtime.manager.sharding.world_size if runtime.manager.sharding is not None else 1
+    cpu_rate = worker_rate(runtime.cpu_mark, runtime.cpu_optim)
+    adds = accumulate_rate(runtime.cpu_mark, runtime.cpu_optim)
     new_plan = calibrate_after_steps(
         runtime,
         measured_need(runtime),
-        worker_rate(runtime.cpu_mark, runtime.cpu_optim),
+        cpu_rate * shards if cpu_rate else None,
         timer.median_step_s(runtime.plan) if timer is not None else None,
         drift=drift,
         measured_copy_bps=copy_rates(runtime.copy_mark, runtime),
+        measured_accumulate_rate=adds * shards if adds else None,
     )
     if new_plan is not None:
         runtime.calibration_switches += 1
@@ -128,10 +134,17 @@ def check_planned_steps(runtime: Runtime) -> Plan | None:
     )
     window = DRIFT_WINDOW_STEPS if runtime.calibration_settled else CALIBRATE_AFTER_STEPS
     runtime.calibrate_at_step = runtime.steps_taken + window
-    runtime.step_timer = StepTimer(runtime.plan, cuda=runtime.manager.is_cuda)
+    runtime.step_timer = StepTimer(
+        runtime.plan, cuda=runtime.manager.is_cuda, micro_batches=_micro_batches(runtime)
+    )
     runtime.cpu_mark = runtime.cpu_optim.mark()
     runtime.copy_mark = copy_mark(runtime)
     return new_plan
+
+
+def _micro_batches(runtime: Runtime) -> int:
+    """Backward passes per step of the profile the running plan was searched on."""
+    return runtime.profile.micro_batches if runtime.profile is not None else 1
 
 
 def measured_need(runtime: Runtime) -> int:
@@ -158,12 +171,22 @@ def fresh_peak(device: torch.device) -> None:
     torch.cuda.reset_peak_memory_stats(device)
 
 
-def worker_rate(mark: tuple[float, int], optimizer: CpuOptimizer) -> float | None:
+def worker_rate(mark: tuple[float, int, float, int], optimizer: CpuOptimizer) -> float | None:
     """Offloaded params updated per second the CPU worker was busy since ``mark`` (its
-    ``optimizer.mark()`` then): gradient accumulation included, as the step runs it.
-    The worker must be idle at ``mark`` and now (``wait()`` first)."""
-    busy_s, updated = optimizer.mark()
-    seconds, params = busy_s - mark[0], updated - mark[1]
+    ``optimizer.mark()`` then): each step's first copy of the gradients out of staging
+    included, as the step runs it; the adds of further micro-batches are not
+    (``accumulate_rate``, costed apart). The worker must be idle at ``mark`` and now
+    (``wait()`` first)."""
+    busy_s, updated, add_s, _ = optimizer.mark()
+    seconds, params = (busy_s - mark[0]) - (add_s - mark[2]), updated - mark[1]
+    return params / seconds if seconds > 0 and params > 0 else None
+
+
+def accumulate_rate(mark: tuple[float, int, float, int], optimizer: CpuOptimizer) -> float | None:
+    """Gradient elements the CPU worker added per second of its adds since ``mark``
+    (gradient accumulation's later micro-batches), or None where it added none."""
+    _, _, add_s, added = optimizer.mark()
+    seconds, params = add_s - mark[2], added - mark[3]
     return params / seconds if seconds > 0 and params > 0 else None
 
 
@@ -205,6 +228,7 @@ def calibrate_after_steps(
     measured_step_s: float | None = None,
     drift: bool = False,
     measured_copy_bps: tuple[float | None, float | None] | None = None,
+    measured_accumulate_rate: float | None = None,
 ) -> Plan | None:
     """Check the planned steps against what their plan assumed, in this order:
     - the measured peak (``measured_need``) above the prediction by more than
@@ -212,6 +236,8 @@ def calibrate_after_steps(
     - the CPU worker's measured rate (``worker_rate``: the update contended by the running step,
       gradient accumulation included) off the planned one by more than ``CPU_RATE_MARGIN``
       replaces it;
+    - gradient accumulation: the worker's measured rate of adds (``accumulate_rate``) off the
+      planned one by more than ``CPU_RATE_MARGIN`` (or none planned) replaces it;
     - the chunk copies' measured H2D and D2H rates (``copy_rates``) above the probed ones by
       more than ``COPY_RATE_MARGIN`` raise them (``_raised_copy_rates``): a copy that ran that
       fast beside the other traffic shows the probe read the link low;
@@ -238,12 +264,20 @@ def calibrate_after_steps(
     dp = runtime.data_parallel
     if dp is not None:
         measured = dp.gather_object(
-            (int(measured_peak), measured_cpu_rate, measured_step_s, measured_copy_bps)
+            (
+                int(measured_peak),
+                measured_cpu_rate,
+                measured_step_s,
+                measured_copy_bps,
+                measured_accumulate_rate,
+            )
         )
-        peaks, cpu_rates, steps, copies = zip(*measured)
+        peaks, cpu_rates, steps, copies, adds = zip(*measured)
         measured_peak = max(peaks)
         rates = [rate for rate in cpu_rates if rate]
         measured_cpu_rate = min(rates) if rates else None
+        add_rates = [rate for rate in adds if rate]
+        measured_accumulate_rate = min(add_rates) if add_rates else None
         measured_step_s = max(steps) if all(steps) else None
         # Each rank's link raises the plan only as far as the slowest rank's copies show.
         measured_copy_bps = None
@@ -254,7 +288,13 @@ def calibrate_after_steps(
     decision: _Calibration | None = None
     if dp is None or dp.rank == 0:
         decision = _calibration(
-            runtime, measured_peak, measured_cpu_rate, measured_step_s, drift, measured_copy_bps
+            runtime,
+            measured_peak,
+            measured_cpu_rate,
+            measured_step_s,
+            drift,
+            measured_copy_bps,
+            measured_accumulate_rate,
         )
     if dp is not None:
         decision = dp.agree_object(decision)
@@ -279,6 +319,7 @@ def _calibration(
     measured_step_s: float | None = None,
     drift: bool = False,
     measured_copy_bps: tuple[float | None, float | None] | None = None,
+    measured_accumulate_rate: float | None = None,
 ) -> _Calibration | None:
     """The calibrated profile and hardware, and the plan searched with them; None when the
     measurements are within the margins of what the plan assumed."""
@@ -307,6 +348,15 @@ def _calibration(
         found.append(
             f"CPU update {measured_cpu_rate / 1e9:.2f} Gparam/s measured vs"
             f" {planned_rate / 1e9:.2f} planned"
+        )
+    planned_adds = hw.cpu_accumulate_params_per_s
+    if measured_accumulate_rate and not (
+        abs(measured_accumulate_rate / planned_adds - 1) <= CPU_RATE_MARGIN
+    ):
+        hw = replace(hw, cpu_accumulate_params_per_s=measured_accumulate_rate)
+        found.append(
+            f"gradient accumulation {measured_accumulate_rate / 1e9:.2f} Gparam/s measured vs"
+            + (f" {planned_adds / 1e9:.2f} planned" if math.isfinite(planned_adds) else " none")
         )
     if measured_copy_bps is not None:
         raised = _raised_copy_rates(hw, *measured_copy_bps)

@@ -130,8 +130,10 @@ class ChunkManager:
         self.state = [Residency.HOST] * len(self.chunks)
         self.gpu_flat: list[torch.Tensor] = []
         self.ready_events: list[torch.cuda.Event | None] = [None] * len(self.chunks)
-        # Futures of CPU-side work that reads or writes a chunk's host bytes (optimizer updates,
-        # gradient accumulation); a copy that touches those bytes waits for them first.
+        # Futures of CPU-side work that reads or writes a chunk's host bytes (optimizer updates);
+        # a copy that touches those bytes waits for them first. Gradient accumulation touches
+        # the host gradients and staging only (``staging_busy``, ``CpuOptimizer.grads_busy``):
+        # the next micro-batch's forward gathers the weights without waiting for it.
         self.host_busy: list[Future | None] = [None] * len(self.chunks)
         self.staging_busy: list[Future | None] = [None] * len(self.chunks)
         # Weak references to host-byte aliases handed out (state dicts), per chunk index.

@@ -31,6 +31,13 @@ from autooffload.runtime.persistent_update import step_params
 if TYPE_CHECKING:
     from autooffload.runtime.distributed import Reduction
 
+# Gradient accumulation adds a micro-batch's staged gradients (the model's dtype) onto fp32
+# host gradients. torch adds mixed dtypes by casting the whole staged tensor into a new fp32
+# temporary first: for a 64M-element tensor that is a fresh allocation, page faults included,
+# per add (16 cores: 2.1 Gparam/s, against 10 for fp32 + fp32). Views of ACCUMULATE_BLOCK
+# elements keep each temporary small and reused by the allocator (devtools/host_accumulate_rate.py).
+ACCUMULATE_BLOCK = 1 << 20
+
 # torch.optim classes that run on CPU tensors; the fused CPU kernels are the fast path.
 CPU_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam")
 FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")
@@ -117,6 +124,15 @@ class CpuOptimizer(HostGradNorms):
         # Per param id, views made once: the pinned gradient staging, and the host store's
         # compute copy where the update writes a master back (none for a master that is it).
         self.staged_views: dict[int, torch.Tensor] = {}
+        # Per param id: (host gradient, staging) split in ACCUMULATE_BLOCK views for the adds
+        # of mixed dtypes, made once per host gradient buffer.
+        self.add_views: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
+        # Per chunk: the worker's last task that reads or writes its host gradients (an
+        # accumulation, an update), which a GPU update of them waits for; the worker runs its
+        # tasks in order, so it also covers every earlier task on the chunk. Unlike
+        # ``manager.host_busy`` (work on the chunk's weights or state), an accumulation does
+        # not hold back the next forward's gather of the weights.
+        self.grads_busy: dict[int, Future] = {}
         self.copy_back: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         # Chunks whose host gradients are their pinned staging itself (main thread's view): the
         # first backward after zero_grad needs no copy out of staging when the dtypes agree
@@ -138,6 +154,10 @@ class CpuOptimizer(HostGradNorms):
         self.clip_coef = 1.0
         self.busy_s = 0.0
         self.update_s = 0.0
+        # Gradient accumulation's adds (a micro-batch's gradients onto the earlier ones'):
+        # seconds and elements, for the cost model's ``cpu_accumulate_params_per_s``.
+        self.add_s = 0.0
+        self.added_params = 0
         # Seconds inside the twins' step() alone: against busy_s, what the kernels take and
         # what the rest (gradient copies, Python, waits for the GIL between ops) adds.
         self.kernel_s = 0.0
@@ -216,7 +236,7 @@ class CpuOptimizer(HostGradNorms):
             self.aliased.add(chunk.index)
         future = self.worker.submit(self._accumulate, chunk, slots, event, alias, presence)
         self.manager.staging_busy[chunk.index] = future
-        self.manager.host_busy[chunk.index] = future
+        self.grads_busy[chunk.index] = future
         if self.update_in_backward:
             self._update_now(chunk)
 
@@ -463,6 +483,7 @@ class CpuOptimizer(HostGradNorms):
         fresh_masters: list[torch.Tensor] = []
         fresh: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         added: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        added_slots: list[ParamSlot] = []
         for slot in slots:
             master = self.masters[id(slot.param)]
             staged = self._staged(slot, chunk)
@@ -475,6 +496,7 @@ class CpuOptimizer(HostGradNorms):
             else:
                 added[0].append(master.grad)
                 added[1].append(staged)
+                added_slots.append(slot)
         # One op per list, not per param: each op returns to Python and needs the GIL back,
         # which the main thread (a launch-bound forward, a checkpointed block's recompute)
         # may hold for a whole switch interval (5 ms) each time.
@@ -483,8 +505,38 @@ class CpuOptimizer(HostGradNorms):
             for master, buffer in zip(fresh_masters, fresh[0], strict=True):
                 master.grad = buffer
         if added[0]:
-            torch._foreach_add_(*added)
+            add_start = time.perf_counter()
+            torch._foreach_add_(*self._add_lists(added_slots, *added))
+            self.add_s += time.perf_counter() - add_start
+            self.added_params += sum(slot.numel for slot in added_slots)
         self.busy_s += time.perf_counter() - start
+
+    def _add_lists(
+        self, slots: list[ParamSlot], grads: list[torch.Tensor], staged: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The operands of one ``_foreach_add_(grads, staged)`` (of ``slots``' params): a pair
+        of mixed dtypes as ACCUMULATE_BLOCK views (made once per gradient buffer), the others
+        as they are."""
+        left: list[torch.Tensor] = []
+        right: list[torch.Tensor] = []
+        for slot, grad, stage in zip(slots, grads, staged, strict=True):
+            if grad.dtype == stage.dtype or slot.numel <= ACCUMULATE_BLOCK:
+                left.append(grad)
+                right.append(stage)
+                continue
+            key = id(slot.param)
+            cached = self.add_views.get(key)
+            if cached is None or cached[0] is not grad:
+                flat_grad, flat_stage = grad.view(-1), stage.view(-1)
+                cached = (
+                    grad,
+                    list(flat_grad.split(ACCUMULATE_BLOCK)),
+                    list(flat_stage.split(ACCUMULATE_BLOCK)),
+                )
+                self.add_views[key] = cached
+            left.extend(cached[1])
+            right.extend(cached[2])
+        return left, right
 
     def _staged(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
         """``slot``'s pinned gradient staging (a view made once: each view is ops too)."""
@@ -503,7 +555,7 @@ class CpuOptimizer(HostGradNorms):
         chunk = self.manager.chunks[index]
         future = self.worker.submit(self._unalias, chunk)
         self.manager.staging_busy[index] = future
-        self.manager.host_busy[index] = future
+        self.grads_busy[index] = future
 
     def _unalias(self, chunk: Chunk) -> None:
         start = time.perf_counter()
@@ -536,10 +588,11 @@ class CpuOptimizer(HostGradNorms):
         if index in self.aliased:
             self.manager.staging_busy[index] = future
 
-    def mark(self) -> tuple[float, int]:
-        """``(busy_s, updated_params)`` now: the start of a window ``calibration.worker_rate``
-        measures over (take it while the worker is idle)."""
-        return self.busy_s, self.updated_params
+    def mark(self) -> tuple[float, int, float, int]:
+        """``(busy_s, updated_params, add_s, added_params)`` now: the start of a window
+        ``calibration.worker_rate`` and ``accumulate_rate`` measure over (take it while the
+        worker is idle)."""
+        return self.busy_s, self.updated_params, self.add_s, self.added_params
 
     def wait(self) -> None:
         """Block until every queued accumulation and update is done."""
@@ -677,7 +730,7 @@ class CpuOptimizer(HostGradNorms):
             hyper = self._hyper(chunk, optimizer)
             if gpu_ok and chunk.index in self.gpu_chunks and chunk.index not in self.early:
                 self.manager.before_host_write(chunk.index)
-                on_gpu.append((chunk, twin, hyper, self.manager.host_busy[chunk.index]))
+                on_gpu.append((chunk, twin, hyper, self.grads_busy.get(chunk.index)))
                 continue
             # Only a chunk's one owner updates it early, and it has the chunk's only twin.
             early = self.early.pop(chunk.index, None)
@@ -741,6 +794,7 @@ class CpuOptimizer(HostGradNorms):
         self.manager.before_host_write(chunk.index)
         future = self.worker.submit(self._update, chunk, twin, hyper, clip_coef)
         self.manager.host_busy[chunk.index] = future
+        self.grads_busy[chunk.index] = future
         self._hold_staging(chunk.index, future)
 
     def _update(
@@ -808,8 +862,10 @@ class CpuOptimizer(HostGradNorms):
                     states[id(slot.param)] = dict(twin.state[master])
         self.aliased.discard(chunk.index)
         self.copy_back.pop(chunk.index, None)
+        self.grads_busy.pop(chunk.index, None)
         for slot in chunk.slots:
             self.staged_views.pop(id(slot.param), None)
+            self.add_views.pop(id(slot.param), None)
             self.offloaded_ids.discard(id(slot.param))
             self.masters.pop(id(slot.param), None)
             self.grad_buffers.pop(id(slot.param), None)
@@ -871,8 +927,9 @@ class CpuOptimizer(HostGradNorms):
         self.manager.on_grads_averaging = None
         self.manager.before_staging_write = None
         tables = (self.masters, self.grad_buffers, self.twins, self.twin_group_index)
-        for table in (*tables, self.staged_views, self.copy_back):
+        for table in (*tables, self.staged_views, self.add_views, self.copy_back):
             table.clear()
+        self.grads_busy.clear()
         self.early.clear()
         self.persistent_early.clear()
         self.aliased.clear()

@@ -251,9 +251,11 @@ def search_request(
     cpu_optim_rate: float | None = None,
     budget: int | None = None,
     pinned: dict[str, int] | None = None,
+    accumulate_rate: float | None = None,
 ) -> SearchRequest:
     """What to search for the measured ``profile``: hardware, budget and the fixed knobs (the
     user's, the activation mode's, and ``pinned`` unless the user fixed them).
+    ``accumulate_rate``: gradient elements the CPU worker added per second (accumulation).
 
     ``budget``: bytes to plan for instead of the settings' (the OOM retry's smaller one);
     ``pinned``: knobs held at these values unless the user fixed them."""
@@ -281,6 +283,8 @@ def search_request(
             hw.cpu_optim_params_per_s / 1e9,
         )
         hw = replace(hw, cpu_optim_params_per_s=cpu_optim_rate)
+    if accumulate_rate is not None:
+        hw = replace(hw, cpu_accumulate_params_per_s=accumulate_rate)
     sharding = runtime.manager.sharding
     if sharding is not None:
         # The measured rate is this rank's, over its own share of the params.
@@ -362,7 +366,7 @@ def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> Mo
     runtime.backward_update.decide()
     profile = profiler.build(
         optim_bytes_per_param=optim_state_bytes(optimizer, runtime.weight_dtype()),
-        grad_accumulation=runtime._backwards_this_step > 1,
+        micro_batches=runtime._backwards_this_step,
         optim_step_bytes=optim_step_bytes(optimizer, runtime.weight_dtype(), runtime.device),
     )
     return replace(
@@ -427,11 +431,16 @@ def _gpu_path_mode(
 
 
 def switch_to_searched_plan(
-    runtime: Runtime, profile: ModelProfile, cpu_rate: float | None
+    runtime: Runtime,
+    profile: ModelProfile,
+    cpu_rate: float | None,
+    accumulate_rate: float | None = None,
 ) -> None:
     """Profiling step done: search the plan for the measured profile (rank 0's under data
-    parallelism), switch to it, log it once (print it and exit under ``--print-plan``)."""
-    request = search_request(runtime, profile, cpu_rate)
+    parallelism), switch to it, log it once (print it and exit under ``--print-plan``).
+    ``cpu_rate`` and ``accumulate_rate``: the CPU worker's update and gradient-add rates in
+    the profiling step (``calibration.worker_rate``, ``accumulate_rate``), None if unmeasured."""
+    request = search_request(runtime, profile, cpu_rate, accumulate_rate=accumulate_rate)
     # A profile taken again later (an OOM retry of a longer batch) keeps the persistent chunks:
     # their optimizer state lives in the user's optimizer.
     floor = len(runtime.manager.persistent) if runtime.plan.source == REPROFILE_SOURCE else 0

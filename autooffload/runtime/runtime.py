@@ -24,7 +24,12 @@ from autooffload.runtime.activations import (
 from autooffload.runtime.adapters import adapter_params
 from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import Group, discover_groups
-from autooffload.runtime.calibration import StepTimer, check_planned_steps, worker_rate
+from autooffload.runtime.calibration import (
+    StepTimer,
+    accumulate_rate,
+    check_planned_steps,
+    worker_rate,
+)
 from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.distributed import DataParallel, attach_data_parallel, local_world_size
 from autooffload.runtime.hooks import GroupHooks
@@ -158,7 +163,7 @@ class Runtime(GroupHooks):
         self.profiling_peak_bytes: int | None = None
         # The CPU worker's (busy_s, updated_params) when it was last known idle: the start of
         # the window its rate is measured over (``calibration.worker_rate``).
-        self.cpu_mark: tuple[float, int] = (0.0, 0)
+        self.cpu_mark: tuple[float, int, float, int] = (0.0, 0, 0.0, 0)
         # The chunk copies' counters at the same mark (``calibration.copy_mark``; None before
         # the first planned steps): their measured rates raise a probe that read the link low.
         self.copy_mark: tuple[float, float, float, float] | None = None
@@ -167,7 +172,7 @@ class Runtime(GroupHooks):
         self.swapper: ActivationSwapper | None = None
         self.hf_checkpointing_taken = False
         self.profiler: StepProfiler | None = None
-        self._pending_profile: tuple[ModelProfile, float | None] | None = None
+        self._pending_profile: tuple[ModelProfile, float | None, float | None] | None = None
         # The search behind the profiled plan (``candidates()`` lists its feasible set).
         self.search_request: SearchRequest | None = None
         self._setup_activations()
@@ -337,7 +342,7 @@ class Runtime(GroupHooks):
         self.backward_update.observe(optimizer, self._backwards_this_step)
         self.cpu_optim.settle_persistent(optimizer)
         profile = profile_after_step(self, optimizer)
-        measured_rate = None
+        measured_rate = accumulate = None
         if apply_update and any(o is optimizer for o in self.cpu_optim.optimizers):
             self.cpu_optim.step(optimizer)
             if profile is not None:
@@ -346,6 +351,7 @@ class Runtime(GroupHooks):
                 # ``cpu_mark``): micro-benchmarks of the optimizer alone overstate it.
                 self.cpu_optim.wait()
                 measured_rate = worker_rate(self.cpu_mark, self.cpu_optim)
+                accumulate = accumulate_rate(self.cpu_mark, self.cpu_optim)
             elif isinstance(self.profiler, StepProfiler):
                 # The next step is the measured one: its blocks must not be timed while this
                 # update competes for the host (launch-bound timings doubled the predicted
@@ -360,7 +366,7 @@ class Runtime(GroupHooks):
         self.manager.fold_copy_times()
         if profile is not None:
             # Switched at the next forward: other optimizers of this model step after this one.
-            self._pending_profile = (profile, measured_rate)
+            self._pending_profile = (profile, measured_rate, accumulate)
         if self.step_timer is not None:
             self.step_timer.mark(self._backwards_this_step)
         self._backwards_this_step = 0
@@ -368,8 +374,10 @@ class Runtime(GroupHooks):
             check_planned_steps(self)
         self.backward_update.end_step(self.oom.input_numel if self.oom is not None else 0)
 
-    def _switch_to_searched_plan(self, profile: ModelProfile, cpu_rate: float | None) -> None:
-        switch_to_searched_plan(self, profile, cpu_rate)
+    def _switch_to_searched_plan(
+        self, profile: ModelProfile, cpu_rate: float | None, accumulate: float | None = None
+    ) -> None:
+        switch_to_searched_plan(self, profile, cpu_rate, accumulate)
 
     @property
     def plan_settled(self) -> bool:

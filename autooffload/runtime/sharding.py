@@ -101,7 +101,8 @@ class Sharding:
 
     def effective_hardware(self, hw: HardwareProfile) -> HardwareProfile:
         """The machine as one rank's cost model sees it under sharding. Per rank, the CPU
-        update and the gradient D2H copies cover 1/N of the offloaded trainable params
+        update, the gradient adds of accumulation and the gradient D2H copies cover 1/N of the
+        offloaded trainable params
         (rates x N); a gather is 1/N of an H2D copy (the owner's) followed by a broadcast:
         1 / B_gather = 1 / (N B_h2d) + 1 / B_broadcast  (s/byte), for frozen chunks too."""
         n = self.world_size
@@ -109,6 +110,7 @@ class Sharding:
         return replace(
             hw,
             cpu_optim_params_per_s=hw.cpu_optim_params_per_s * n,
+            cpu_accumulate_params_per_s=hw.cpu_accumulate_params_per_s * n,
             d2h_bps=hw.d2h_bps * n,
             h2d_bps=gather_bps,
             duplex_bps=1.0 / (1.0 / (n * hw.duplex_bps) + 1.0 / self.broadcast_bps),

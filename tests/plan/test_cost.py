@@ -524,3 +524,61 @@ def test_a_slow_all_reduce_of_persistent_gradients_lengthens_the_predicted_backw
     assert step == pytest.approx(alone + breakdown["collective_stall_s"], rel=1e-9)
     fewer = predict_step_time(profile, slow, replace(knobs, n_persist=1))[1]
     assert fewer["collective_stall_s"] < breakdown["collective_stall_s"]
+
+
+# ---- gradient accumulation -------------------------------------------------------------------
+
+
+def _accumulating(micro: int, **hw_changes) -> tuple[ModelProfile, object, Knobs]:
+    """A profile whose update at step() makes the next forward wait (a slow CPU), offloaded
+    chunks, at ``micro`` micro-batches per step."""
+    profile = replace(make_profile(n_blocks=6), micro_batches=micro, grad_accumulation=micro > 1)
+    hw = replace(make_hardware(cpu_optim_params_per_s=2e8), **hw_changes)
+    return profile, hw, _knobs(profile, n_persist=1)
+
+
+def test_a_step_of_micro_batches_adds_later_ones_without_the_updates_wait():
+    one, hw, knobs = _accumulating(1)
+    step_1, parts_1, _ = predict_step_time(one, hw, knobs)
+    assert parts_1["cpu_optim_stall_s"] > 0, "the update must make the forward wait here"
+    four = replace(one, micro_batches=4, grad_accumulation=True)
+    step_4, parts_4, _ = predict_step_time(four, hw, knobs)
+    later = parts_4["later_micro_s"]
+    assert step_4 == pytest.approx(step_1 + 3 * later)
+    # A later micro-batch runs the same windows without waiting for the update (nor for the
+    # persistent chunks' step, which may cover the first gathers); the step's other work
+    # (``other_s``) comes once.
+    unwaited = step_1 - parts_1["cpu_optim_stall_s"] - one.other_s
+    assert unwaited - parts_1["gpu_optim_s"] - 1e-12 <= later <= unwaited + 1e-12
+    assert parts_4["tokens_per_s"] == pytest.approx(4 * one.batch_tokens / step_4)
+    assert parts_4["micro_batches"] == 4
+    # Every micro-batch gathers and sends its gradients out again.
+    assert parts_4["h2d_bytes"] == pytest.approx(4 * parts_1["h2d_bytes"])
+    assert parts_4["d2h_bytes"] == pytest.approx(4 * parts_1["d2h_bytes"])
+
+
+def test_slow_gradient_adds_pace_the_later_micro_batches_and_delay_the_update():
+    fast, hw, knobs = _accumulating(3, cpu_optim_params_per_s=5e9)
+    base, parts, _ = predict_step_time(fast, hw, knobs)
+    assert parts["accumulate_lag_s"] == 0 and parts["cpu_accumulate_stall_s"] == 0
+    numel = float(chunk_tables(fast).offload_numel[knobs.n_persist])
+    adds_s = 4 * parts["later_micro_s"]  # the adds take 4x a later micro-batch's GPU time
+    slow = replace(hw, cpu_accumulate_params_per_s=numel / adds_s)
+    step, slow_parts, bottleneck = predict_step_time(fast, slow, knobs)
+    assert slow_parts["later_micro_s"] == pytest.approx(adds_s)
+    assert slow_parts["cpu_accumulate_stall_s"] == pytest.approx(2 * (adds_s - adds_s / 4))
+    # The last micro-batch's adds outlast its backward: the update starts that much later.
+    assert slow_parts["accumulate_lag_s"] > 0
+    assert step > base + 2 * (adds_s - parts["later_micro_s"])
+    assert bottleneck == "cpu_accumulate"
+
+
+def test_later_micro_batches_skip_the_all_reduce_of_persistent_gradients():
+    """``no_sync``: only the last micro-batch's backward averages persistent gradients."""
+    profile, hw, knobs = _accumulating(2)
+    knobs = _knobs(profile, n_persist=4)
+    plain = predict_step_time(profile, hw, knobs)[1]
+    slow = predict_step_time(profile, replace(hw, allreduce_bps=1e8), knobs)[1]
+    assert slow["collective_stall_s"] > 0
+    assert slow["later_micro_s"] == pytest.approx(plain["later_micro_s"])
+    assert slow["step_s"] == pytest.approx(plain["step_s"] + slow["collective_stall_s"])

@@ -71,9 +71,13 @@ def _profiles(seed, **kwargs):
     gpu_update = kwargs.pop("gpu_update", 0)
     gpu_in_backward = kwargs.pop("gpu_update_in_backward", 0)
     at_step = kwargs.pop("persistent_at_step", False)
+    micro = kwargs.pop("micro_batches", 1)
+    accumulation = kwargs.pop("grad_accumulation", False)
     profile = make_profile(seed=seed, **{**SMALL, **kwargs})
     profile = dataclasses.replace(
         profile,
+        micro_batches=micro,
+        grad_accumulation=accumulation,
         update_in_backward=in_backward,
         optim_step_bytes_per_param=step_bytes,
         gpu_update=gpu_update,
@@ -152,6 +156,10 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         {"update_in_backward": True, "persistent_at_step": True, "tied": True},
         {"allreduce_bps": 3e8},
         {"allreduce_bps": 3e8, "update_in_backward": True, "persistent_at_step": True},
+        {"micro_batches": 4, "grad_accumulation": True},
+        {"micro_batches": 3, "grad_accumulation": True, "accumulate": 4e8},
+        {"micro_batches": 3, "grad_accumulation": True, "accumulate": 4e9, "gpu_update": -1},
+        {"micro_batches": 2, "grad_accumulation": True, "accumulate": 1e9, "allreduce_bps": 3e8},
     ],
     ids=[
         "tied",
@@ -166,14 +174,19 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         "persistent-at-step",
         "allreduce",
         "allreduce-update-in-backward",
+        "accumulation-unmeasured-adds",
+        "accumulation-slow-adds",
+        "accumulation-gpu-update",
+        "accumulation-allreduce",
     ],
 )
 def test_vectorised_rows_equal_the_scalar_model(kwargs):
     kwargs = dict(kwargs)
     # Data parallelism's all-reduce of persistent gradients (slow enough to show past the tail).
     allreduce = kwargs.pop("allreduce_bps", math.inf)
+    accumulate = kwargs.pop("accumulate", math.inf)
     hw = make_hardware(h2d_bps=8e9, d2h_bps=10e9, duplex_bps=14e9, cpu_optim_params_per_s=2e9)
-    hw = replace(hw, allreduce_bps=allreduce)
+    hw = replace(hw, allreduce_bps=allreduce, cpu_accumulate_params_per_s=accumulate)
     profiles = _profiles(7, **kwargs)
     profile = profiles[SMALL["chunk_size"]]
     found = search_all(profiles, hw, None)

@@ -207,8 +207,8 @@ def test_the_runtime_checks_the_peak_two_steps_after_the_switch(
     monkeypatch.setattr(
         calibration,
         "calibrate_after_steps",
-        lambda r, peak, rate, step_s, drift, measured_copy_bps: seen.append(
-            (r, peak, rate, step_s)
+        lambda r, peak, rate, step_s, drift, measured_copy_bps, measured_accumulate_rate: (
+            seen.append((r, peak, rate, step_s))
         ),
     )
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 123)
@@ -246,6 +246,20 @@ def test_the_step_timer_times_one_plan_of_one_backward_per_step(monkeypatch):
     assert timer.median_step_s(object()) is None, "another plan (an OOM retry's) was timed"
     timer.mark(backwards=2)
     assert timer.median_step_s(plan) is None, "a step of two micro-batches counted as one"
+
+
+def test_the_step_timer_times_steps_of_the_profiled_micro_batches(monkeypatch):
+    """A plan profiled on steps of 3 micro-batches is timed on such steps (the cost model
+    predicts all three); a step of another count (an epoch's short last one) voids it."""
+    clock = iter([1.0, 2.0, 3.5, 4.5, 5.0])
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: next(clock))
+    plan = object()
+    timer = StepTimer(plan, cuda=False, micro_batches=3)
+    for _ in range(4):
+        timer.mark(backwards=3)
+    assert timer.median_step_s(plan) == pytest.approx(1.0)
+    timer.mark(backwards=1)
+    assert timer.median_step_s(plan) is None
 
 
 def test_a_slower_step_than_predicted_scales_the_compute(
@@ -413,23 +427,29 @@ def test_under_data_parallelism_the_slowest_ranks_step_is_judged(
     monkeypatch.setattr(
         calibration,
         "_calibration",
-        lambda r, p, rate, step, drift, copies: judged.append((p, rate, step, copies)),
+        lambda r, p, rate, step, drift, copies, adds: judged.append((p, rate, step, copies, adds)),
     )
     mine = (40e9, 50e9)
-    other = (peak + 5, PLANNED_RATE / 2, 0.3, (45e9, 30e9))
+    other = (peak + 5, PLANNED_RATE / 2, 0.3, (45e9, 30e9), 3e9)
     monkeypatch.setattr(runtime, "data_parallel", _TwoRanks(other))
-    calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2, measured_copy_bps=mine)
-    # The largest peak, the slowest CPU update, step and copies (each way) of any rank.
-    assert judged[-1] == (peak + 5, PLANNED_RATE / 2, 0.3, (40e9, 30e9)), "not the worst"
-    # A rank without a step measurement (a step of several backwards there), or without a
-    # copy rate one way (too few bytes moved): none is judged.
-    other = (peak, PLANNED_RATE, None, (45e9, None))
+    calibrate_after_steps(
+        runtime, peak, PLANNED_RATE, 0.2, measured_copy_bps=mine, measured_accumulate_rate=5e9
+    )
+    # The largest peak, the slowest CPU update, step, copies (each way) and gradient adds of
+    # any rank.
+    assert judged[-1] == (peak + 5, PLANNED_RATE / 2, 0.3, (40e9, 30e9), 3e9), "not the worst"
+    # A rank without a step measurement (a step of another count of backwards there), or
+    # without a copy rate one way (too few bytes moved): none is judged. A rank that added no
+    # gradients leaves the other's rate.
+    other = (peak, PLANNED_RATE, None, (45e9, None), None)
     monkeypatch.setattr(runtime, "data_parallel", _TwoRanks(other))
+    calibrate_after_steps(
+        runtime, peak, PLANNED_RATE, 0.2, measured_copy_bps=mine, measured_accumulate_rate=5e9
+    )
+    assert judged[-1] == (peak, PLANNED_RATE, None, (40e9, None), 5e9)
+    monkeypatch.setattr(runtime, "data_parallel", _TwoRanks((peak, PLANNED_RATE, None, None, None)))
     calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2, measured_copy_bps=mine)
-    assert judged[-1] == (peak, PLANNED_RATE, None, (40e9, None))
-    monkeypatch.setattr(runtime, "data_parallel", _TwoRanks((peak, PLANNED_RATE, None, None)))
-    calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2, measured_copy_bps=mine)
-    assert judged[-1][3] is None
+    assert judged[-1][3] is None and judged[-1][4] is None
 
 
 def test_a_switch_is_checked_again_and_a_kept_plan_settles_into_drift_checks(
@@ -445,7 +465,7 @@ def test_a_switch_is_checked_again_and_a_kept_plan_settles_into_drift_checks(
     outcomes = iter([switched, None, switched, switched, switched, None])
     calls: list[tuple[int, bool]] = []
 
-    def scripted(r, peak, rate, step_s, drift, measured_copy_bps=None):
+    def scripted(r, peak, rate, step_s, drift, measured_copy_bps=None, **_):
         calls.append((r.steps_taken - start, drift))
         return next(outcomes)
 
