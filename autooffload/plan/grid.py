@@ -200,14 +200,17 @@ def search_layout(
             exposed = persistent_allreduce_exposed(done_bytes, base + bwd_exposed, hw.allreduce_bps)
             t_bwd = t_bwd + np.maximum(exposed - tail_d2h[:, None], 0.0)
         extra_before = np.concatenate([np.zeros((*extra.shape[:2], 1)), extra.cumsum(-1)], -1)
+        ckpt_end = n_swap + 1 + checkpoints
+        if in_backward or accumulating:
+            # The backward's wall time before each unit (``_backward_left``): the update in
+            # the backward and the adds of accumulation both finish against it.
+            windows_before = np.concatenate(
+                [np.zeros((*base.shape[:2], 1)), (base + bwd_exposed).cumsum(-1)], -1
+            )
         recompute = extra_before[..., n_swap + 1 + checkpoints] - extra_before[..., [n_swap + 1]]
         if in_backward:
             # ``cost.backward_update_done`` for every (K, P, D): H(c) is the backward's windows
             # before chunk c's first unit, with the recompute of the checkpointed ones.
-            windows_before = np.concatenate(
-                [np.zeros((*base.shape[:2], 1)), (base + bwd_exposed).cumsum(-1)], -1
-            )
-            ckpt_end = n_swap + 1 + checkpoints
             # + the persistent chunks' steps in the backward, after every offloaded chunk's
             # gradients arrived.
             left = [
@@ -229,10 +232,7 @@ def search_layout(
             later_micro = later_gpu[None] + recompute
             if accumulating:
                 later_micro = np.maximum(later_micro, adds_s[None, :, None])
-                windows_before = np.concatenate(
-                    [np.zeros((*base.shape[:2], 1)), (base + bwd_exposed).cumsum(-1)], -1
-                )
-                ckpt_end = n_swap + 1 + checkpoints
+            if accumulating and not in_backward:
                 left = [
                     _backward_left(windows_before, extra_before, unit, n_swap + 1, ckpt_end)
                     for unit in (all_first, lowest_first)
@@ -242,8 +242,7 @@ def search_layout(
                     0.0,
                 )
                 lag = np.where((adds_s > 0)[None, :, None], lag, 0.0)
-                if not in_backward:
-                    t_fwd = np.maximum(t_fwd, waits[None] + lag)
+                t_fwd = np.maximum(t_fwd, waits[None] + lag)
         step = t_fwd + t_bwd[None] + recompute + profile.other_s + (micro - 1) * later_micro
 
         # Peak memory, shape (K, P, D), for every n_checkpoint at once without a K x P x D x U
