@@ -117,33 +117,27 @@ def search_layout(
     ready = np.where(waiting, cpu_done + tables.fwd_gather_bytes[persist] / h2d, -np.inf)[
         :, None, :
     ]
+    first_unit, _ = chunk_spans(profile)
+    n_chunks = profile.n_chunks
+    # The first unit of the last chunk, whose gradients arrive first in the backward.
+    last_first = np.full(persist.size, int(first_unit[n_chunks - 1]))
     if in_backward:
         rate = hw.cpu_optim_params_per_s
-        first_unit, _ = chunk_spans(profile)
         assert bsplit is not None
         # Per n_persist p (p = n_chunks included: nothing offloaded, no update to wait for).
         offload_s = bsplit.cpu_numel / rate
         own_s = bsplit.lowest_numel / rate
-        last_first = int(first_unit[profile.n_chunks - 1])
         own_first = bsplit.lowest_first
-        has_update = bsplit.cpu_numel > 0
     micro = profile.micro_batches
     accumulate_rate = hw.cpu_accumulate_params_per_s
     accumulating = micro > 1 and bool(np.isfinite(accumulate_rate))
     if accumulating:
         # ``cost.accumulation_terms``: one micro-batch's adds, and the chunks whose adds the
         # update at step() waits for (all offloaded ones; the lowest, first needed, last).
-        first_unit, _ = chunk_spans(profile)
-        n_chunks = profile.n_chunks
         adds_s = tables.offload_numel[persist] / accumulate_rate
-        lowest = np.minimum(persist, n_chunks - 1)
-        lowest_s = np.where(
-            persist < n_chunks,
-            np.array([c.trainable_numel for c in profile.chunks])[lowest] / accumulate_rate,
-            0.0,
-        )
-        lowest_first = first_unit[lowest]
-        all_first = np.full(persist.size, int(first_unit[n_chunks - 1]))
+        after_lowest = tables.offload_numel[np.minimum(persist + 1, n_chunks)]
+        lowest_s = (tables.offload_numel[persist] - after_lowest) / accumulate_rate
+        lowest_first = first_unit[np.minimum(persist, n_chunks - 1)]
     tail = out_bytes[:, 0] / d2h
     tail_d2h = tail
     allreduce = np.isfinite(hw.allreduce_bps) and tables.persist_grad_done[persist].any()
@@ -213,16 +207,13 @@ def search_layout(
             # before chunk c's first unit, with the recompute of the checkpointed ones.
             # + the persistent chunks' steps in the backward, after every offloaded chunk's
             # gradients arrived.
-            left = [
-                _backward_left(windows_before, extra_before, unit, n_swap + 1, ckpt_end)
-                + gpu_optim_in_bwd[None, :, None]
-                for unit in (np.full(persist.size, last_first), own_first)
-            ]
-            done = np.maximum(
-                np.maximum(offload_s[None, :, None] - left[0], own_s[None, :, None] - left[1]),
-                0.0,
+            done = _backward_done(
+                windows_before,
+                extra_before,
+                (n_swap + 1, ckpt_end),
+                ((last_first, offload_s), (own_first, own_s)),
+                gpu_optim_in_bwd[None, :, None],
             )
-            done = np.where(has_update[None, :, None], done, 0.0)
             t_fwd = np.maximum(t_fwd[None], done + waits[None])
         else:
             t_fwd = t_fwd[None]
@@ -233,15 +224,12 @@ def search_layout(
             if accumulating:
                 later_micro = np.maximum(later_micro, adds_s[None, :, None])
             if accumulating and not in_backward:
-                left = [
-                    _backward_left(windows_before, extra_before, unit, n_swap + 1, ckpt_end)
-                    for unit in (all_first, lowest_first)
-                ]
-                lag = np.maximum(
-                    np.maximum(adds_s[None, :, None] - left[0], lowest_s[None, :, None] - left[1]),
-                    0.0,
+                lag = _backward_done(
+                    windows_before,
+                    extra_before,
+                    (n_swap + 1, ckpt_end),
+                    ((last_first, adds_s), (lowest_first, lowest_s)),
                 )
-                lag = np.where((adds_s > 0)[None, :, None], lag, 0.0)
                 t_fwd = np.maximum(t_fwd, waits[None] + lag)
         step = t_fwd + t_bwd[None] + recompute + profile.other_s + (micro - 1) * later_micro
 
@@ -290,6 +278,28 @@ def search_layout(
                 )
             )
     return best
+
+
+def _backward_done(
+    windows_before: np.ndarray,
+    extra_before: np.ndarray,
+    checkpointed: tuple[int, np.ndarray],
+    work: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+    after_s: np.ndarray | float = 0.0,
+) -> np.ndarray:
+    """``cost.backward_update_done`` for every (K, P, D): when CPU work queued in the
+    backward's arrival order is done, after the backward ends. ``work`` is (first unit, seconds)
+    of all of it and of its last piece (per P, the lowest chunk's); with H(u) =
+    ``_backward_left`` + ``after_s`` (what runs after the backward's windows),
+        done = max(all_s - H(all_first), last_s - H(last_first), 0),  0 where all_s is 0.
+    ``checkpointed``: (first, end per K) of the checkpointed units."""
+    ckpt_start, ckpt_end = checkpointed
+    done = np.zeros(())
+    for unit, seconds in work:
+        left = _backward_left(windows_before, extra_before, unit, ckpt_start, ckpt_end) + after_s
+        done = np.maximum(done, seconds[None, :, None] - left)
+    all_s = work[0][1]
+    return np.where((all_s > 0)[None, :, None], done, 0.0)
 
 
 def _backward_left(
