@@ -113,17 +113,19 @@ def check_planned_steps(runtime: Runtime) -> Plan | None:
     drift = runtime.calibration_settled
     runtime.cpu_optim.wait()  # this step's update belongs to the measured window
     # Rates over this rank's own chunks; under sharded state the cost model's are per model.
-    shards = runtime.manager.sharding.world_size if runtime.manager.sharding is not None else 1
-    cpu_rate = worker_rate(runtime.cpu_mark, runtime.cpu_optim)
-    adds = accumulate_rate(runtime.cpu_mark, runtime.cpu_optim)
+    sharding = runtime.manager.sharding
+
+    def per_model(rate: float | None) -> float | None:
+        return sharding.model_rate(rate) if sharding is not None and rate else rate
+
     new_plan = calibrate_after_steps(
         runtime,
         measured_need(runtime),
-        cpu_rate * shards if cpu_rate else None,
+        per_model(worker_rate(runtime.cpu_mark, runtime.cpu_optim)),
         timer.median_step_s(runtime.plan) if timer is not None else None,
         drift=drift,
         measured_copy_bps=copy_rates(runtime.copy_mark, runtime),
-        measured_accumulate_rate=adds * shards if adds else None,
+        measured_accumulate_rate=per_model(accumulate_rate(runtime.cpu_mark, runtime.cpu_optim)),
     )
     if new_plan is not None:
         runtime.calibration_switches += 1

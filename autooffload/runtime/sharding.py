@@ -109,12 +109,17 @@ class Sharding:
         gather_bps = 1.0 / (1.0 / (n * hw.h2d_bps) + 1.0 / self.broadcast_bps)
         return replace(
             hw,
-            cpu_optim_params_per_s=hw.cpu_optim_params_per_s * n,
-            cpu_accumulate_params_per_s=hw.cpu_accumulate_params_per_s * n,
-            d2h_bps=hw.d2h_bps * n,
+            cpu_optim_params_per_s=self.model_rate(hw.cpu_optim_params_per_s),
+            cpu_accumulate_params_per_s=self.model_rate(hw.cpu_accumulate_params_per_s),
+            d2h_bps=self.model_rate(hw.d2h_bps),
             h2d_bps=gather_bps,
             duplex_bps=1.0 / (1.0 / (n * hw.duplex_bps) + 1.0 / self.broadcast_bps),
         )
+
+    def model_rate(self, rank_rate: float) -> float:
+        """A rate over this rank's 1/N of the offloaded params (its CPU update, adds and
+        gradient copies) as the cost model, which charges the whole model, takes it."""
+        return rank_rate * self.world_size
 
     def check_in_step(self, phase: int, persistent: set[int]) -> None:
         """Where the plan gathers sharded chunks, every rank starts ``phase`` (a forward with or

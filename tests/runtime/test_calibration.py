@@ -232,6 +232,40 @@ def test_the_runtime_checks_the_peak_two_steps_after_the_switch(
     assert runtime.step_timer is not None and len(runtime.step_timer.marks) == 1
 
 
+def test_under_sharded_state_the_ranks_rates_are_judged_per_model(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    """A rank updates and adds only its 1/N of the offloaded params; the plan's rates are per
+    model (``Sharding.effective_hardware``: x N), so the measured ones are scaled alike before
+    they are compared (unscaled, every check read the CPU N times slower than planned)."""
+    seen = []
+    monkeypatch.setattr(
+        calibration,
+        "calibrate_after_steps",
+        lambda r, peak, rate, step_s, drift, measured_copy_bps, measured_accumulate_rate: (
+            seen.append((rate, measured_accumulate_rate))
+        ),
+    )
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    monkeypatch.setattr(calibration, "accumulate_rate", lambda mark, optimizer: 3e9)
+    calibration.check_planned_steps(runtime)
+    assert seen[-1] == (PLANNED_RATE, 3e9), "one process: the rates as measured"
+
+    class TwoShards:
+        def model_rate(self, rate: float) -> float:
+            return 2 * rate
+
+    manager = runtime.manager
+    manager.sharding, unsharded = TwoShards(), manager.sharding
+    try:
+        calibration.check_planned_steps(runtime)
+    finally:
+        manager.sharding = unsharded  # the detach at the test's end reads it
+    assert seen[-1] == (2 * PLANNED_RATE, 6e9)
+
+
 def test_the_step_timer_times_one_plan_of_one_backward_per_step(monkeypatch):
     clock = iter([10.0, 10.5, 10.7, 11.0, 11.9, 12.2])
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: next(clock))
