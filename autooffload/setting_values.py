@@ -18,6 +18,7 @@ KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
 # ``Settings.chunk_pool``: the CUDA stream whose allocator pool holds chunk storage
 # (runtime/manager.py).
 CHUNK_POOLS = ("compute", "copy")
+ACCUMULATE_ON = ("cpu", "gpu")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _AUTO = ("auto", "none")

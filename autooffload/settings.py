@@ -12,6 +12,7 @@ from typing import Any
 from autooffload.errors import SettingsError
 from autooffload.plan.types import CHECKPOINT_INPUTS
 from autooffload.setting_values import (
+    ACCUMULATE_ON,
     CHUNK_POOLS,
     check_roles,
     enum_of,
@@ -120,6 +121,16 @@ class Settings:
             leave the next forward no wait for the CPU, on a CUDA device; 0: every offloaded
             chunk on the CPU; n: the lowest n (on a CPU device too: tests). Moot when the
             update runs at ``step()``.
+        accumulate_on: Where gradient accumulation sums an offloaded chunk's gradients over
+            the micro-batches of a step. ``cpu``: each micro-batch's gradients come to pinned
+            memory and the CPU worker adds them onto the earlier ones' (the CPU then does one
+            pass per micro-batch beside the update). ``gpu``: the running sum goes back to the
+            GPU just before the chunk's gradients leave it, is added there and returns in their
+            place, so the CPU adds nothing (one more host-to-device copy of the gradients per
+            later micro-batch, and a 32 MiB scratch); one process, host gradients in the
+            model's dtype (no fp32 masters). ``None`` (``auto``, the default): the cost model
+            picks the faster per plan on a CUDA device, ``cpu`` elsewhere. The sums are the
+            same either way (one rounding per add in the gradients' dtype).
         cpu_threads: Threads of the CPU optimizer's updates; ``None`` (auto): one fewer than
             torch's intra-op threads on a GPU run, so the thread launching the GPU's kernels
             keeps a core (16 OpenMP threads on 16 cores stalled both: see docs/architecture.md).
@@ -253,6 +264,13 @@ class Settings:
         parse_count,
         "under the update in the backward, the lowest offloaded chunks updated on the GPU as"
         " their backward ends (Adam/AdamW); 0 = CPU only; auto = as the cost model finds",
+    )
+    accumulate_on: str | None = _knob(
+        None,
+        "AUTOOFFLOAD_ACCUMULATE_ON",
+        enum_of(ACCUMULATE_ON, optional=True),
+        "cpu or gpu: where gradient accumulation sums offloaded chunks' gradients; auto = the"
+        " cost model's choice on a CUDA device",
     )
     cpu_threads: int | None = _knob(
         None,

@@ -39,6 +39,20 @@ from autooffload.plan.update_split import (
 
 # Below this share of the step, stalls and recompute are noise and the step is compute-bound.
 BOTTLENECK_MIN_SHARE = 0.05
+# Gradient accumulation on the GPU: the running sum comes back through a scratch of this many
+# bytes (``runtime/manager.py``, piece by piece), on the device for the rest of the run.
+ACCUMULATE_SCRATCH_BYTES = 32 << 20
+
+
+def accumulates_on_gpu(profile: ModelProfile) -> bool:
+    """Whether the later micro-batches of gradient accumulation sum offloaded gradients on the
+    GPU (``ModelProfile.accumulate_on`` "gpu"; "auto" reads as "cpu" outside the search)."""
+    return profile.micro_batches > 1 and profile.accumulate_on == "gpu"
+
+
+def accumulate_scratch_bytes(profile: ModelProfile) -> int:
+    """Device bytes the GPU accumulation's scratch holds all step (0 without it)."""
+    return ACCUMULATE_SCRATCH_BYTES if accumulates_on_gpu(profile) else 0
 
 
 def assign_block_policies(
@@ -189,6 +203,7 @@ def peak_breakdown(
         tables.persist_bytes[p]
         + profile.optim_bytes_per_param * tables.persist_numel[p]
         + profile.static_bytes
+        + accumulate_scratch_bytes(profile)
     )
     if profile.grad_accumulation:
         static += int(tables.persist_grad_total[p])
@@ -322,6 +337,7 @@ def accumulation_terms(
     p: int,
     left_after: np.ndarray,
     gpu_micro_s: float,
+    gpu_sum_micro_s: float = 0.0,
 ) -> tuple[float, float, float]:
     """Gradient accumulation over ``M = profile.micro_batches`` micro-batches per step:
     ``(later_micro_s, lag_s, worker_s)``.
@@ -342,9 +358,18 @@ def accumulation_terms(
                + (M - 1) * later_micro_s
     ``worker_s`` is A. All zero with one micro-batch; A and lag_s zero at an unmeasured
     (infinite) rate. The first micro-batch's gradients are copied, not added: it runs as
-    without accumulation. (The update in the backward never runs with accumulation: no lag.)"""
+    without accumulation. (The update in the backward never runs with accumulation: no lag.)
+
+    Accumulating on the GPU (``accumulates_on_gpu``), the CPU adds nothing: each later backward
+    window copies the running sum of the gradients it sends out back in first (the same bytes
+    as those gradients, host to device, on the copy engine the gathers use), and the last
+    chunk's sum comes in and goes out after the backward's end. ``gpu_sum_micro_s`` is that
+    micro-batch's GPU time, and
+        later_micro_s = gpu_sum_micro_s,  lag_s = 0,  worker_s = 0."""
     if profile.micro_batches <= 1:
         return 0.0, 0.0, 0.0
+    if accumulates_on_gpu(profile):
+        return gpu_sum_micro_s, 0.0, 0.0
     worker_s = float(tables.offload_numel[p]) / rate if math.isfinite(rate) else 0.0
     lag = 0.0
     if worker_s and not profile.update_in_backward:
@@ -454,6 +479,7 @@ def step_windows(
     state_in = split.state_in[0] if split else np.zeros(n_units)
     bwd_windows = []
     plain_windows = []  # without the recompute (``persistent_allreduce_exposed``)
+    summing_windows = []  # a later micro-batch's, accumulating on the GPU
     recompute_s = 0.0
     for u in range(n_units):
         gather_bytes = float(tables.bwd_gather_bytes[p, u - 1]) if u > 0 else 0.0
@@ -467,6 +493,7 @@ def step_windows(
         h2d = prefetched + swap_in + float(state_in[u])
         bwd_windows.append(window(compute, h2d, grads_out, exposed))
         plain_windows.append(max(units[u].bwd_s, transfer_s(h2d, grads_out, hw)) + exposed)
+        summing_windows.append(max(compute, transfer_s(h2d + grads_out, grads_out, hw)) + exposed)
     tail_s = float(out_bytes[0]) / hw.d2h_bps
     stalls["pcie_d2h"] += tail_s
     allreduce_s = float(
@@ -480,6 +507,8 @@ def step_windows(
     # for, no all-reduce (``no_sync``), and its persistent gradients kept, not stepped.
     later_gpu_s = first_gather_s + sum(fwd_windows) + sum(bwd_windows) + tail_s
     later_gpu_s += gpu_optim_s - at_step_s
+    summing_tail_s = float(out_bytes[0]) / hw.h2d_bps + tail_s
+    summing_gpu_s = later_gpu_s - sum(bwd_windows) - tail_s + sum(summing_windows) + summing_tail_s
     later_micro_s, lag, worker_s = accumulation_terms(
         profile,
         tables,
@@ -487,6 +516,7 @@ def step_windows(
         p,
         np.concatenate([[0.0], np.cumsum(bwd_windows)]),
         later_gpu_s,
+        summing_gpu_s,
     )
 
     t_fwd = unconstrained
@@ -513,7 +543,12 @@ def step_windows(
         later = profile.micro_batches - 1
         for name in ("pcie_h2d", "pcie_d2h"):
             stalls[name] *= profile.micro_batches
-        stalls["cpu_accumulate"] = later * (later_micro_s - later_gpu_s)
+        if accumulates_on_gpu(profile):
+            # The sums' copies in: PCIe time the later backward windows add.
+            stalls["pcie_h2d"] += later * (later_micro_s - later_gpu_s)
+            stalls["cpu_accumulate"] = 0.0
+        else:
+            stalls["cpu_accumulate"] = later * (later_micro_s - later_gpu_s)
     return StepWindows(
         tuple(float(w) for w in fwd_windows),
         tuple(float(w) for w in bwd_windows),
@@ -593,7 +628,10 @@ def predict_step_time(
         "d2h_stall_s": stalls["pcie_d2h"],
         "cpu_optim_stall_s": stalls["cpu_optimizer"],
         "collective_stall_s": stalls["collective"],
-        "h2d_bytes": float(micro * gathers) + swap_bytes + windows.backward_update_bytes[0],
+        "h2d_bytes": float(micro * gathers)
+        + swap_bytes
+        + windows.backward_update_bytes[0]
+        + (micro - 1) * float(tables.grad_d2h_bytes[p].sum()) * accumulates_on_gpu(profile),
         "d2h_bytes": float(micro * tables.grad_d2h_bytes[p].sum())
         + swap_bytes
         + windows.backward_update_bytes[1],
@@ -605,6 +643,7 @@ def predict_step_time(
         "later_micro_s": windows.later_micro_s,
         "accumulate_lag_s": windows.accumulate_lag_s,
         "cpu_accumulate_stall_s": stalls.get("cpu_accumulate", 0.0),
+        "accumulate_on_gpu": float(accumulates_on_gpu(profile)),
     }
     breakdown = {key: float(value) for key, value in breakdown.items()}
     return float(step_s), breakdown, _bottleneck(step_s, recompute_s, stalls)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autooffload.plan.cost import (
+    accumulate_scratch_bytes,
+    accumulates_on_gpu,
     optimizer_step_bytes,
     persist_grads_in_backward,
     persistent_allreduce_exposed,
@@ -62,6 +64,7 @@ def search_layout(
         tables.persist_bytes
         + profile.optim_bytes_per_param * tables.persist_numel
         + profile.static_bytes
+        + accumulate_scratch_bytes(profile)
         + (tables.persist_grad_total if profile.grad_accumulation else 0)
     )
     frag = profile.fragmentation_factor
@@ -130,7 +133,8 @@ def search_layout(
         own_first = bsplit.lowest_first
     micro = profile.micro_batches
     accumulate_rate = hw.cpu_accumulate_params_per_s
-    accumulating = micro > 1 and bool(np.isfinite(accumulate_rate))
+    summing = accumulates_on_gpu(profile)
+    accumulating = micro > 1 and not summing and bool(np.isfinite(accumulate_rate))
     if accumulating:
         # ``cost.accumulation_terms``: one micro-batch's adds, and the chunks whose adds the
         # update at step() waits for (all offloaded ones; the lowest, first needed, last).
@@ -188,6 +192,24 @@ def search_layout(
         # A later micro-batch of gradient accumulation (``cost.accumulation_terms``): the
         # forward from its first gathers, the backward without the all-reduce (``no_sync``).
         later_gpu = first_gather[:, None] + after[..., 0] + t_bwd
+        if summing:
+            # Accumulating on the GPU: each window also copies the running sum of the
+            # gradients it sends out back in, the last ones' after the end.
+            sum_xfer = _transfer(
+                bwd_prefetch + swap_in + state_in + grads_out, grads_out, h2d, d2h, duplex
+            )
+            sum_base = np.maximum(bwd_s, sum_xfer)
+            sum_extra = np.maximum(bwd_s + fwd_s, sum_xfer) - sum_base
+            later_gpu = (
+                first_gather[:, None]
+                + after[..., 0]
+                + tail[:, None]
+                + out_bytes[:, None, 0] / h2d
+                + (sum_base + bwd_exposed).sum(axis=-1)
+            )
+            sum_extra_before = np.concatenate(
+                [np.zeros((*sum_extra.shape[:2], 1)), sum_extra.cumsum(-1)], -1
+            )
         if allreduce:
             # Data parallelism: the persistent all-reduces past the last window, beyond the
             # D2H tail (``cost.persistent_allreduce_exposed``).
@@ -219,7 +241,13 @@ def search_layout(
             t_fwd = t_fwd[None]
         recompute = np.moveaxis(recompute, -1, 0)
         later_micro = 0.0
-        if micro > 1:
+        if summing:
+            sum_recompute = (
+                sum_extra_before[..., n_swap + 1 + checkpoints]
+                - sum_extra_before[..., [n_swap + 1]]
+            )
+            later_micro = later_gpu[None] + np.moveaxis(sum_recompute, -1, 0)
+        elif micro > 1:
             later_micro = later_gpu[None] + recompute
             if accumulating:
                 later_micro = np.maximum(later_micro, adds_s[None, :, None])

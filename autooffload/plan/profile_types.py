@@ -157,6 +157,10 @@ class UnitProfile:
     name: str = ""
 
 
+# ``ModelProfile.accumulate_on``.
+ACCUMULATE_CHOICES = ("cpu", "gpu", "auto")
+
+
 @dataclass(frozen=True)
 class ModelProfile:
     """The model as measured on the real first batch, for one chunk layout (one ``chunk_size``)."""
@@ -209,6 +213,11 @@ class ModelProfile:
     """Under ``update_in_backward``: the lowest offloaded chunks updated on the GPU at the end
     of their backward (``plan/update_split.backward_split``): 0 none, -1 as many as leave the
     next forward no wait for the CPU, n > 0 the lowest n. 0 where the runtime cannot."""
+    accumulate_on: str = "cpu"
+    """Where gradient accumulation sums the offloaded chunks' gradients (``micro_batches`` > 1):
+    "cpu" (the CPU worker adds each micro-batch's), "gpu" (the running sum comes back to the
+    device and is added there before the copy out: ``cost.accumulation_terms``), or "auto"
+    (the search tries both: ``search._variants``; the cost model reads "auto" as "cpu")."""
     expandable_segments: bool = False
     """True when the allocator uses expandable segments (``EXPANDABLE_FRAGMENTATION`` prior)."""
     checkpoint_inputs_on_cpu: bool = False
@@ -294,6 +303,11 @@ class ModelProfile:
         n_units = self.n_units
         if self.chunk_size <= 0:
             raise PlanError(f"ModelProfile.chunk_size={self.chunk_size} must be > 0 bytes")
+        if self.accumulate_on not in ACCUMULATE_CHOICES:
+            raise PlanError(
+                f"ModelProfile.accumulate_on={self.accumulate_on!r} is not valid; valid:"
+                f" {', '.join(ACCUMULATE_CHOICES)}"
+            )
         for index, chunk in enumerate(self.chunks):
             if not chunk.units:
                 raise PlanError(f"chunk {index} has no units; every chunk is used by some unit")

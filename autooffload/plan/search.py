@@ -194,7 +194,16 @@ def _variants(
         )
     ordered = [profiles[size] for size in sorted(profiles)]
     on_cpu = [with_checkpoint_inputs_on_cpu(p, hw) for p in ordered]
-    return {"gpu": ordered, "cpu": on_cpu, "auto": ordered + on_cpu}[checkpoint_inputs]
+    variants = {"gpu": ordered, "cpu": on_cpu, "auto": ordered + on_cpu}[checkpoint_inputs]
+    # Gradient accumulation on auto: the sums added on the CPU or on the GPU, the faster.
+    return [replace(p, accumulate_on=where) for p in variants for where in _accumulate_choices(p)]
+
+
+def _accumulate_choices(profile: ModelProfile) -> tuple[str, ...]:
+    """``ModelProfile.accumulate_on`` values to search: both on auto with accumulation."""
+    if profile.accumulate_on != "auto":
+        return (profile.accumulate_on,)
+    return ("cpu", "gpu") if profile.micro_batches > 1 else ("cpu",)
 
 
 def make_plan(

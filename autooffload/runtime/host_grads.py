@@ -2,7 +2,8 @@
 
 Gradients of offloaded params accumulate in host memory, beside their masters. The 2-norm that
 ``clip_grad_norm_`` needs comes from per-param norms taken on the device as the gradients left
-it (``device_norms``), unless they were accumulated over several backward passes; clipping over
+it (``device_norms``), unless they were accumulated over several backward passes on the host
+(summed on the GPU, the norm is taken after the add: ``norm_of_sum``); clipping over
 all of them is a lazy coefficient (``clip_coef``) that the update task applies, so neither
 needs a pass over host memory in the common case. Under sharded state (``runtime/sharding.py``)
 the norm is a collective over every rank's share.
@@ -25,6 +26,7 @@ class HostGradNorms:
     masters: dict[int, torch.Tensor]
     device_norms: dict[int, torch.Tensor]
     accumulations: dict[int, int]
+    norm_of_sum: set[int]
     offloaded_ids: set[int]
     clip_coef: float
     sharding: Sharding | None
@@ -82,8 +84,10 @@ class HostGradNorms:
         parts = []
         for pid in present:
             norm = self.device_norms.get(pid)
-            if norm is None or self.accumulations.get(pid, 0) != 1:
-                # Accumulated over several backward passes: only the host sum has the norm.
+            summed = self.accumulations.get(pid, 0) != 1 and pid not in self.norm_of_sum
+            if norm is None or summed:
+                # Accumulated over several backward passes on the host: only the host sum has
+                # the norm.
                 grad = self.masters[pid].grad
                 norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
                 norm = norm.to(next(iter(self.device_norms.values()), norm).device)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from autooffload.plan.cost import ACCUMULATE_SCRATCH_BYTES
 from autooffload.runtime.chunks import ALIGN, Chunk, ChunkLayout, ParamSlot
 from autooffload.runtime.host import HostArena
 
@@ -82,9 +83,14 @@ GradsReady = Callable[
         "torch.cuda.Event | None",
         "tuple[torch.Tensor, ...]",
         "torch.Tensor | None",
+        bool,
     ],
     None,
 ]
+# Gradient accumulation on the GPU (``ChunkManager._add_sums``): the running sums come back
+# through a device scratch of this many bytes, piece by piece (the planner's
+# ``cost.ACCUMULATE_SCRATCH_BYTES``).
+SUM_SCRATCH_BYTES = ACCUMULATE_SCRATCH_BYTES
 
 
 class ChunkManager:
@@ -150,6 +156,12 @@ class ChunkManager:
         # Called with a chunk's index before its staging is written again (the CPU optimizer
         # may have aliased its host gradients to it and must release them first).
         self.before_staging_write: Callable[[int], None] | None = None
+        # Gradient accumulation on the GPU (``CpuOptimizer.device_sums``): per slot of the
+        # gradients going out, whether the staging holds a running sum to add them to on the
+        # device first; None where the CPU accumulates them.
+        self.device_sums: Callable[[Chunk, list[ParamSlot]], list[bool] | None] | None = None
+        self._sum_stream: torch.cuda.Stream | None = None
+        self._sum_scratch: torch.Tensor | None = None
         # Data parallelism (runtime/distributed.py): the reducer, and per chunk the backward
         # pass whose gradients it last reduced (each chunk is reduced once per backward).
         self.data_parallel: DataParallel | None = None
@@ -179,6 +191,9 @@ class ChunkManager:
             "stall_s": 0.0,
             "gathers": 0,
             "broadcast_bytes": 0,
+            # Gradient accumulation on the GPU: elements summed there, bytes of sums copied in.
+            "summed_params": 0,
+            "sum_h2d_bytes": 0,
         }
         # Device bytes of every chunk copy-in started (gathers and prefetches), for the
         # profiler to tell chunk storage from activations inside a window.
@@ -489,14 +504,24 @@ class ChunkManager:
         slots = [s for s in chunk.trainable_slots if s.param.grad is not None]
         if not slots:
             return
-        # The staging bytes are reused each backward: whatever reads them must be done.
-        self._claim_staging(index)
-        # Norms for gradient clipping, taken where they are nearly free: on the device, before
-        # the copy (one fused kernel), instead of a pass over host memory on the CPU.
-        norms = torch._foreach_norm([s.param.grad for s in slots], 2, dtype=torch.float32)
+        sums = self.device_sums(chunk, slots) if self.device_sums is not None else None
+        if sums is None:
+            # The staging bytes are reused each backward: whatever reads them must be done.
+            self._claim_staging(index)
+        else:
+            # The staging holds the running sum, which stays there: its last reader first.
+            self._wait(self.staging_busy, index)
+        grads = [s.param.grad for s in slots]
         event = None
         if self.is_cuda:
-            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+            source = torch.cuda.current_stream(self.device)
+            if sums is not None and any(sums):
+                source = self._sum_on_device(chunk, slots, sums, source)
+            with torch.cuda.stream(source):
+                # Norms for gradient clipping, taken where they are nearly free: on the device,
+                # before the copy (one fused kernel), instead of a pass over host memory.
+                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            self.d2h_stream.wait_stream(source)
             with torch.cuda.stream(self.d2h_stream):
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self.d2h_stream)
@@ -508,9 +533,55 @@ class ChunkManager:
                 event.record(self.d2h_stream)
             self._timed.append(("d2h_s", start, event))
         else:
+            for slot, add in zip(slots, sums or [False] * len(slots), strict=True):
+                if add:
+                    slot.param.grad.add_(self.staging_view(slot, chunk))
+                    self.stats["summed_params"] += slot.numel
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
             for slot in slots:
                 self.staging_view(slot, chunk).copy_(slot.param.grad)
-        self._grads_sent(chunk, slots, event, norms)
+        self._grads_sent(chunk, slots, event, norms, summed=sums is not None)
+
+    def _sum_on_device(
+        self,
+        chunk: Chunk,
+        slots: list[ParamSlot],
+        sums: list[bool],
+        source: torch.cuda.Stream,
+    ) -> torch.cuda.Stream:
+        """Gradient accumulation on the GPU: add the running sums held in the staging to the
+        gradients of ``slots`` (where ``sums`` says), in place, on a side stream after
+        ``source``; returns it (the copy out waits for it). Each sum comes in through the
+        scratch piece by piece, so the device needs ``SUM_SCRATCH_BYTES`` beside the
+        gradients, not a second copy of them; the copy engine runs beside the compute."""
+        if self._sum_stream is None:
+            self._sum_stream = torch.cuda.Stream(self.device)
+        stream = self._sum_stream
+        stream.wait_stream(source)
+        with torch.cuda.stream(stream):
+            if self._sum_scratch is None:
+                largest = max(s.nbytes for c in self.chunks for s in c.trainable_slots)
+                size = min(SUM_SCRATCH_BYTES, (largest + ALIGN - 1) // ALIGN * ALIGN)
+                self._sum_scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
+            for slot, add in zip(slots, sums, strict=True):
+                if not add:
+                    continue
+                grad = slot.param.grad
+                staged = self.staging_view(slot, chunk)
+                if not grad.is_contiguous():
+                    grad.add_(staged.to(self.device, non_blocking=True))
+                else:
+                    flat, flat_staged = grad.view(-1), staged.view(-1)
+                    scratch = self._sum_scratch.view(slot.dtype)
+                    piece = scratch.numel()
+                    for start in range(0, flat.numel(), piece):
+                        part = flat_staged[start : start + piece]
+                        buffer = scratch[: part.numel()]
+                        buffer.copy_(part, non_blocking=True)
+                        flat[start : start + part.numel()].add_(buffer)
+                self.stats["summed_params"] += slot.numel
+                self.stats["sum_h2d_bytes"] += slot.nbytes
+        return stream
 
     def _claim_staging(self, index: int) -> None:
         """Wait until chunk ``index``'s gradient staging may be overwritten."""
@@ -525,12 +596,15 @@ class ChunkManager:
         event: torch.cuda.Event | None,
         norms: Sequence[torch.Tensor],
         presence: torch.Tensor | None = None,
+        summed: bool = False,
     ) -> None:
+        """``summed``: the staging now holds the sum of every backward since zero_grad (the
+        GPU accumulated them: ``_sum_on_device``), nothing to add on the host."""
         for slot in slots:
             slot.param.grad = None
             self.stats["d2h_bytes"] += slot.nbytes
         if self.on_grads_ready is not None:
-            self.on_grads_ready(chunk, slots, event, tuple(norms), presence)
+            self.on_grads_ready(chunk, slots, event, tuple(norms), presence, summed)
 
     def _presence(self, slots: list[ParamSlot], dtype: torch.dtype) -> torch.Tensor:
         """1 where this rank has a gradient for the slot, 0 where not: averaged with the

@@ -149,6 +149,13 @@ class CpuOptimizer(HostGradNorms):
         # the last one's gradient (the norm of the host gradient while there was only one).
         self.accumulations: dict[int, int] = {}
         self.device_norms: dict[int, torch.Tensor] = {}
+        # Gradient accumulation on the GPU (the plan's ``accumulate_on_gpu``): a chunk whose
+        # host gradients are its staging (``aliased``) gets the next backward's gradients added
+        # to them on the device (``ChunkManager._sum_on_device``), so the worker adds nothing.
+        self.accumulate_on_gpu = False
+        # Params whose ``device_norms`` entry is the norm of their whole host sum (taken after
+        # the device added it), which clipping can use whatever the backward count.
+        self.norm_of_sum: set[int] = set()
         # Gradient clipping is applied lazily: the coefficient scales the host gradients in
         # the update task, on the worker, instead of a pass over them on the critical path.
         self.clip_coef = 1.0
@@ -175,6 +182,7 @@ class CpuOptimizer(HostGradNorms):
         manager.on_grads_ready = self._grads_ready
         manager.on_grads_averaging = self.update_averaged_on_device
         manager.before_staging_write = self._before_staging_write
+        manager.device_sums = self.device_sums
         # Every offloaded trainable param, on every rank (masters exist only for the chunks
         # this rank owns when the state is sharded: runtime/sharding.py).
         self.offloaded_ids: set[int] = set()
@@ -223,15 +231,21 @@ class CpuOptimizer(HostGradNorms):
         event: torch.cuda.Event | None,
         norms: tuple[torch.Tensor, ...] = (),
         presence: torch.Tensor | None = None,
+        summed: bool = False,
     ) -> None:
         """``presence`` (data parallel): per slot, 0 where no rank had a gradient, read once
-        ``event`` is done; those slots get no host gradient."""
+        ``event`` is done; those slots get no host gradient. ``summed``: the staging holds
+        every backward's sum since zero_grad (``device_sums``): it stays the host gradient."""
         self._note_gradients(chunk)
         for slot, norm in zip(slots, norms, strict=False):
             pid = id(slot.param)
             self.accumulations[pid] = self.accumulations.get(pid, 0) + 1
             self.device_norms[pid] = norm
-        alias = all(self._aliasable(slot) for slot in slots)
+            if summed:
+                self.norm_of_sum.add(pid)
+            else:
+                self.norm_of_sum.discard(pid)
+        alias = summed or all(self._aliasable(slot) for slot in slots)
         if alias:
             self.aliased.add(chunk.index)
         future = self.worker.submit(self._accumulate, chunk, slots, event, alias, presence)
@@ -239,6 +253,15 @@ class CpuOptimizer(HostGradNorms):
         self.grads_busy[chunk.index] = future
         if self.update_in_backward:
             self._update_now(chunk)
+
+    def device_sums(self, chunk: Chunk, slots: list[ParamSlot]) -> list[bool] | None:
+        """Under GPU accumulation, for ``chunk``'s gradients about to leave the device: per
+        slot, whether its host gradient (the chunk's staging, aliased since the first backward
+        after zero_grad) holds a sum to add them to there; None: the worker accumulates them
+        (the chunk's host gradients are not its staging, or accumulation is on the CPU)."""
+        if not self.accumulate_on_gpu or chunk.index not in self.aliased:
+            return None
+        return [self.accumulations.get(id(slot.param), 0) > 0 for slot in slots]
 
     def _note_gradients(self, chunk: Chunk) -> None:
         """Gradients of ``chunk`` are in: raise if it was updated in this step's backward
@@ -629,6 +652,7 @@ class CpuOptimizer(HostGradNorms):
         self.aliased.clear()
         self.accumulations.clear()
         self.device_norms.clear()
+        self.norm_of_sum.clear()
         self.clip_coef = 1.0
 
     def _zero_some(self, set_to_none: bool, param_ids: set[int]) -> None:
@@ -651,6 +675,7 @@ class CpuOptimizer(HostGradNorms):
         for pid in param_ids:
             self.accumulations.pop(pid, None)
             self.device_norms.pop(pid, None)
+            self.norm_of_sum.discard(pid)
 
     # ---- optimizer ----------------------------------------------------------------------------
 
@@ -871,6 +896,7 @@ class CpuOptimizer(HostGradNorms):
             self.grad_buffers.pop(id(slot.param), None)
             self.accumulations.pop(id(slot.param), None)
             self.device_norms.pop(id(slot.param), None)
+            self.norm_of_sum.discard(id(slot.param))
         return states
 
     def promote_chunk(self, chunk: Chunk, device: torch.device) -> None:
@@ -926,6 +952,7 @@ class CpuOptimizer(HostGradNorms):
         self.manager.on_grads_ready = None
         self.manager.on_grads_averaging = None
         self.manager.before_staging_write = None
+        self.manager.device_sums = None
         tables = (self.masters, self.grad_buffers, self.twins, self.twin_group_index)
         for table in (*tables, self.staged_views, self.add_views, self.copy_back):
             table.clear()
@@ -934,6 +961,7 @@ class CpuOptimizer(HostGradNorms):
         self.persistent_early.clear()
         self.aliased.clear()
         self.device_norms.clear()
+        self.norm_of_sum.clear()
         self.accumulations.clear()
         self.optimizers.clear()
         self.optimizer_of_param.clear()

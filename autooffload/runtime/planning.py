@@ -373,7 +373,48 @@ def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> Mo
         profile,
         gpu_update=gpu_update_mode(runtime),
         gpu_update_in_backward=gpu_update_in_backward_mode(runtime),
+        accumulate_on=accumulate_mode(runtime),
     )
+
+
+def accumulate_mode(runtime: Runtime) -> str:
+    """``ModelProfile.accumulate_on`` for this run: the ``accumulate_on`` setting where
+    accumulation on the GPU can run (auto: "auto" on a CUDA device, "cpu" elsewhere), "cpu"
+    where it cannot and the setting is auto, and a clear error where the setting asks for it
+    and it cannot."""
+    setting = runtime.settings.accumulate_on
+    if setting == "cpu":
+        return "cpu"
+    problem = accumulate_on_gpu_problem(runtime)
+    if problem is None:
+        if setting is None:
+            return "auto" if runtime.manager.is_cuda else "cpu"
+        return "gpu"
+    if setting is None:
+        return "cpu"
+    raise PlanError(
+        f"AUTOOFFLOAD_ACCUMULATE_ON=gpu asks for gradient accumulation on the GPU, but {problem};"
+        " set it to cpu or auto"
+    )
+
+
+def accumulate_on_gpu_problem(runtime: Runtime) -> str | None:
+    """Why the GPU cannot sum offloaded gradients over micro-batches here (None: it can). It
+    adds them into the pinned staging, which must be the host gradient itself."""
+    if runtime.data_parallel is not None:
+        return (
+            "data parallelism averages each backward's offloaded gradients on their way out"
+            " (one process only)"
+        )
+    cpu_optim = runtime.cpu_optim
+    for _chunk, slot in cpu_optim.offloaded_slots():
+        master = cpu_optim.masters.get(id(slot.param))
+        if master is not None and master.dtype != slot.dtype:
+            return (
+                f"fp32 master weights (AUTOOFFLOAD_MASTER_WEIGHTS) keep {slot.name}'s host"
+                f" gradient in {master.dtype}, not the {slot.dtype} the device sums"
+            )
+    return None
 
 
 def gpu_update_in_backward_mode(runtime: Runtime) -> int:

@@ -37,6 +37,7 @@ from autooffload.runtime.manager import ChunkManager
 from autooffload.runtime.oom import OomRetry
 from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
+    accumulate_mode,
     check_host_memory,
     host_memory_now,
     initial_plan,
@@ -146,6 +147,8 @@ class Runtime(GroupHooks):
             dp.broadcast_([p.data for p in self.resident_params])
             dp.broadcast_([b for b in model.buffers() if b is not None])
         self.cpu_optim = CpuOptimizer(self.manager, settings.master_weights, settings.cpu_threads)
+        if settings.accumulate_on == "gpu":
+            accumulate_mode(self)  # a clear error now where it cannot run
         self._assign_gpu_updates(self.plan)
         self.backward_update = BackwardUpdateMode(self)
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -285,6 +288,12 @@ class Runtime(GroupHooks):
         if "gpu_backward_chunks" not in plan.breakdown:
             kb = self.settings.gpu_update_in_backward or 0
         self.cpu_optim.backward_gpu_chunks = set(trainable[:kb])
+        # Gradient accumulation's sums: where the search put them; a plan not searched (the
+        # first steps, a fixed plan) follows the setting.
+        if "accumulate_on_gpu" in plan.breakdown:
+            self.cpu_optim.accumulate_on_gpu = bool(plan.breakdown["accumulate_on_gpu"])
+        else:
+            self.cpu_optim.accumulate_on_gpu = self.settings.accumulate_on == "gpu"
 
     def position(self, group_index: int) -> int:
         return self._position.get(group_index, len(self._position) + group_index)

@@ -165,6 +165,55 @@ def test_bf16_training_with_fp32_masters_follows_plain_bf16():
     assert math.isclose(offloaded[-1], plain[-1], rel_tol=MASTER_FINAL_LOSS_RTOL)
 
 
+@pytest.mark.parametrize("scratch", [None, 64 << 10], ids=["whole", "pieces"])
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
+def test_accumulation_summed_on_the_gpu_trains_like_plain_bf16(monkeypatch, clip, scratch):
+    """``accumulate_on=gpu``: the running sums in pinned staging come back through the scratch
+    (whole, or in 64 KiB pieces), are added on a side stream and go out in place of the
+    gradients; clipping reads the norms of the sums taken on the device. Plain torch sums
+    ``.grad`` in bf16 the same way (one rounding per add), so the bound is the bf16 one."""
+    from autooffload.runtime import manager as manager_module
+
+    if scratch is not None:
+        monkeypatch.setattr(manager_module, "SUM_SCRATCH_BYTES", scratch)
+    base = tiny_bf16_llama()
+    micro, steps = 3, 10
+    generator = torch.Generator().manual_seed(1)
+    pool = [torch.randint(0, VOCAB, (2, 64), generator=generator).cuda() for _ in range(4)]
+
+    def run(attach: dict | None) -> tuple[list[float], dict]:
+        model = copy.deepcopy(base)
+        if attach is not None:
+            autooffload.enable(force_attach=True, chunk_size=1 << 20, mask=False, **attach)
+        model.to("cuda")
+        runtime = rt.runtime_of(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+        losses = []
+        for step in range(steps):
+            for m in range(micro):
+                ids = pool[(step * micro + m) % len(pool)]
+                loss = model(input_ids=ids, labels=ids).loss / micro
+                loss.backward()
+                losses.append(loss.item())
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        stats = {}
+        if runtime is not None:
+            stats = {**runtime.manager.stats, "added": runtime.cpu_optim.added_params}
+            autooffload.disable()
+        return losses, stats
+
+    plain, _ = run(None)
+    summed, stats = run({"n_persist": 1, "master_weights": False, "accumulate_on": "gpu"})
+    assert stats["added"] == 0 and stats["summed_params"] > 0
+    assert stats["sum_h2d_bytes"] == 2 * stats["summed_params"]
+    assert plain[-1] < plain[0] - 0.3, "the reference did not learn; the comparison is moot"
+    torch.testing.assert_close(torch.tensor(summed), torch.tensor(plain), atol=LOSS_ATOL, rtol=0)
+    assert math.isclose(summed[-1], plain[-1], rel_tol=FINAL_LOSS_RTOL)
+
+
 # ---- a model larger than the memory cap ----------------------------------------------------------
 
 CAP_BYTES = 3 << 30

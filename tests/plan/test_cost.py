@@ -11,6 +11,7 @@ from plan_profiles import MiB, make_hardware, make_profile
 
 from autooffload.errors import PlanError
 from autooffload.plan.cost import (
+    ACCUMULATE_SCRATCH_BYTES,
     COMPUTE_ELASTICITY_MIN,
     COMPUTE_SCALE_RANGE,
     assign_block_policies,
@@ -582,3 +583,48 @@ def test_later_micro_batches_skip_the_all_reduce_of_persistent_gradients():
     assert slow["collective_stall_s"] > 0
     assert slow["later_micro_s"] == pytest.approx(plain["later_micro_s"])
     assert slow["step_s"] == pytest.approx(plain["step_s"] + slow["collective_stall_s"])
+
+
+def test_summing_on_the_gpu_frees_the_cpu_for_a_copy_in_of_the_sums():
+    """``accumulate_on="gpu"``: no adds on the CPU (their rate no longer matters), no lag
+    before the update; each later micro-batch copies the offloaded gradients' bytes in once
+    more, and the scratch is counted in the peak."""
+    cpu, hw, knobs = _accumulating(3, cpu_optim_params_per_s=5e9)
+    numel = float(chunk_tables(cpu).offload_numel[knobs.n_persist])
+    _, fast_parts, _ = predict_step_time(cpu, hw, knobs)
+    slow = replace(hw, cpu_accumulate_params_per_s=numel / (4 * fast_parts["later_micro_s"]))
+    cpu_step, cpu_parts, _ = predict_step_time(cpu, slow, knobs)
+    gpu = replace(cpu, accumulate_on="gpu")
+    gpu_step, gpu_parts, bottleneck = predict_step_time(gpu, slow, knobs)
+    assert gpu_parts["accumulate_on_gpu"] == 1 and cpu_parts["accumulate_on_gpu"] == 0
+    assert gpu_parts["accumulate_lag_s"] == 0 and gpu_parts["cpu_accumulate_stall_s"] == 0
+    assert gpu_step < cpu_step and bottleneck != "cpu_accumulate"
+    # The same whatever the CPU's add rate.
+    assert predict_step_time(gpu, hw, knobs)[0] == pytest.approx(gpu_step)
+    # A later micro-batch is at least the plain one's GPU time, at most that plus the sums'
+    # copies in, unoverlapped.
+    grad_bytes = float(chunk_tables(cpu).grad_d2h_bytes[knobs.n_persist].sum())
+    later = gpu_parts["later_micro_s"]
+    plain_later = fast_parts["later_micro_s"]
+    assert plain_later - 1e-12 <= later <= plain_later + grad_bytes / hw.h2d_bps + 1e-12
+    assert gpu_parts["h2d_bytes"] == pytest.approx(cpu_parts["h2d_bytes"] + 2 * grad_bytes)
+    peak_cpu = peak_breakdown(cpu, hw, knobs)["peak"]
+    peak_gpu = peak_breakdown(gpu, hw, knobs)["peak"]
+    assert peak_gpu - peak_cpu >= ACCUMULATE_SCRATCH_BYTES
+    # One micro-batch: nothing to sum, the two are the same plan.
+    one = replace(gpu, micro_batches=1, grad_accumulation=False)
+    assert predict_step_time(one, hw, knobs)[0] == pytest.approx(
+        predict_step_time(replace(one, accumulate_on="cpu"), hw, knobs)[0]
+    )
+
+
+def test_the_search_on_auto_sums_where_the_step_is_faster():
+    """``accumulate_on="auto"``: the search tries both and the plan records its choice."""
+    cpu, hw, _ = _accumulating(4, cpu_optim_params_per_s=5e9)
+    auto = replace(cpu, accumulate_on="auto")
+    profiles = {auto.chunk_size: auto}
+    numel = float(chunk_tables(cpu).offload_numel[0])
+    for rate, on_gpu in ((numel / 1e-6, False), (numel / 10.0, True)):
+        fast = replace(hw, cpu_accumulate_params_per_s=rate)
+        plan = search(profiles, fast, None)
+        assert plan.breakdown["accumulate_on_gpu"] == float(on_gpu), rate

@@ -73,6 +73,7 @@ def _profiles(seed, **kwargs):
     at_step = kwargs.pop("persistent_at_step", False)
     micro = kwargs.pop("micro_batches", 1)
     accumulation = kwargs.pop("grad_accumulation", False)
+    accumulate_on = kwargs.pop("accumulate_on", "cpu")
     profile = make_profile(seed=seed, **{**SMALL, **kwargs})
     profile = dataclasses.replace(
         profile,
@@ -83,6 +84,7 @@ def _profiles(seed, **kwargs):
         gpu_update=gpu_update,
         gpu_update_in_backward=gpu_in_backward,
         persistent_at_step=at_step,
+        accumulate_on=accumulate_on,
     )
     if frozen_pre:
         # No backward reads the pre unit's own chunks (a frozen embedding under LoRA).
@@ -160,6 +162,8 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         {"micro_batches": 3, "grad_accumulation": True, "accumulate": 4e8},
         {"micro_batches": 3, "grad_accumulation": True, "accumulate": 4e9, "gpu_update": -1},
         {"micro_batches": 2, "grad_accumulation": True, "accumulate": 1e9, "allreduce_bps": 3e8},
+        {"micro_batches": 4, "grad_accumulation": True, "accumulate": 4e8, "accumulate_on": "gpu"},
+        {"micro_batches": 3, "accumulate_on": "gpu", "grad_accumulation": True, "tied": True},
     ],
     ids=[
         "tied",
@@ -178,6 +182,8 @@ def test_search_returns_the_brute_force_optimum(seed, kwargs):
         "accumulation-slow-adds",
         "accumulation-gpu-update",
         "accumulation-allreduce",
+        "accumulation-on-gpu",
+        "accumulation-on-gpu-tied",
     ],
 )
 def test_vectorised_rows_equal_the_scalar_model(kwargs):

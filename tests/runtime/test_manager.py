@@ -119,7 +119,7 @@ def test_offload_grads_stages_the_gradient_and_drops_it_from_the_param():
     manager, model = _manager()
     manager.adopt_params()
     received = []
-    manager.on_grads_ready = lambda chunk, slots, event, norms, presence: received.append(
+    manager.on_grads_ready = lambda chunk, slots, event, norms, presence, summed: received.append(
         (chunk.index, slots)
     )
     manager.gather(2)

@@ -1,0 +1,140 @@
+"""Gradient accumulation summed on the device (``accumulate_on="gpu"``) trains like plain torch.
+
+The CPU simulation runs the path on CPU tensors: the running sum in the pinned staging is added
+to the next backward's gradients before they go out (``ChunkManager.offload_grads``), the staging
+stays the host gradient, and the CPU worker adds nothing. Any slip (a sum added twice, a first
+gradient added to stale staging, a norm of one micro-batch taken for the sum's) moves the
+weights by ~lr.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_offload_equivalence import STEPS, Run, adamw, assert_same_training
+
+import autooffload
+from autooffload import runtime as rt
+from autooffload.errors import PlanError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _train(model, data, accum, attach, offload_cpu, clip, set_to_none, skip) -> tuple[Run, dict]:
+    """``len(data) // accum`` steps; in the first micro-batch of every step the ``skip`` module's
+    output is detached, so its weights get no gradient there (a later one brings their first)."""
+    stats: dict = {}
+    if attach is not None:
+        offload_cpu(**attach)
+        model.to("cpu")
+        runtime = rt.runtime_of(model)
+        assert runtime is not None
+    optimizer = adamw(model.parameters())
+    target = model.get_submodule(skip)
+    first = {"on": False}
+    handle = target.register_forward_hook(lambda m, i, out: out.detach() if first["on"] else out)
+    losses, norms = [], []
+    for step in range(len(data) // accum):
+        for micro in range(accum):
+            first["on"] = micro == 0
+            ids = data[step * accum + micro]
+            loss = model(input_ids=ids, labels=ids).loss / accum
+            loss.backward()
+            losses.append(loss.item())
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+    handle.remove()
+    if attach is not None:
+        stats = {
+            **runtime.manager.stats,
+            "added_params": runtime.cpu_optim.added_params,
+            "on_gpu": runtime.cpu_optim.accumulate_on_gpu,
+        }
+        autooffload.disable()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Run(losses, norms, weights), stats
+
+
+@pytest.mark.parametrize(
+    ("clip", "set_to_none"),
+    [(None, True), (0.5, True), (0.5, False)],
+    ids=["plain", "clip", "zero"],
+)
+def test_sums_added_on_the_device_train_like_plain(
+    make_llama, make_batches, offload_cpu, clip, set_to_none
+):
+    base = make_llama()
+    accum = 3
+    data = make_batches(accum * STEPS // 2)
+    skip = "model.layers.1.mlp.down_proj"
+    args = (accum, None, offload_cpu, clip, set_to_none, skip)
+    plain, _ = _train(copy.deepcopy(base), data, *args)
+    attach = {"n_persist": 1, "accumulate_on": "gpu"}
+    summed, stats = _train(copy.deepcopy(base), data, accum, attach, *args[2:])
+    on_cpu, cpu_stats = _train(
+        copy.deepcopy(base), data, accum, {"n_persist": 1, "accumulate_on": "cpu"}, *args[2:]
+    )
+    assert stats["on_gpu"] and not cpu_stats["on_gpu"]
+    # Every later micro-batch's offloaded gradients were summed on the device, none on the host.
+    assert stats["added_params"] == 0 and stats["summed_params"] > 0
+    assert cpu_stats["summed_params"] == 0 and cpu_stats["added_params"] > 0
+    if set_to_none:
+        # The same elements (zeroed gradients the host adds to are new ones for the device).
+        assert stats["summed_params"] == cpu_stats["added_params"]
+    if clip is not None:
+        assert max(plain.norms) > clip, "clipping never scaled anything; pick a smaller max_norm"
+    assert_same_training(plain, summed)
+    assert_same_training(plain, on_cpu)
+
+
+def test_the_norm_for_clipping_is_the_norm_of_the_sum_without_a_host_pass(
+    make_llama, make_batches, offload_cpu, monkeypatch
+):
+    """The device takes each param's norm after adding the sum: clipping reads those, not the
+    host gradients (``HostGradNorms._local_norm``)."""
+    offload_cpu(n_persist=0, accumulate_on="gpu")
+    model = make_llama().to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizer = adamw(model.parameters())
+    for ids in make_batches(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+    cpu_optim = runtime.cpu_optim
+    assert cpu_optim.norm_of_sum and all(
+        cpu_optim.accumulations[p] == 3 for p in cpu_optim.norm_of_sum
+    )
+    host = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g) for g in cpu_optim.host_grads()])
+    )
+    reads = []
+    real = torch.linalg.vector_norm
+    monkeypatch.setattr(
+        torch.linalg, "vector_norm", lambda t, *a, **k: reads.append(t.numel()) or real(t, *a, **k)
+    )
+    norm = cpu_optim.host_grad_norm(2.0, set(cpu_optim.offloaded_ids))
+    monkeypatch.undo()
+    # One norm over the per-param norms (one per param), none over a host gradient.
+    assert reads == [len(cpu_optim.norm_of_sum)]
+    torch.testing.assert_close(norm, host, rtol=1e-5, atol=0)
+    optimizer.zero_grad()
+    assert not cpu_optim.norm_of_sum
+
+
+def test_asking_for_it_where_it_cannot_run_is_a_clear_error(make_llama, offload_cpu):
+    """fp32 masters keep fp32 host gradients of a bf16 model: nothing the device sums into."""
+    offload_cpu(n_persist=0, accumulate_on="gpu", master_weights=True)
+    with pytest.raises(PlanError, match="AUTOOFFLOAD_ACCUMULATE_ON=gpu.*master weights"):
+        make_llama().to(torch.bfloat16).to("cpu")
+
+
+def test_on_auto_a_cpu_device_accumulates_on_the_cpu(make_llama, make_batches, offload_cpu):
+    offload_cpu(n_persist=1)
+    model = make_llama().to("cpu")
+    runtime = rt.runtime_of(model)
+    for ids in make_batches(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert not runtime.cpu_optim.accumulate_on_gpu
+    assert runtime.manager.stats["summed_params"] == 0 and runtime.cpu_optim.added_params > 0
