@@ -350,7 +350,9 @@ def accumulation_terms(
     micro-batch's GPU time (its forward from the first gathers, no CPU update to wait for, and
     its backward without the cross-rank all-reduce that ``no_sync`` skips):
         later_micro_s = max(gpu_micro_s, A)        (the worker must keep pace, or the next
-                                                    backward's copies wait for its staging)
+                                                    backward's copies wait for its staging;
+                                                    the second one's worker also copies the
+                                                    first's gradients out: ``later_on_cpu``)
         lag_s = backward_update_done at ``rate``   (the adds still running after the last
                                                     backward, which the update at step() queues
                                                     behind, so its ready times shift by lag_s)
@@ -374,7 +376,15 @@ def accumulation_terms(
     lag = 0.0
     if worker_s and not profile.update_in_backward:
         lag = backward_update_done(profile, tables, rate, p, left_after)
-    return max(gpu_micro_s, worker_s), lag, worker_s
+    return later_on_cpu(gpu_micro_s, worker_s, profile.micro_batches), lag, worker_s
+
+
+def later_on_cpu(gpu_s, adds_s, micro: int):
+    """The mean wall time of the M - 1 later micro-batches accumulating on the CPU (scalars or
+    arrays): each is max(G, A), except the second, whose worker first copies the first
+    micro-batch's gradients out of the staging they were left in (``release_staging``; costed
+    at the add rate, C = A): max(G, 2A)."""
+    return ((micro - 2) * np.maximum(gpu_s, adds_s) + np.maximum(gpu_s, 2 * adds_s)) / (micro - 1)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import numpy as np
 from autooffload.plan.cost import (
     accumulate_scratch_bytes,
     accumulates_on_gpu,
+    later_on_cpu,
     optimizer_step_bytes,
     persist_grads_in_backward,
     persistent_allreduce_exposed,
@@ -250,7 +251,7 @@ def search_layout(
         elif micro > 1:
             later_micro = later_gpu[None] + recompute
             if accumulating:
-                later_micro = np.maximum(later_micro, adds_s[None, :, None])
+                later_micro = later_on_cpu(later_micro, adds_s[None, :, None], micro)
             if accumulating and not in_backward:
                 lag = _backward_done(
                     windows_before,

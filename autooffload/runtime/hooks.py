@@ -126,6 +126,8 @@ class GroupHooks:
         if torch.is_grad_enabled():
             check_params_after_attach(self)
             self._take_over_late_hf_checkpointing()
+            if self._backwards_this_step:
+                self.cpu_optim.release_staging()  # gradient accumulation: the next micro-batch
 
     def _take_over_late_hf_checkpointing(self) -> None:
         """HF gradient checkpointing turned on after attach (HF ``Trainer`` does it in

@@ -138,3 +138,24 @@ def test_on_auto_a_cpu_device_accumulates_on_the_cpu(make_llama, make_batches, o
         model(input_ids=ids, labels=ids).loss.backward()
     assert not runtime.cpu_optim.accumulate_on_gpu
     assert runtime.manager.stats["summed_params"] == 0 and runtime.cpu_optim.added_params > 0
+
+
+@pytest.mark.parametrize("where", ["cpu", "gpu"], ids=["on-host", "on-device"])
+def test_the_next_micro_batchs_forward_frees_the_staging_only_on_the_cpu(
+    make_llama, make_batches, offload_cpu, where
+):
+    """On the CPU the host gradients leave the staging while the next micro-batch's forward runs
+    (not when its backward needs the staging); on the GPU the staging keeps the sums."""
+    offload_cpu(n_persist=0, accumulate_on=where)
+    model = make_llama().to("cpu")
+    cpu_optim = rt.runtime_of(model).cpu_optim
+    first, second = make_batches(2)
+    model(input_ids=first, labels=first).loss.backward()
+    aliased = set(cpu_optim.aliased)
+    assert aliased
+    seen = []
+    block = model.model.layers[0]
+    handle = block.register_forward_pre_hook(lambda m, a: seen.append(set(cpu_optim.aliased)))
+    model(input_ids=second, labels=second).loss.backward()
+    handle.remove()
+    assert seen[0] == (set() if where == "cpu" else aliased)
