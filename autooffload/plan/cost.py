@@ -50,6 +50,15 @@ def accumulates_on_gpu(profile: ModelProfile) -> bool:
     return profile.micro_batches > 1 and profile.accumulate_on == "gpu"
 
 
+def with_accumulation_of(profile: ModelProfile, breakdown: dict[str, float]) -> ModelProfile:
+    """``profile`` on "auto" pinned to where a plan (its ``breakdown``) sums accumulated
+    gradients: the variant the plan was predicted on."""
+    if profile.accumulate_on != "auto":
+        return profile
+    on_gpu = bool(breakdown.get("accumulate_on_gpu", 0.0))
+    return replace(profile, accumulate_on="gpu" if on_gpu else "cpu")
+
+
 def accumulate_scratch_bytes(profile: ModelProfile) -> int:
     """Device bytes the GPU accumulation's scratch holds all step (0 without it)."""
     return ACCUMULATE_SCRATCH_BYTES if accumulates_on_gpu(profile) else 0

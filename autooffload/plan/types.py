@@ -64,11 +64,18 @@ class Plan:
         return int(self.breakdown.get("gpu_backward_chunks", 0))
 
     @property
+    def accumulates_on_gpu(self) -> bool:
+        """Whether gradient accumulation sums offloaded gradients on the GPU
+        (``cost.accumulation_terms``)."""
+        return bool(self.breakdown.get("accumulate_on_gpu", 0.0))
+
+    @property
     def knobs(self) -> Knobs:
         return Knobs(self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
 
     def configures_like(self, other: Plan) -> bool:
-        """Same knobs, block policies and GPU-updated chunks: switching between the two changes
+        """Same knobs, block policies, GPU-updated chunks and place of the accumulation's sums:
+        switching between the two changes
         nothing the runtime does (a checkpoint block and a checkpoint_cpu one count alike in
         ``knobs``). The GPU update split follows from the rates, so a calibration can change it
         alone."""
@@ -77,6 +84,7 @@ class Plan:
             and self.block_policies == other.block_policies
             and self.gpu_update_chunks == other.gpu_update_chunks
             and self.gpu_backward_chunks == other.gpu_backward_chunks
+            and self.accumulates_on_gpu == other.accumulates_on_gpu
         )
 
     def summary(self) -> str:

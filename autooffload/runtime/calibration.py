@@ -474,7 +474,11 @@ def _unless_faster(plan: Plan, found: Plan, request: SearchRequest, chunk_size: 
 def with_running_split(profile: ModelProfile, plan: Plan) -> ModelProfile:
     """``profile`` with the GPU update split the search picks on auto fixed at ``plan``'s count:
     the split follows the CPU rate, which a window reads 10-20% off on a busy host (3.6B at 16
-    GiB: 3 -> 6 -> 5 chunks updated on the GPU in three checks)."""
+    GiB: 3 -> 6 -> 5 chunks updated on the GPU in three checks). Gradient accumulation on
+    auto stays where the plan sums (``cost.with_accumulation_of``)."""
+    from autooffload.plan.cost import with_accumulation_of
+
+    profile = with_accumulation_of(profile, plan.breakdown)
     if profile.update_in_backward:
         if profile.gpu_update_in_backward != GPU_UPDATE_AUTO:
             return profile

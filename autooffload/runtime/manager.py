@@ -344,6 +344,7 @@ class ChunkManager:
         for index in list(self._device_aliases):
             self._copy_out_device_aliases(index)
         self.gpu_flat = []
+        self._sum_scratch = None
         self.host.free()
         self.grad_staging.free()
 

@@ -10,7 +10,7 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger, warn_once
-from autooffload.plan.cost import with_checkpoint_inputs_on_cpu
+from autooffload.plan.cost import with_accumulation_of, with_checkpoint_inputs_on_cpu
 from autooffload.plan.hardware import measure_hardware
 from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
@@ -319,7 +319,9 @@ def _checkpoint_inputs(runtime: Runtime) -> str:
 
 def profile_for_plan(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> ModelProfile:
     """``profile`` in the variant ``plan`` was predicted on: checkpointed blocks' inputs in host
-    memory when the plan chose that (``checkpoint_cpu``), the measured profile otherwise."""
+    memory when the plan chose that (``checkpoint_cpu``), the measured profile otherwise;
+    gradient accumulation where the plan sums it (``cost.with_accumulation_of``)."""
+    profile = with_accumulation_of(profile, plan.breakdown)
     if "checkpoint_cpu" in plan.block_policies:
         return with_checkpoint_inputs_on_cpu(profile, hw)
     return profile

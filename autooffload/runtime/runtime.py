@@ -291,7 +291,7 @@ class Runtime(GroupHooks):
         # Gradient accumulation's sums: where the search put them; a plan not searched (the
         # first steps, a fixed plan) follows the setting.
         if "accumulate_on_gpu" in plan.breakdown:
-            self.cpu_optim.accumulate_on_gpu = bool(plan.breakdown["accumulate_on_gpu"])
+            self.cpu_optim.accumulate_on_gpu = plan.accumulates_on_gpu
         else:
             self.cpu_optim.accumulate_on_gpu = self.settings.accumulate_on == "gpu"
 

@@ -629,3 +629,22 @@ def test_the_search_on_auto_sums_where_the_step_is_faster():
         fast = replace(hw, cpu_accumulate_params_per_s=rate)
         plan = search(profiles, fast, None)
         assert plan.breakdown["accumulate_on_gpu"] == float(on_gpu), rate
+
+
+def test_a_plan_on_auto_is_judged_and_switched_where_it_sums():
+    """The calibration and the OOM retry predict a running plan on the variant it was searched
+    on, and a plan that only moves the sums is still a switch the runtime must make."""
+    from autooffload.runtime.calibration import with_running_split
+    from autooffload.runtime.planning import profile_for_plan
+
+    cpu, hw, _ = _accumulating(4, cpu_optim_params_per_s=5e9)
+    auto = replace(cpu, accumulate_on="auto")
+    numel = float(chunk_tables(cpu).offload_numel[0])
+    slow_adds = replace(hw, cpu_accumulate_params_per_s=numel / 10.0)
+    plan = search({auto.chunk_size: auto}, slow_adds, None)
+    assert plan.accumulates_on_gpu
+    assert with_running_split(auto, plan).accumulate_on == "gpu"
+    assert profile_for_plan(auto, plan, slow_adds).accumulate_on == "gpu"
+    on_cpu = replace(plan, breakdown={**plan.breakdown, "accumulate_on_gpu": 0.0})
+    assert with_running_split(auto, on_cpu).accumulate_on == "cpu"
+    assert not plan.configures_like(on_cpu) and plan.configures_like(replace(plan))
