@@ -13,9 +13,8 @@ import copy
 
 import pytest
 import torch
-from test_offload_equivalence import STEPS, Run, adamw, assert_same_training
+from test_offload_equivalence import STEPS, Run, adamw, assert_same_training, train
 
-import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import PlanError
 
@@ -26,37 +25,29 @@ def _train(model, data, accum, attach, offload_cpu, clip, set_to_none, skip) -> 
     """``len(data) // accum`` steps; in the first micro-batch of every step the ``skip`` module's
     output is detached, so its weights get no gradient there (a later one brings their first)."""
     stats: dict = {}
-    if attach is not None:
-        offload_cpu(**attach)
-        model.to("cpu")
-        runtime = rt.runtime_of(model)
-        assert runtime is not None
-    optimizer = adamw(model.parameters())
-    target = model.get_submodule(skip)
     first = {"on": False}
-    handle = target.register_forward_hook(lambda m, i, out: out.detach() if first["on"] else out)
-    losses, norms = [], []
-    for step in range(len(data) // accum):
-        for micro in range(accum):
-            first["on"] = micro == 0
-            ids = data[step * accum + micro]
-            loss = model(input_ids=ids, labels=ids).loss / accum
-            loss.backward()
-            losses.append(loss.item())
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=set_to_none)
+    handle = model.get_submodule(skip).register_forward_hook(
+        lambda m, i, out: out.detach() if first["on"] else out
+    )
+
+    def keep_stats(runtime) -> None:
+        stats.update(runtime.manager.stats)
+        stats["added_params"] = runtime.cpu_optim.added_params
+        stats["on_gpu"] = runtime.cpu_optim.accumulate_on_gpu
+
+    run = train(
+        model,
+        data,
+        attach=attach,
+        offload_cpu=offload_cpu,
+        accum=accum,
+        clip=clip,
+        set_to_none=set_to_none,
+        before_micro=lambda micro: first.update(on=micro == 0),
+        before_detach=keep_stats,
+    )
     handle.remove()
-    if attach is not None:
-        stats = {
-            **runtime.manager.stats,
-            "added_params": runtime.cpu_optim.added_params,
-            "on_gpu": runtime.cpu_optim.accumulate_on_gpu,
-        }
-        autooffload.disable()
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return Run(losses, norms, weights), stats
+    return run, stats
 
 
 @pytest.mark.parametrize(

@@ -57,8 +57,12 @@ def train(
     clip: float | None = None,
     schedule: Callable[[int], float] | None = None,
     set_to_none: bool = True,
+    before_micro: Callable[[int], None] | None = None,
+    before_detach: Callable[[object], None] | None = None,
 ) -> Run:
-    """Train ``model`` for ``len(data) // accum`` steps; ``attach`` settings attach it first."""
+    """Train ``model`` for ``len(data) // accum`` steps; ``attach`` settings attach it first.
+    ``before_micro(i)`` runs before micro-batch i of every step, ``before_detach(runtime)``
+    before an attached model is detached."""
     if attach is not None:
         offload_cpu(**attach)
         model.to("cpu")
@@ -70,6 +74,8 @@ def train(
     losses, norms = [], []
     for step in range(len(data) // accum):
         for micro in range(accum):
+            if before_micro is not None:
+                before_micro(micro)
             ids = data[step * accum + micro]
             loss = model(input_ids=ids, labels=ids).loss / accum
             loss.backward()
@@ -81,6 +87,8 @@ def train(
             scheduler.step()
         optimizer.zero_grad(set_to_none=set_to_none)
     if rt.runtime_of(model) is not None:
+        if before_detach is not None:
+            before_detach(rt.runtime_of(model))
         autooffload.disable()
         assert rt.runtime_of(model) is None
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
