@@ -526,8 +526,9 @@ def step_windows(
     # for, no all-reduce (``no_sync``), and its persistent gradients kept, not stepped.
     later_gpu_s = first_gather_s + sum(fwd_windows) + sum(bwd_windows) + tail_s
     later_gpu_s += gpu_optim_s - at_step_s
-    summing_tail_s = float(out_bytes[0]) / hw.h2d_bps + tail_s
-    summing_gpu_s = later_gpu_s - sum(bwd_windows) - tail_s + sum(summing_windows) + summing_tail_s
+    # The same micro-batch summing on the GPU: the last chunk's sum in, then out, at the end.
+    summing_gpu_s = first_gather_s + sum(fwd_windows) + sum(summing_windows) + tail_s
+    summing_gpu_s += float(out_bytes[0]) / hw.h2d_bps + gpu_optim_s - at_step_s
     later_micro_s, lag, worker_s = accumulation_terms(
         profile,
         tables,

@@ -75,10 +75,9 @@ class Plan:
 
     def configures_like(self, other: Plan) -> bool:
         """Same knobs, block policies, GPU-updated chunks and place of the accumulation's sums:
-        switching between the two changes
-        nothing the runtime does (a checkpoint block and a checkpoint_cpu one count alike in
-        ``knobs``). The GPU update split follows from the rates, so a calibration can change it
-        alone."""
+        switching between the two changes nothing the runtime does (a checkpoint block and a
+        checkpoint_cpu one count alike in ``knobs``). The GPU update split follows from the
+        rates, so a calibration can change it alone."""
         return (
             self.knobs == other.knobs
             and self.block_policies == other.block_policies

@@ -84,8 +84,8 @@ class HostGradNorms:
         parts = []
         for pid in present:
             norm = self.device_norms.get(pid)
-            summed = self.accumulations.get(pid, 0) != 1 and pid not in self.norm_of_sum
-            if norm is None or summed:
+            host_sum = self.accumulations.get(pid, 0) != 1 and pid not in self.norm_of_sum
+            if norm is None or host_sum:
                 # Accumulated over several backward passes on the host: only the host sum has
                 # the norm.
                 grad = self.masters[pid].grad

@@ -87,7 +87,7 @@ GradsReady = Callable[
     ],
     None,
 ]
-# Gradient accumulation on the GPU (``ChunkManager._add_sums``): the running sums come back
+# Gradient accumulation on the GPU (``ChunkManager._sum_on_device``): the running sums come back
 # through a device scratch of this many bytes, piece by piece (the planner's
 # ``cost.ACCUMULATE_SCRATCH_BYTES``).
 SUM_SCRATCH_BYTES = ACCUMULATE_SCRATCH_BYTES
