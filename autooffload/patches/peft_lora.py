@@ -6,14 +6,23 @@ Inside a block's forward every chunk of the block is resident (the runtime's gro
 ``lora.Linear.forward`` and DoRA's magnitude path need nothing. Everything here runs outside
 one: ``merge_adapter()``, ``merge_and_unload()``, ``unmerge`` inside a ``disable_adapter()``
 forward of a merged model, and adapter creation on an already attached base.
+
+``prepare_model_for_kbit_training`` on an attached model (a bitsandbytes model attached as
+``from_pretrained`` loaded it, ``patches/transformers_loading.py``) freezes every param and
+casts the bf16/fp16 ones that are not 4-bit codes to fp32 by replacing their ``.data``: a
+layout change no chunk can follow. The model is detached for the call (its bytes come back to
+ordinary host tensors), prepared as PEFT prepares it, and attached again on the same device
+with the same settings; the plan is searched anew at its next forward.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 from autooffload.errors import AttachError
@@ -126,6 +135,46 @@ def _modules_to_save_update_wrapper(wrapped: Any, instance: Any, args: tuple, kw
         return wrapped(*args, **kwargs)
 
 
+def _prepare_kbit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    from autooffload import runtime as rt
+    from autooffload.runtime.access import runtime_managing
+
+    model = args[0] if args else kwargs.get("model")
+    runtime = runtime_managing(model.parameters()) if isinstance(model, nn.Module) else None
+    if runtime is None:
+        return wrapped(*args, **kwargs)
+    if runtime.optimizers:
+        raise AttachError(
+            "prepare_model_for_kbit_training on an attached model after an optimizer was built"
+            " over it is not supported: it replaces the parameters' data (fp32 casts); call it"
+            " right after from_pretrained, before creating the optimizer or the Trainer"
+        )
+    attached, device, settings = runtime.model, runtime.device, runtime.settings
+    rt.detach(attached, torch.device("cpu"))
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        rt.attach(attached, settings=settings, device=device)
+
+
+def _kbit_namespaces() -> list[Any]:
+    """Every module holding peft's ``prepare_model_for_kbit_training`` under that name: peft's
+    own (it is re-exported twice) and any imported before ``enable()`` that bound it with
+    ``from peft import prepare_model_for_kbit_training`` (a training script's ``__main__``)."""
+    import peft.utils.other
+
+    name = "prepare_model_for_kbit_training"
+    original = peft.utils.other.__dict__.get(name)
+    if original is None:
+        return []
+    return [
+        module
+        for module in list(sys.modules.values())
+        if isinstance(getattr(module, "__dict__", None), dict)
+        and module.__dict__.get(name) is original
+    ]
+
+
 def install(settings: Settings, target: str) -> None:
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTuner
@@ -133,6 +182,8 @@ def install(settings: Settings, target: str) -> None:
 
     _registry.wrap(BaseTuner, "inject_adapter", _inject_wrapper, __name__)
     _registry.wrap(ModulesToSaveWrapper, "update", _modules_to_save_update_wrapper, __name__)
+    for module in _kbit_namespaces():
+        _registry.wrap(module, "prepare_model_for_kbit_training", _prepare_kbit_wrapper, __name__)
     for cls in _subclasses(LoraLayer):
         for attr in _READS:
             if attr in cls.__dict__:

@@ -95,6 +95,69 @@ def test_sft_trainer_learns_attached_and_its_checkpoint_reloads_into_a_plain_mod
     assert_last_checkpoint_reloads(model, tmp_path, SFT_STEPS, LlamaForCausalLM, {"input_ids": ids})
 
 
+def sft_by_name_quantized(tmp_path: Path, checkpoint: Path, attached: bool) -> tuple[list, bool]:
+    """``SFTTrainer(model="<name>", quantization_config=..., peft_config=...)``: TRL loads the
+    model itself (``device_map="auto"`` on a GPU, none on the CPU; bitsandbytes then places it on
+    the current device). Its losses, and whether the model it trained was attached."""
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    if attached:  # masking off: the plain run trains on every token
+        autooffload.enable(device="cpu", force_attach=True, n_persist=0, mask=False, log="warning")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "tests/data/tokenizers/qwen3")
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    args = cpu_sft_config(
+        tmp_path,
+        4,
+        per_device_train_batch_size=8,
+        max_length=128,
+        save_strategy="no",
+        model_init_kwargs={"dtype": "float32"},
+    )
+    torch.manual_seed(0)
+    trainer = SFTTrainer(
+        model=str(checkpoint),
+        args=args,
+        train_dataset=chat_dataset(),
+        processing_class=tokenizer,
+        quantization_config=quant,
+        peft_config=LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    is_attached = rt.runtime_of(trainer.model.get_base_model()) is not None
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    autooffload.disable()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return losses, is_attached
+
+
+def test_sft_trainer_given_a_name_loads_quantized_attached_and_trains_like_plain(
+    tmp_path: Path,
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "tests/data/tokenizers/qwen3")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    checkpoint = tmp_path / "checkpoint"
+    LlamaForCausalLM(config).save_pretrained(checkpoint)
+    expected, plain_attached = sft_by_name_quantized(tmp_path / "plain", checkpoint, False)
+    actual, attached = sft_by_name_quantized(tmp_path / "attached", checkpoint, True)
+    assert not plain_attached and attached, "TRL's own from_pretrained did not attach the model"
+    assert len(actual) == 4 and all(math.isfinite(loss) for loss in actual), actual
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=RTOL, atol=ATOL)
+
+
 def test_trl_sft_example_through_the_launcher_attached_in_cpu_simulation() -> None:
     stdout = run(
         "-m",

@@ -126,3 +126,50 @@ def test_int8_lora_attached_matches_plain_on_gpu():
     losses = train(model, "adamw")
     autooffload.disable()
     assert_close_runs(expected, (losses, trained_weights(model)))
+
+
+def _from_pretrained_qlora(checkpoint, attached: bool) -> tuple:
+    """The usual QLoRA script: ``from_pretrained(quantization_config=nf4)`` (no device_map:
+    bitsandbytes places it on the current GPU), ``prepare_model_for_kbit_training``,
+    ``get_peft_model``, train. Attached, the load is quantized on the host and attached."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if attached:
+        autooffload.enable(force_attach=True, chunk_size=40_000, n_persist=0, mask=False)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, quantization_config=quant, dtype=torch.bfloat16
+    )
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    torch.manual_seed(123)
+    peft_model = get_peft_model(model, lora(target_modules=["q_proj", "v_proj"]))
+    peft_model.train()
+    runtime = runtime_for(peft_model)
+    assert (runtime is not None) == attached
+    if attached:
+        quantized = [p for p in peft_model.parameters() if isinstance(p, bnb.nn.Params4bit)]
+        assert quantized and all(runtime.is_offloaded(p) for p in quantized)
+    losses = train(peft_model, "adamw")
+    weights = trained_weights(peft_model)
+    autooffload.disable()
+    return losses, weights, quant_tensors(peft_model)
+
+
+def test_from_pretrained_qlora_attaches_and_trains_like_the_plain_load(tmp_path):
+    tiny_llama("resident").to(torch.bfloat16).save_pretrained(tmp_path)
+    *expected, cuda_quantized = _from_pretrained_qlora(tmp_path, attached=False)
+    *actual, host_quantized = _from_pretrained_qlora(tmp_path, attached=True)
+    # Quantized by bitsandbytes' CPU kernels here, its CUDA kernels in the plain load: the
+    # same codes and scales are expected; the count of differing bytes is printed if not.
+    differing = {
+        name: int((host_quantized[name].cpu() != tensor.cpu()).sum())
+        for name, tensor in cuda_quantized.items()
+    }
+    print("bytes differing between host and CUDA quantization:", sum(differing.values()))
+    assert_bit_identical(cuda_quantized, host_quantized)
+    assert_close_runs(tuple(expected), tuple(actual))

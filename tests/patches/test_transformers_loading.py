@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import autooffload
 from autooffload import runtime as rt
-from autooffload.patches.transformers_loading import single_device
+from autooffload.patches.transformers_loading import placement_device, single_device
 
 
 @pytest.fixture
@@ -41,6 +41,23 @@ def saved_llama(tmp_path):
 )
 def test_single_device_maps(device_map, expected):
     assert single_device(device_map) == expected
+
+
+@pytest.mark.parametrize(
+    ("device_map", "attach_type", "gpus", "expected"),
+    [
+        ("auto", "cuda", 1, torch.device("cuda", 0)),
+        ("balanced", "cuda", 1, torch.device("cuda", 0)),
+        ("auto", "cuda", 2, None),  # several GPUs to spread over: accelerate's
+        ("auto", "cpu", 0, torch.device("cpu")),
+        ("cuda:1", "cuda", 2, torch.device("cuda", 1)),
+        ("cpu", "cuda", 1, None),  # not the attach device
+        (None, "cuda", 1, None),
+    ],
+)
+def test_placement_devices(monkeypatch, device_map, attach_type, gpus, expected):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert placement_device(device_map, attach_type) == expected
 
 
 def test_device_map_on_the_attach_device_attaches_with_the_saved_weights(saved_llama):
