@@ -242,6 +242,7 @@ def test_a_patch_module_with_a_broken_import_is_not_hidden(monkeypatch, tmp_path
 def test_every_attribute_touched_by_the_real_patches_is_restored(fake_json_patch, monkeypatch):
     import torch  # noqa: F401 - imported first so the torch patches install at once
     import transformers  # noqa: F401
+    import peft  # noqa: F401 - peft_lora's target (its wraps and its redirect)
     import transformers.generation.utils  # noqa: F401 - sharded_generate's target
 
     real = ("torch_module", "torch_optim", "peft_lora", "bnb", "hf_collators", "sharded_generate")
@@ -249,13 +250,17 @@ def test_every_attribute_touched_by_the_real_patches_is_restored(fake_json_patch
     autooffload.enable()
     touched = [(r.owner, r.attr, r.original, r.own) for r in _registry.records()]
     assert touched, "no patch was installed"
+    redirected = [(r.function, r.code) for r in _registry.redirects()]
+    assert redirected, "peft_lora's redirect of prepare_model_for_kbit_training not installed"
     assert any(attr == "generate" for _, attr, _, _ in touched), "sharded_generate not installed"
     autooffload.disable()
     for owner, attr, original, own in touched:
         assert stored(owner, attr) is original, f"{owner!r}.{attr} not restored"
         if inspect.isclass(owner) and not own:
             assert attr not in owner.__dict__
-    assert _registry.records() == []
+    for function, code in redirected:
+        assert function.__code__ is code, f"{function.__qualname__} not restored"
+    assert _registry.records() == [] and _registry.redirects() == []
 
 
 # transformers' processing_utils re-executes transformers/__init__.py, replacing the top-level

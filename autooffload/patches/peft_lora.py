@@ -17,7 +17,7 @@ with the same settings; the plan is searched anew at its next forward.
 
 from __future__ import annotations
 
-import sys
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -157,33 +157,16 @@ def _prepare_kbit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict
         rt.attach(attached, settings=settings, device=device)
 
 
-def _kbit_namespaces() -> list[Any]:
-    """Every module holding peft's ``prepare_model_for_kbit_training`` under that name: peft's
-    own (it is re-exported twice) and any imported before ``enable()`` that bound it with
-    ``from peft import prepare_model_for_kbit_training`` (a training script's ``__main__``)."""
-    import peft.utils.other
-
-    name = "prepare_model_for_kbit_training"
-    original = peft.utils.other.__dict__.get(name)
-    if original is None:
-        return []
-    return [
-        module
-        for module in list(sys.modules.values())
-        if isinstance(getattr(module, "__dict__", None), dict)
-        and module.__dict__.get(name) is original
-    ]
-
-
 def install(settings: Settings, target: str) -> None:
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTuner
-    from peft.utils.other import ModulesToSaveWrapper
+    from peft.utils.other import ModulesToSaveWrapper, prepare_model_for_kbit_training
 
     _registry.wrap(BaseTuner, "inject_adapter", _inject_wrapper, __name__)
     _registry.wrap(ModulesToSaveWrapper, "update", _modules_to_save_update_wrapper, __name__)
-    for module in _kbit_namespaces():
-        _registry.wrap(module, "prepare_model_for_kbit_training", _prepare_kbit_wrapper, __name__)
+    # Scripts import it by name, often before enable(): redirected, so every binding is caught.
+    if isinstance(prepare_model_for_kbit_training, types.FunctionType):
+        _registry.redirect(prepare_model_for_kbit_training, _prepare_kbit_wrapper, __name__)
     for cls in _subclasses(LoraLayer):
         for attr in _READS:
             if attr in cls.__dict__:

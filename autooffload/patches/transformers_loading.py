@@ -14,8 +14,10 @@ is large and trainable (and is a plain move otherwise). Where it loads is decide
 * a bitsandbytes 4-bit or 8-bit load (``quantization_config=BitsAndBytesConfig(...)``, or a
   checkpoint saved quantized) with no map or such a map: transformers would quantize straight
   onto the GPU, so the quantized model, which often does not fit it either, would be there
-  before anything could attach it. It is quantized on the host instead (bitsandbytes' CPU
-  kernels, the same packed layout) and attached on the device transformers would have used;
+  before anything could attach it. It is loaded on the host instead, each weight quantized
+  on that device by bitsandbytes' own kernels and its codes and quant state brought back
+  (``patches/bnb.py``: the bytes of the plain load, one weight on the GPU at a time), and the
+  model is attached on that device;
   ``prepare_model_for_kbit_training`` on it is handled by ``patches/peft_lora.py``;
 * anything else (several devices, another quantization method, no map for an unquantized
   model) is left to transformers and accelerate: a dispatched model gets no weight offload.
@@ -53,6 +55,12 @@ class _Load:
 _loading: ContextVar[_Load | None] = ContextVar("autooffload_loading", default=None)
 # Whether transformers has the quantizer step the decision hooks into (older ones do not).
 _hooked = {"get_hf_quantizer": False}
+
+
+def loading_target() -> torch.device | None:
+    """The device the ``from_pretrained`` running now attaches on, once decided (else None)."""
+    load = _loading.get()
+    return None if load is None else load.target
 
 
 def single_device(device_map: Any) -> torch.device | None:

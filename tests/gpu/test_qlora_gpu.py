@@ -128,7 +128,7 @@ def test_int8_lora_attached_matches_plain_on_gpu():
     assert_close_runs(expected, (losses, trained_weights(model)))
 
 
-def _from_pretrained_qlora(checkpoint, attached: bool) -> tuple:
+def _from_pretrained_qlora(checkpoint, attached: bool, device_map=None) -> tuple:
     """The usual QLoRA script: ``from_pretrained(quantization_config=nf4)`` (no device_map:
     bitsandbytes places it on the current GPU), ``prepare_model_for_kbit_training``,
     ``get_peft_model``, train. Attached, the load is quantized on the host and attached."""
@@ -143,7 +143,7 @@ def _from_pretrained_qlora(checkpoint, attached: bool) -> tuple:
         bnb_4bit_compute_dtype=torch.bfloat16,
     )
     model = AutoModelForCausalLM.from_pretrained(
-        checkpoint, quantization_config=quant, dtype=torch.bfloat16
+        checkpoint, quantization_config=quant, dtype=torch.bfloat16, device_map=device_map
     )
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
     torch.manual_seed(123)
@@ -160,10 +160,12 @@ def _from_pretrained_qlora(checkpoint, attached: bool) -> tuple:
     return losses, weights, quant_tensors(peft_model)
 
 
-def test_from_pretrained_qlora_attaches_and_trains_like_the_plain_load(tmp_path):
+# No map (bitsandbytes picks the current GPU), accelerate's "auto" on one GPU (TRL's default).
+@pytest.mark.parametrize("device_map", [None, "auto"], ids=["no-map", "auto"])
+def test_from_pretrained_qlora_attaches_and_trains_like_the_plain_load(tmp_path, device_map):
     tiny_llama("resident").to(torch.bfloat16).save_pretrained(tmp_path)
-    *expected, cuda_quantized = _from_pretrained_qlora(tmp_path, attached=False)
-    *actual, host_quantized = _from_pretrained_qlora(tmp_path, attached=True)
+    *expected, cuda_quantized = _from_pretrained_qlora(tmp_path, False, device_map)
+    *actual, host_quantized = _from_pretrained_qlora(tmp_path, True, device_map)
     # Quantized by bitsandbytes' CPU kernels here, its CUDA kernels in the plain load: the
     # same codes and scales are expected; the count of differing bytes is printed if not.
     differing = {

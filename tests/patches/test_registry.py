@@ -134,3 +134,38 @@ def test_missing_class_attribute_is_an_error():
     with pytest.raises(AttributeError, match="nope"):
         _registry.wrap(Base, "nope", tagging("x"), "g")
     assert _registry.records() == []
+
+
+def _greet(name: str, punctuation: str = "!", *, loud: bool = False) -> str:
+    text = f"hello {name}{punctuation}"
+    return text.upper() if loud else text
+
+
+def test_redirect_reaches_names_bound_before_it_and_restores_the_code():
+    bound = _greet  # as ``from module import function`` before enable()
+    code = _greet.__code__
+    calls = []
+
+    def wrapper(wrapped, instance, args, kwargs):
+        calls.append((args, kwargs))
+        return "<" + wrapped(*args, **kwargs) + ">"
+
+    _registry.redirect(_greet, wrapper, "group_r")
+    _registry.redirect(_greet, wrapper, "group_r")  # twice: a no-op
+    assert bound("ada", loud=True) == "<HELLO ADA!>"  # defaults and keyword-only kept
+    assert calls == [(("ada",), {"loud": True})]
+    assert [r.function for r in _registry.redirects()] == [_greet]
+    _registry.restore_group("group_r")
+    assert bound.__code__ is code and bound("ada") == "hello ada!"
+    assert _registry.redirects() == []
+    assert not [name for name in globals() if name.startswith("__autooffload")]
+
+
+def test_redirect_refuses_a_closure():
+    secret = "x"
+
+    def closure() -> str:
+        return secret
+
+    with pytest.raises(TypeError, match="closure"):
+        _registry.redirect(closure, lambda *a: None, "group_r")

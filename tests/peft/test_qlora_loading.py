@@ -11,11 +11,9 @@ the same script without autooffload. The GPU version is in ``tests/gpu/test_qlor
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
+
 # Bound at import, before any enable(), as a script does: enable() patches this module's name too.
 from peft import get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402  (after bnb skip)
@@ -136,20 +134,16 @@ def test_no_map_without_quantization_stays_a_host_load(checkpoint):
     assert rt.runtime_of(model) is None
 
 
-def test_prepare_bound_before_enable_is_patched_and_restored():
+def test_prepare_bound_before_enable_detaches_and_is_restored(checkpoint):
     import peft.utils.other
 
-    original = peft.utils.other.prepare_model_for_kbit_training
-    script = types.ModuleType("a_training_script")
-    script.prepare_model_for_kbit_training = original  # ``from peft import ...`` before enable
-    sys.modules[script.__name__] = script
-    try:
-        autooffload.disable()
-        enable_cpu()
-        assert script.prepare_model_for_kbit_training is not original
-        assert peft.utils.other.prepare_model_for_kbit_training is not original
-        autooffload.disable()
-        assert script.prepare_model_for_kbit_training is original
-        assert peft.utils.other.prepare_model_for_kbit_training is original
-    finally:
-        del sys.modules[script.__name__]
+    bound = peft.utils.other.prepare_model_for_kbit_training  # a name bound before enable()
+    code = bound.__code__
+    enable_cpu()
+    model = load(checkpoint, "nf4")
+    model = bound(model, use_gradient_checkpointing=False)  # reads offloaded params if attached
+    assert rt.runtime_of(model) is not None
+    assert model.model.norm.weight.dtype == torch.float32
+    autooffload.disable()
+    assert bound.__code__ is code
+    assert not [name for name in vars(peft.utils.other) if name.startswith("__autooffload")]
