@@ -240,9 +240,9 @@ def test_a_patch_module_with_a_broken_import_is_not_hidden(monkeypatch, tmp_path
 
 
 def test_every_attribute_touched_by_the_real_patches_is_restored(fake_json_patch, monkeypatch):
+    import peft  # noqa: F401 - peft_lora's target (its wraps and its redirect)
     import torch  # noqa: F401 - imported first so the torch patches install at once
     import transformers  # noqa: F401
-    import peft  # noqa: F401 - peft_lora's target (its wraps and its redirect)
     import transformers.generation.utils  # noqa: F401 - sharded_generate's target
 
     real = ("torch_module", "torch_optim", "peft_lora", "bnb", "hf_collators", "sharded_generate")
