@@ -137,6 +137,9 @@ def peer(args: argparse.Namespace) -> dict:
                 result["predicted_peak_gib"] = plan.predicted_peak_bytes / GIB
     except torch.OutOfMemoryError as error:
         result["oom"] = str(error).splitlines()[0][:200]
+        plan = autooffload.last_plan()
+        if plan is not None:
+            result["plan"] = plan.summary()
     return result
 
 
