@@ -176,17 +176,18 @@ def fresh_peak(device: torch.device) -> None:
 def worker_rate(mark: tuple[float, int, float, int], optimizer: CpuOptimizer) -> float | None:
     """Offloaded params updated per second the CPU worker was busy since ``mark`` (its
     ``optimizer.mark()`` then): each step's first copy of the gradients out of staging
-    included, as the step runs it; the adds of further micro-batches are not
-    (``accumulate_rate``, costed apart). The worker must be idle at ``mark`` and now
-    (``wait()`` first)."""
+    included, as the step runs it; the adds of further micro-batches, and under accumulation
+    the copy of aliased gradients out of their staging, are not (``accumulate_rate``, costed
+    apart). The worker must be idle at ``mark`` and now (``wait()`` first)."""
     busy_s, updated, add_s, _ = optimizer.mark()
     seconds, params = (busy_s - mark[0]) - (add_s - mark[2]), updated - mark[1]
     return params / seconds if seconds > 0 and params > 0 else None
 
 
 def accumulate_rate(mark: tuple[float, int, float, int], optimizer: CpuOptimizer) -> float | None:
-    """Gradient elements the CPU worker added per second of its adds since ``mark``
-    (gradient accumulation's later micro-batches), or None where it added none."""
+    """Gradient elements the CPU worker added (or copied out of an aliased staging) per second
+    of that work since ``mark`` (gradient accumulation's later micro-batches), or None where it
+    did none."""
     _, _, add_s, added = optimizer.mark()
     seconds, params = add_s - mark[2], added - mark[3]
     return params / seconds if seconds > 0 and params > 0 else None
