@@ -44,6 +44,23 @@ def _clean_state():
     GradientState._reset_state()
 
 
+def tiny_config(tokenizer, hidden: int, tied: bool) -> LlamaConfig:
+    """A 2-layer Llama over the tokenizer's vocabulary."""
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+
+
 def chat_dataset() -> Dataset:
     with open(REPO / "examples/data/chat.jsonl") as lines:
         return Dataset.from_list([json.loads(line) for line in lines if line.strip()])
@@ -59,19 +76,7 @@ def test_sft_trainer_learns_attached_and_its_checkpoint_reloads_into_a_plain_mod
     )
     tokenizer = AutoTokenizer.from_pretrained(REPO / "tests/data/tokenizers/qwen3")
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    config = tiny_config(tokenizer, hidden=32, tied=True)
     args = cpu_sft_config(tmp_path, SFT_STEPS, per_device_train_batch_size=8, max_length=128)
     trainer = SFTTrainer(
         model=LlamaForCausalLM(config),
@@ -137,18 +142,7 @@ def test_sft_trainer_given_a_name_loads_quantized_attached_and_trains_like_plain
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(REPO / "tests/data/tokenizers/qwen3")
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    config = tiny_config(tokenizer, hidden=64, tied=False)
     checkpoint = tmp_path / "checkpoint"
     LlamaForCausalLM(config).save_pretrained(checkpoint)
     expected, plain_attached = sft_by_name_quantized(tmp_path / "plain", checkpoint, False)
