@@ -230,7 +230,8 @@ class StepProfiler:
         for index in chunks:
             runtime.manager.gather(index)
         params = [p for p in block.parameters() if p.requires_grad]
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
+        # A KV cache the step's forward wrote to would be appended to again by every run.
+        kwargs = {k: v for k, v in kwargs.items() if not activations.is_kv_cache(k, v)}
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
         saved = [0]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -198,6 +199,24 @@ def _params_and_buffers(block: nn.Module) -> Iterator[torch.Tensor]:
     yield from block.buffers()
 
 
+# The names a block's KV cache is passed under: ``cache`` since transformers 5.24 (HF's own
+# checkpointing layer clears it under that name), ``past_key_values`` / ``past_key_value``
+# before, ``layer_past`` in older architectures.
+KV_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def is_kv_cache(name: str, value: Any) -> bool:
+    """Whether keyword argument ``name=value`` of a block call is a KV cache: one of the names
+    above, or any value of a transformers ``Cache`` class (whatever a model calls it)."""
+    if value is None:
+        return False
+    if name in KV_CACHE_KWARGS:
+        return True
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache_class = getattr(cache_utils, "Cache", None)
+    return cache_class is not None and isinstance(value, cache_class)
+
+
 def _without_cache(block: nn.Module, kwargs: dict) -> dict:
     # As HF's own checkpointing does: a recompute would append to a KV cache a second time, and a
     # cache holding device K/V would pin swapped activations on the device.
@@ -205,8 +224,8 @@ def _without_cache(block: nn.Module, kwargs: dict) -> dict:
     if changed.get("use_cache"):
         changed["use_cache"] = False
     if not getattr(block, "_can_checkpoint_with_cache", False):
-        for name in ("past_key_values", "past_key_value", "layer_past"):
-            if changed.get(name) is not None:
+        for name, value in kwargs.items():
+            if is_kv_cache(name, value):
                 changed[name] = None
     if changed != kwargs:
         logger.debug("%s: KV cache disabled for a training forward", type(block).__name__)

@@ -59,6 +59,7 @@ def train(
     set_to_none: bool = True,
     before_micro: Callable[[int], None] | None = None,
     before_detach: Callable[[object], None] | None = None,
+    forward_kw: dict | None = None,
 ) -> Run:
     """Train ``model`` for ``len(data) // accum`` steps; ``attach`` settings attach it first.
     ``before_micro(i)`` runs before micro-batch i of every step, ``before_detach(runtime)``
@@ -77,7 +78,7 @@ def train(
             if before_micro is not None:
                 before_micro(micro)
             ids = data[step * accum + micro]
-            loss = model(input_ids=ids, labels=ids).loss / accum
+            loss = model(input_ids=ids, labels=ids, **(forward_kw or {})).loss / accum
             loss.backward()
             losses.append(loss.item())
         if clip is not None:
@@ -334,6 +335,25 @@ def test_every_activation_policy_matches_plain(make_llama, make_batches, offload
         accum=2,
         n_data=2 * STEPS,
         attach={"n_persist": 1, "activation_mode": mode},
+    )
+    assert_same_training(plain, offloaded)
+
+
+@pytest.mark.parametrize("mode", ["searched", "checkpoint", "swap"])
+def test_a_training_forward_that_fills_a_kv_cache_matches_plain(
+    make_llama, make_batches, offload_cpu, mode
+):
+    """``use_cache=True`` in training: transformers >= 5.24 hands each block the cache as
+    ``cache=`` (``past_key_values=`` before). A recomputed block, or a profiling probe re-running
+    one, must not append to it again (the probe then failed on a 32-key cache against a
+    16-token mask); the searched plan's run goes through both profiling steps' probes."""
+    attach = {} if mode == "searched" else {"n_persist": 1, "activation_mode": mode}
+    plain, offloaded, _ = compare(
+        make_llama,
+        make_batches,
+        offload_cpu,
+        attach=attach,
+        forward_kw={"use_cache": True},
     )
     assert_same_training(plain, offloaded)
 
