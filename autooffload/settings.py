@@ -81,6 +81,13 @@ class Settings:
         attach_threshold: Models smaller than this many bytes of parameters are not attached
             automatically (they fit anyway); default 1 GiB.
         force_attach: Attach every trained model whatever its size.
+        offload_frozen: Frozen models (nothing requires grad: a DPO reference model, a
+            distillation teacher) moved to the GPU attach too, every chunk streamed through the
+            buffers by default (an eval-only model is never profiled), so the model that trains
+            keeps the GPU. ``None``/``auto`` (the default): when the model is over
+            ``attach_threshold`` and takes at least a quarter of the GPU budget (or with
+            ``force_attach``); ``True``: whenever over ``attach_threshold``; ``False``: never
+            (such a model moves to the GPU whole, and the trained model's plan counts it).
         master_weights: Keep fp32 master weights (and fp32 optimizer state) for offloaded
             low-precision (bf16/fp16) parameters in the CPU optimizer. Off by default: the script's
             own optimizer updates bf16 parameters in bf16, and so does the CPU twin, so an
@@ -240,6 +247,13 @@ class Settings:
     )
     force_attach: bool = _knob(
         False, "AUTOOFFLOAD_FORCE_ATTACH", parse_bool, "attach whatever the model size"
+    )
+    offload_frozen: bool | None = _knob(
+        None,
+        "AUTOOFFLOAD_OFFLOAD_FROZEN",
+        parse_optional_bool,
+        "attach frozen models (reference, teacher) and stream them; auto = when over the"
+        " threshold and at least a quarter of the GPU budget",
     )
     master_weights: bool = _knob(
         False, "AUTOOFFLOAD_MASTER_WEIGHTS", parse_bool, "fp32 masters for offloaded bf16 params"

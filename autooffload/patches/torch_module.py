@@ -49,8 +49,15 @@ def attach_device_type(settings: Settings) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# A frozen model attaches on its own (``offload_frozen`` auto) from this share of the GPU
+# budget: a reference model or a teacher that big would take the memory the trained model's
+# plan needs; a smaller one stays whole on the device, where the trained model's plan counts it.
+FROZEN_BUDGET_SHARE = 0.25
+
+
 def should_attach(model: nn.Module, settings: Settings, device: torch.device) -> bool:
-    """Attach on a move to the compute device of a large model that has something to train."""
+    """Attach on a move to the compute device of a large model that has something to train,
+    or of a large frozen one (``settings.offload_frozen``)."""
     from autooffload import runtime as rt
 
     if not settings.offload or device.type != attach_device_type(settings):
@@ -59,15 +66,32 @@ def should_attach(model: nn.Module, settings: Settings, device: torch.device) ->
         return False
     if rt.runtime_of(model) is not None or _runtime_inside(model) is not None:
         return False
-    if not any(p.requires_grad for p in model.parameters()):
-        return False
     if any(_is_dtensor(p) for p in model.parameters()):
         # Sharded by FSDP2: its CPUOffloadPolicy is the tool for weights (docs/distributed.md).
         logger.debug("FSDP2/DTensor-sharded model: no weight offload (use CPUOffloadPolicy)")
         return False
+    if not any(p.requires_grad for p in model.parameters()):
+        return _should_stream_frozen(model, settings, device)
     if settings.force_attach:
         return True
     return _unique_param_bytes(model) >= settings.attach_threshold
+
+
+def _should_stream_frozen(model: nn.Module, settings: Settings, device: torch.device) -> bool:
+    """Whether a model with nothing to train attaches (to be streamed, docs/interfaces.md)."""
+    from autooffload.runtime.planning import budget_bytes
+
+    if settings.offload_frozen is False:
+        return False
+    if settings.force_attach:
+        return True
+    size = _unique_param_bytes(model)
+    if size < settings.attach_threshold:
+        return False
+    if settings.offload_frozen:
+        return True
+    budget = budget_bytes(settings, device)
+    return budget is not None and size >= FROZEN_BUDGET_SHARE * budget
 
 
 def _is_dtensor(param: torch.Tensor) -> bool:

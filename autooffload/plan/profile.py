@@ -126,6 +126,11 @@ class _Clock:
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
 
 
+# The marks kept from forwards before a step's first backward, per group: a model with
+# nothing to train has its marks dropped past this (two per group per forward).
+MARKS_PER_GROUP = 16
+
+
 @dataclass
 class _Mark:
     group: int
@@ -176,6 +181,12 @@ class StepProfiler:
             self.later_micro_batch = True
         if self.later_micro_batch:
             return
+        if len(self.marks) >= MARKS_PER_GROUP * len(self.runtime.groups) and not any(
+            p.requires_grad for p in self.runtime.model.parameters()
+        ):
+            # Forwards with grad enabled of a model with nothing to train (a teacher run
+            # outside no_grad): no backward or step will profile them; keep the marks bounded.
+            self.marks.clear()
         if group.is_block:
             args, kwargs = primary_input(group.module, args, kwargs)
             self.input_bytes.setdefault(group.index, _tensor_bytes(args[:1]))

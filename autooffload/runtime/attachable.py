@@ -75,11 +75,17 @@ def check_params_after_attach(runtime: Runtime) -> None:
             and id(param) not in runtime.manager.staging_offsets
             and id(param) not in runtime.cpu_optim.offloaded_ids
         ):
+            frozen_model = (
+                " (the whole model was frozen then: AUTOOFFLOAD_OFFLOAD_FROZEN=0 keeps such"
+                " models off the offload)"
+                if runtime.attached_frozen
+                else ""
+            )
             raise AttachError(
                 f"parameter {slot.name} was frozen when the model was attached and now"
                 " requires grad, but its offloaded chunk has no host gradient buffer or"
                 " optimizer state; unfreeze it before moving the model to the device,"
-                " detach first (model.cpu()), or set AUTOOFFLOAD_OFFLOAD=0"
+                f" detach first (model.cpu()), or set AUTOOFFLOAD_OFFLOAD=0{frozen_model}"
             )
 
 

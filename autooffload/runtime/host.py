@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,9 +18,11 @@ class HostArena:
     One allocation instead of one per chunk: ``cudaHostAlloc`` is slow and fragments the
     pinned pool. If pinning fails (locked-memory limits, container caps) the arena falls back
     to pageable memory with one warning, since pageable copies are ~3x slower but correct.
+    ``lazy``: allocate at the first view taken (the gradient staging of a model that may never
+    train: a reference model loaded with its params requiring grad, used under no_grad).
     """
 
-    def __init__(self, sizes: list[int], pin: bool) -> None:
+    def __init__(self, sizes: list[int], pin: bool, lazy: bool = False) -> None:
         self.offsets: list[int] = []
         total = 0
         for size in sizes:
@@ -30,9 +33,30 @@ class HostArena:
         self.pinned = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._array: np.ndarray | None = None  # the buffer as numpy, for ``alias``
+        self._pin = pin
+        self._pending = lazy and total > 0
+        self._lock = threading.Lock()  # the first view may be taken on the optimizer's worker
         if total == 0:
             self.pinned = pin  # nothing to pin: report what was asked (a rank hosting no chunk)
             return
+        if not lazy:
+            self._allocate()
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the bytes exist (a lazy arena has none before its first view)."""
+        return self.buffer.numel() > 0
+
+    def _allocate(self) -> None:
+        with self._lock:
+            if self.buffer.numel() or not self.total_bytes:
+                self._pending = False
+                return
+            self._allocate_now()
+            self._pending = False
+
+    def _allocate_now(self) -> None:
+        total, pin = self.total_bytes, self._pin
         if pin:
             try:
                 self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
@@ -53,6 +77,8 @@ class HostArena:
 
     def view(self, index: int) -> torch.Tensor:
         """The byte view of chunk ``index``."""
+        if self._pending:
+            self._allocate()
         start = self.offsets[index]
         return self.buffer[start : start + self.sizes[index]]
 
@@ -64,6 +90,8 @@ class HostArena:
         checks (tied-weight detection) see only its bytes, where a view would carry the arena."""
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
+        if self._pending:
+            self._allocate()
         if self._array is None:
             self._array = self.buffer.numpy()
         start = self.offsets[index] + offset
@@ -73,6 +101,7 @@ class HostArena:
     def free(self) -> None:
         """Drop the allocation (views taken earlier keep their memory alive until dropped)."""
         self._array = None
+        self._pending = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.offsets = []
         self.sizes = []

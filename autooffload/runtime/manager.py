@@ -132,7 +132,9 @@ class ChunkManager:
                 self.staging_offsets[id(slot.param)] = size
                 size += (slot.nbytes + ALIGN - 1) // ALIGN * ALIGN
             staging_sizes.append(size)
-        self.grad_staging = HostArena(staging_sizes, pin=pin_memory and self.is_cuda)
+        # Allocated at the first gradient offloaded: a model used under no_grad only (a DPO
+        # reference loaded with its params requiring grad) never pins it.
+        self.grad_staging = HostArena(staging_sizes, pin=pin_memory and self.is_cuda, lazy=True)
         self.state = [Residency.HOST] * len(self.chunks)
         self.gpu_flat: list[torch.Tensor] = []
         self.ready_events: list[torch.cuda.Event | None] = [None] * len(self.chunks)

@@ -193,6 +193,10 @@ class Runtime(GroupHooks):
             logger.debug("%s", self.plan.summary())
         else:
             logger.info("%s", self.plan.summary())
+        # Nothing to train at attach (Settings.offload_frozen): a reference model, a teacher.
+        self.attached_frozen = not any(p.requires_grad for p in model.parameters())
+        if self.attached_frozen:
+            logger.info("%s", frozen_summary(self))
 
     def _resident_trainable_params(self) -> list[nn.Parameter]:
         """Trainable params kept on the GPU outside chunks: adapters of a mostly frozen model.
@@ -511,6 +515,20 @@ class Runtime(GroupHooks):
             allocator.release(self.allocator_hold)
             self.allocator_hold = False
         return self.model
+
+
+def frozen_summary(runtime: Runtime) -> str:
+    """The line logged when a model with nothing to train attaches (a reference model, a
+    teacher: ``Settings.offload_frozen``): where its weights are while it runs under no_grad."""
+    plan = runtime.plan
+    offloaded = runtime.layout.chunks[plan.n_persist :]
+    gib = sum(c.nbytes for c in offloaded) / (1 << 30)
+    return (
+        f"frozen {type(runtime.model).__name__} (nothing to train): {len(offloaded)} of"
+        f" {plan.n_chunks} chunks ({gib:.2f} GiB) streamed from pinned CPU through"
+        f" {plan.n_buffer} GPU buffers in every forward; it is planned like a trained model"
+        " if something in it trains (AUTOOFFLOAD_OFFLOAD_FROZEN=0 keeps such models whole)"
+    )
 
 
 def _everywhere(data_parallel: DataParallel | None, check: Callable[[], None]) -> None:

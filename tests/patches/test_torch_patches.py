@@ -101,12 +101,17 @@ def test_offload_off_never_attaches():
     assert rt.runtime_of(model) is None
 
 
-def test_model_without_trainable_params_is_left_alone():
+@pytest.mark.parametrize("offload_frozen", [False, None])
+def test_model_without_trainable_params_attaches_only_as_offload_frozen_says(offload_frozen):
     model = tiny_llama().requires_grad_(False)
-    enable_cpu(force_attach=True)
+    enable_cpu(force_attach=True, offload_frozen=offload_frozen)
     model.to("cpu")
-    assert rt.runtime_of(model) is None
-    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    if offload_frozen is False:
+        assert rt.runtime_of(model) is None
+        assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    else:  # auto: with force_attach whatever its size (tests/runtime/test_frozen_models.py)
+        assert rt.runtime_of(model) is not None
+        assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
 
 
 def test_moving_an_attached_model_to_its_device_again_changes_nothing():

@@ -1,0 +1,217 @@
+"""DPO with a reference model under a GPU memory cap: plain PyTorch vs autooffload.
+
+    python benchmarks/dpo_reference.py --cap 24GiB --out dpo.json
+
+Two random-init Llama-3.2-3B-shaped models in bf16 (from a config: nothing is downloaded): the
+policy, fully fine-tuned with fused AdamW, and a frozen copy of it as the DPO reference, run
+under ``no_grad`` each step before the policy's forward and backward, as TRL's DPOTrainer does.
+A step is ``--pairs`` (chosen, rejected) pairs of ``--seq`` tokens. Each peer runs in its own
+process:
+
+* ``plain``: no autooffload, no cap (the reference speed and memory);
+* ``plain@cap``: no autooffload, ``torch.cuda.set_per_process_memory_fraction`` at the cap;
+* ``autooffload@cap``: ``autooffload.enable(budget=cap)`` and the same fraction: the policy
+  attaches and is planned, the reference attaches frozen and streams (``offload_frozen`` auto);
+* ``autooffload[offload_frozen=0]@cap``: the reference moved whole to the GPU, the policy's
+  plan made around it.
+
+Reported per peer: step ms (median of ``--steps``), pairs/s and tokens/s, peak allocated and
+reserved GiB, the reference forward's share of the step, the policy plan's predicted peak and
+step; ``OOM`` where the peer ran out of memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GIB = 1 << 30
+# Llama-3.2-3B's shape (tied embeddings, 128k vocabulary).
+DIMS = dict(
+    vocab_size=128_256,
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_hidden_layers=28,
+    num_attention_heads=24,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    rope_theta=500_000.0,
+)
+BETA = 0.1
+
+
+def parse_bytes(text: str) -> int:
+    from autooffload.setting_values import parse_optional_bytes
+
+    value = parse_optional_bytes(text, "--cap")
+    assert value is not None
+    return value
+
+
+def build(layers: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**DIMS, "num_hidden_layers": layers})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=generator)
+    return model.train()
+
+
+def sequence_logps(model, ids):
+    import torch.nn.functional as F
+
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    return -F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").sum(-1)
+
+
+def peer(args: argparse.Namespace) -> dict:
+    """One peer, in this process: build, attach or not, train; its figures."""
+    import torch
+    import torch.nn.functional as F
+
+    import autooffload
+    from autooffload import runtime as rt
+
+    name = args.peer
+    cap = parse_bytes(args.cap) if "@cap" in name else None
+    result: dict = {"peer": name, "cap_gib": cap / GIB if cap else None}
+    policy = build(args.layers)
+    reference = copy.deepcopy(policy).requires_grad_(False).eval()
+    if cap is not None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+    if name.startswith("autooffload"):
+        settings = {"offload_frozen": False} if "offload_frozen=0" in name else {}
+        autooffload.enable(budget=cap, log="info", mask=False, **settings)
+    try:
+        start = time.perf_counter()
+        policy.to("cuda")
+        reference.to("cuda")
+        result["move_s"] = time.perf_counter() - start
+        result["policy_attached"] = rt.runtime_of(policy) is not None
+        result["reference_attached"] = rt.runtime_of(reference) is not None
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5, fused=True)
+        generator = torch.Generator().manual_seed(0)
+        times, ref_times, losses = [], [], []
+        for step in range(args.warmup + args.steps):
+            shape = (2 * args.pairs, args.seq)
+            ids = torch.randint(0, DIMS["vocab_size"], shape, generator=generator).cuda()
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            with torch.no_grad():
+                ref = sequence_logps(reference, ids)
+            torch.cuda.synchronize()
+            ref_done = time.perf_counter()
+            ratios = (sequence_logps(policy, ids) - ref).view(args.pairs, 2)
+            loss = -F.logsigmoid(BETA * (ratios[:, 0] - ratios[:, 1])).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            torch.cuda.synchronize()
+            if step >= args.warmup:
+                times.append(time.perf_counter() - begin)
+                ref_times.append(ref_done - begin)
+            if step == args.warmup - 1:
+                torch.cuda.reset_peak_memory_stats()
+        step_s = sorted(times)[len(times) // 2]
+        result.update(
+            step_ms=step_s * 1e3,
+            reference_ms=sorted(ref_times)[len(ref_times) // 2] * 1e3,
+            pairs_per_s=args.pairs / step_s,
+            tokens_per_s=2 * args.pairs * args.seq / step_s,
+            peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
+            peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB,
+            losses=losses,
+        )
+        runtime = rt.runtime_of(policy)
+        if runtime is not None:
+            plan = runtime.plan
+            result["plan"] = plan.summary()
+            if plan.predicted_peak_bytes is not None:
+                result["predicted_peak_gib"] = plan.predicted_peak_bytes / GIB
+            if plan.predicted_step_s is not None:
+                result["predicted_step_ms"] = plan.predicted_step_s * 1e3
+    except torch.OutOfMemoryError as error:
+        result["oom"] = str(error).splitlines()[0][:200]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cap", default="24GiB")
+    parser.add_argument("--layers", type=int, default=DIMS["num_hidden_layers"])
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--peers", default="plain,plain@cap,autooffload@cap,autooffload[offload_frozen=0]@cap"
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--peer", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.peer:
+        print("RESULT " + json.dumps(peer(args)), flush=True)
+        return
+    results = []
+    for name in args.peers.split(","):
+        command = [sys.executable, __file__, "--peer", name]
+        for key in ("cap", "layers", "pairs", "seq", "steps", "warmup"):
+            command += [f"--{key}", str(getattr(args, key))]
+        done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        if lines:
+            result = json.loads(lines[-1][len("RESULT ") :])
+        else:
+            result = {"peer": name, "error": (done.stderr or done.stdout)[-2000:]}
+        result["log"] = [ln for ln in done.stderr.splitlines() if "[autooffload]" in ln][:12]
+        results.append(result)
+        sys.stderr.write(done.stderr[-3000:] if done.returncode else "")
+        print(json.dumps({k: v for k, v in result.items() if k != "losses"}), flush=True)
+    report = {
+        "dims": {**DIMS, "num_hidden_layers": args.layers},
+        "pairs": args.pairs,
+        "seq": args.seq,
+        "cap": args.cap,
+        "results": results,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    plain = next((r for r in results if r["peer"] == "plain" and "step_ms" in r), None)
+    print(
+        "| peer | step ms (pred) | reference ms | tokens/s | x plain | peak alloc / reserved GiB"
+        " | pred peak GiB |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        if "step_ms" not in r:
+            print(f"| {r['peer']} | OOM / error: {r.get('oom') or r.get('error', '')[-120:]} |")
+            continue
+        pred_step = f" ({r['predicted_step_ms']:.0f})" if "predicted_step_ms" in r else ""
+        pred = f"{r['predicted_peak_gib']:.2f}" if "predicted_peak_gib" in r else "-"
+        ratio = f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}x" if plain else "-"
+        print(
+            f"| {r['peer']} | {r['step_ms']:.0f}{pred_step} | {r['reference_ms']:.0f} |"
+            f" {r['tokens_per_s']:,.0f} | {ratio} | {r['peak_allocated_gib']:.2f} /"
+            f" {r['peak_reserved_gib']:.2f} | {pred} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
