@@ -90,8 +90,10 @@ def peer(args: argparse.Namespace) -> dict:
     name = args.peer
     cap = parse_bytes(args.cap) if "@cap" in name else None
     result: dict = {"peer": name, "cap_gib": cap / GIB if cap else None}
+    clock = time.perf_counter()
     policy = build(args.layers)
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
+    print(f"[{name}] built in {time.perf_counter() - clock:.1f} s", file=sys.stderr, flush=True)
     if cap is not None:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(cap / total)
@@ -129,6 +131,8 @@ def peer(args: argparse.Namespace) -> dict:
                 ref_times.append(ref_done - begin)
             if step == args.warmup - 1:
                 torch.cuda.reset_peak_memory_stats()
+            elapsed = time.perf_counter() - begin
+            print(f"[{name}] step {step}: {elapsed:.2f} s", file=sys.stderr, flush=True)
         step_s = sorted(times)[len(times) // 2]
         result.update(
             step_ms=step_s * 1e3,
@@ -183,6 +187,8 @@ def main() -> None:
         result["log"] = [ln for ln in done.stderr.splitlines() if "[autooffload]" in ln][:12]
         results.append(result)
         sys.stderr.write(done.stderr[-3000:] if done.returncode else "")
+        progress = [ln for ln in done.stderr.splitlines() if ln.startswith(f"[{name}]")]
+        sys.stderr.write("\n".join(progress[:2] + progress[-2:]) + "\n")
         print(json.dumps({k: v for k, v in result.items() if k != "losses"}), flush=True)
     report = {
         "dims": {**DIMS, "num_hidden_layers": args.layers},

@@ -79,6 +79,7 @@ def should_attach(model: nn.Module, settings: Settings, device: torch.device) ->
 
 def _should_stream_frozen(model: nn.Module, settings: Settings, device: torch.device) -> bool:
     """Whether a model with nothing to train attaches (to be streamed, docs/interfaces.md)."""
+    from autooffload import runtime as rt
     from autooffload.runtime.planning import budget_bytes
 
     if settings.offload_frozen is False:
@@ -90,7 +91,7 @@ def _should_stream_frozen(model: nn.Module, settings: Settings, device: torch.de
         return False
     if settings.offload_frozen:
         return True
-    budget = budget_bytes(settings, device)
+    budget = budget_bytes(settings, rt.resolve_device(settings, device))  # "cuda" -> "cuda:0"
     return budget is not None and size >= FROZEN_BUDGET_SHARE * budget
 
 
