@@ -47,7 +47,9 @@ def dpo_run(base: torch.nn.Module, attach: bool) -> tuple[list[float], dict]:
             # Nothing of the reference stays on the device after its forward.
             runtime = seen["reference"]
             seen["resident_after_forward"] = [
-                i for i, flat in enumerate(runtime.manager.gpu_flat) if flat.numel()
+                i
+                for i, flat in enumerate(runtime.manager.gpu_flat)
+                if flat.untyped_storage().nbytes()
             ]
         logps = sequence_logps(policy, ids)
         ratios = (logps - ref).view(2, 2)  # rows: (chosen, rejected) pairs
