@@ -44,6 +44,15 @@ DIMS = dict(
     tie_word_embeddings=True,
     rope_theta=500_000.0,
 )
+# Llama-3-8B's shape (untied, 128k vocabulary), for --shape 8b.
+DIMS_8B = dict(
+    DIMS,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    tie_word_embeddings=False,
+)
 BETA = 0.1
 
 
@@ -55,11 +64,15 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def dims() -> dict:
+    return DIMS_8B if os.environ.get("DPO_SHAPE") == "8b" else DIMS
+
+
 def build(layers: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{**DIMS, "num_hidden_layers": layers})
+    config = LlamaConfig(**{**dims(), "num_hidden_layers": layers})
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
@@ -162,7 +175,8 @@ def peer(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cap", default="24GiB")
-    parser.add_argument("--layers", type=int, default=DIMS["num_hidden_layers"])
+    parser.add_argument("--shape", choices=("3b", "8b"), default="3b")
+    parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5)
@@ -173,13 +187,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    os.environ["DPO_SHAPE"] = args.shape
+    if args.layers is None:
+        args.layers = dims()["num_hidden_layers"]
     if args.peer:
         print("RESULT " + json.dumps(peer(args)), flush=True)
         return
     results = []
     for name in args.peers.split(","):
         command = [sys.executable, __file__, "--peer", name]
-        for key in ("cap", "layers", "pairs", "seq", "steps", "warmup"):
+        for key in ("shape", "cap", "layers", "pairs", "seq", "steps", "warmup"):
             command += [f"--{key}", str(getattr(args, key))]
         done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -194,7 +211,7 @@ def main() -> None:
         sys.stderr.write("\n".join(progress[:2] + progress[-2:]) + "\n")
         print(json.dumps({k: v for k, v in result.items() if k != "losses"}), flush=True)
     report = {
-        "dims": {**DIMS, "num_hidden_layers": args.layers},
+        "dims": {**dims(), "num_hidden_layers": args.layers},
         "pairs": args.pairs,
         "seq": args.seq,
         "cap": args.cap,
