@@ -15,7 +15,10 @@ process:
 * ``autooffload[offload_frozen=0]@cap``: the reference moved whole to the GPU, the policy's
   plan made around it.
 
-Reported per peer: step ms (median of ``--steps``), pairs/s and tokens/s, peak allocated and
+Steps are timed once ``--warmup`` steps are done and the policy's plan has settled (its profiling
+steps and first calibration over), as ``autooffload.bench`` times: a plan switch empties the
+allocator's cache and resets the peak counters. Peaks are each timed step's, from a reset at its
+start. Reported per peer: step ms (median of ``--steps``), pairs/s and tokens/s, peak allocated and
 reserved GiB, the reference forward's share of the step, the policy plan's predicted peak and
 step; ``OOM`` where the peer ran out of memory.
 """
@@ -125,11 +128,22 @@ def peer(args: argparse.Namespace) -> dict:
         result["reference_attached"] = rt.runtime_of(reference) is not None
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5, fused=True)
         generator = torch.Generator().manual_seed(0)
-        times, ref_times, losses = [], [], []
-        for step in range(args.warmup + args.steps):
+        times, ref_times, losses, peaks, reserved = [], [], [], [], []
+        runtime = rt.runtime_of(policy)
+        step, timed_from = 0, None
+        # Timed once warmed up and the policy's plan has settled (its profiling steps and
+        # first calibration over: a plan switch empties the cache and resets the peak
+        # counters), as autooffload.bench times; at most --max-warmup steps of warm-up.
+        while len(times) < args.steps:
+            if timed_from is None and step >= args.warmup:
+                settled = runtime is None or runtime.plan_settled
+                if settled or step >= args.max_warmup:
+                    timed_from = step
+                    result["warmup_steps"] = step
             shape = (2 * args.pairs, args.seq)
             ids = torch.randint(0, DIMS["vocab_size"], shape, generator=generator).cuda()
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
             begin = time.perf_counter()
             with torch.no_grad():
                 ref = sequence_logps(reference, ids)
@@ -142,24 +156,24 @@ def peer(args: argparse.Namespace) -> dict:
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
             torch.cuda.synchronize()
-            if step >= args.warmup:
-                times.append(time.perf_counter() - begin)
-                ref_times.append(ref_done - begin)
-            if step == args.warmup - 1:
-                torch.cuda.reset_peak_memory_stats()
             elapsed = time.perf_counter() - begin
+            if timed_from is not None:
+                times.append(elapsed)
+                ref_times.append(ref_done - begin)
+                peaks.append(torch.cuda.max_memory_allocated())
+                reserved.append(torch.cuda.max_memory_reserved())
             print(f"[{name}] step {step}: {elapsed:.2f} s", file=sys.stderr, flush=True)
+            step += 1
         step_s = sorted(times)[len(times) // 2]
         result.update(
             step_ms=step_s * 1e3,
             reference_ms=sorted(ref_times)[len(ref_times) // 2] * 1e3,
             pairs_per_s=args.pairs / step_s,
             tokens_per_s=2 * args.pairs * args.seq / step_s,
-            peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
-            peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB,
+            peak_allocated_gib=max(peaks) / GIB,
+            peak_reserved_gib=max(reserved) / GIB,
             losses=losses,
         )
-        runtime = rt.runtime_of(policy)
         if runtime is not None:
             plan = runtime.plan
             result["plan"] = plan.summary()
@@ -181,6 +195,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--max-warmup", type=int, default=14)
     parser.add_argument(
         "--peers", default="plain,plain@cap,autooffload@cap,autooffload[offload_frozen=0]@cap"
     )
@@ -196,8 +211,8 @@ def main() -> None:
     results = []
     for name in args.peers.split(","):
         command = [sys.executable, __file__, "--peer", name]
-        for key in ("shape", "cap", "layers", "pairs", "seq", "steps", "warmup"):
-            command += [f"--{key}", str(getattr(args, key))]
+        for key in ("shape", "cap", "layers", "pairs", "seq", "steps", "warmup", "max_warmup"):
+            command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
         done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
         if lines:

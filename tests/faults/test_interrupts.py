@@ -216,7 +216,6 @@ def test_disable_frees_the_host_store_without_waiting_for_gc(where, kind):
     runtime = rt.runtime_of(model)
     manager = runtime.manager
     stores = [StorageWeakRef(manager.host.buffer.untyped_storage())]
-    stores.append(StorageWeakRef(manager.grad_staging.buffer.untyped_storage()))
     fault = Fault(model.model.layers[1].mlp, where, kind or Boom)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     gc.collect()
@@ -231,6 +230,9 @@ def test_disable_frees_the_host_store_without_waiting_for_gc(where, kind):
                 continue
             optimizer.step()
             optimizer.zero_grad()
+        # The staging is allocated at the first gradient offloaded (``HostArena(lazy=True)``).
+        assert manager.grad_staging.allocated
+        stores.append(StorageWeakRef(manager.grad_staging.buffer.untyped_storage()))
         assert not any(ref.expired() for ref in stores)
         autooffload.disable()
         del runtime, manager
