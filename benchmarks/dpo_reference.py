@@ -29,24 +29,14 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from peer_processes import LLAMA_3B, parse_bytes, run_peer
+
 GIB = 1 << 30
-# Llama-3.2-3B's shape (tied embeddings, 128k vocabulary).
-DIMS = dict(
-    vocab_size=128_256,
-    hidden_size=3072,
-    intermediate_size=8192,
-    num_hidden_layers=28,
-    num_attention_heads=24,
-    num_key_value_heads=8,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-    rope_theta=500_000.0,
-)
+DIMS = LLAMA_3B
 # Llama-3-8B's shape (untied, 128k vocabulary), for --shape 8b.
 DIMS_8B = dict(
     DIMS,
@@ -57,14 +47,6 @@ DIMS_8B = dict(
     tie_word_embeddings=False,
 )
 BETA = 0.1
-
-
-def parse_bytes(text: str) -> int:
-    from autooffload.setting_values import parse_optional_bytes
-
-    value = parse_optional_bytes(text, "--cap")
-    assert value is not None
-    return value
 
 
 def dims() -> dict:
@@ -210,19 +192,11 @@ def main() -> None:
         return
     results = []
     for name in args.peers.split(","):
-        command = [sys.executable, __file__, "--peer", name]
-        for key in ("shape", "cap", "layers", "pairs", "seq", "steps", "warmup", "max_warmup"):
-            command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-        done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
-        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-        if lines:
-            result = json.loads(lines[-1][len("RESULT ") :])
-        else:
-            result = {"peer": name, "error": (done.stderr or done.stdout)[-2000:]}
-        result["log"] = [ln for ln in done.stderr.splitlines() if "[autooffload]" in ln][:12]
+        keys = ("shape", "cap", "layers", "pairs", "seq", "steps", "warmup", "max_warmup")
+        result, stderr = run_peer(__file__, name, args, keys)
+        result["log"] = [ln for ln in stderr.splitlines() if "[autooffload]" in ln][:12]
         results.append(result)
-        sys.stderr.write(done.stderr[-3000:] if done.returncode else "")
-        progress = [ln for ln in done.stderr.splitlines() if ln.startswith(f"[{name}]")]
+        progress = [ln for ln in stderr.splitlines() if ln.startswith(f"[{name}]")]
         sys.stderr.write("\n".join(progress[:2] + progress[-2:]) + "\n")
         print(json.dumps({k: v for k, v in result.items() if k != "losses"}), flush=True)
     report = {

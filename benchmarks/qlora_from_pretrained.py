@@ -22,33 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+from peer_processes import LLAMA_3B, parse_bytes, run_peer
+
 GIB = 1 << 30
-# Llama-3.2-3B's shape (tied embeddings, 128k vocabulary).
-DIMS = dict(
-    vocab_size=128_256,
-    hidden_size=3072,
-    intermediate_size=8192,
-    num_hidden_layers=28,
-    num_attention_heads=24,
-    num_key_value_heads=8,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-    rope_theta=500_000.0,
-)
-
-
-def parse_bytes(text: str) -> int:
-    from autooffload.setting_values import parse_optional_bytes
-
-    value = parse_optional_bytes(text, "--cap")
-    assert value is not None
-    return value
+DIMS = LLAMA_3B
 
 
 def save_checkpoint(path: Path, layers: int) -> None:
@@ -164,17 +144,9 @@ def main() -> None:
     print(f"checkpoint at {args.checkpoint} ({time.perf_counter() - start:.1f} s)", flush=True)
     results = []
     for name in args.peers.split(","):
-        command = [sys.executable, __file__, "--peer", name]
-        for key in ("cap", "layers", "batch", "seq", "steps", "warmup", "checkpoint"):
-            command += [f"--{key}", str(getattr(args, key))]
-        done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
-        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-        if lines:
-            result = json.loads(lines[-1][len("RESULT ") :])
-        else:
-            result = {"peer": name, "error": (done.stderr or done.stdout)[-2000:]}
+        keys = ("cap", "layers", "batch", "seq", "steps", "warmup", "checkpoint")
+        result, _ = run_peer(__file__, name, args, keys)
         results.append(result)
-        sys.stderr.write(done.stderr[-3000:] if done.returncode else "")
         print(json.dumps({k: v for k, v in result.items() if k != "losses"}), flush=True)
     report = {
         "dims": {**DIMS, "num_hidden_layers": args.layers},

@@ -66,3 +66,14 @@ def test_hf_trainer_example():
 def test_trl_sft_example():
     losses = trainer_losses(run("examples/trl_sft.py", "--steps", "3"))
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+
+
+def test_trl_dpo_example_attaches_policy_and_reference_and_trains_like_plain():
+    plain = run("examples/trl_dpo.py", "--steps", "3")
+    simulated = {"AUTOOFFLOAD_FORCE_ATTACH": "1", "AUTOOFFLOAD_DEVICE": "cpu"}
+    attached = run("-m", "autooffload", "examples/trl_dpo.py", "--steps", "3", env=simulated)
+    assert "policy attached: False; reference attached: False" in plain
+    assert "policy attached: True; reference attached: True" in attached
+    expected, losses = trainer_losses(plain), trainer_losses(attached)
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), losses
+    assert losses == pytest.approx(expected, rel=1e-4)

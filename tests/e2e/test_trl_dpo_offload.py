@@ -11,7 +11,7 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
-from test_trl_accelerate_offload import REPO, tiny_config
+from test_trl_accelerate_offload import REPO, _clean_state, tiny_config  # noqa: F401 (autouse)
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 from trl import DPOConfig, DPOTrainer
 
@@ -21,14 +21,6 @@ from autooffload import runtime as rt
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-
-
-@pytest.fixture(autouse=True)
-def _clean_state():
-    yield
-    autooffload.disable()
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def preferences() -> Dataset:

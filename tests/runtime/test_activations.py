@@ -15,6 +15,7 @@ from autooffload.runtime.activations import (
     ActivationSwapper,
     apply_policy,
     hf_checkpointed_modules,
+    is_kv_cache,
     is_recomputing,
     policy_of,
     remove_policy,
@@ -248,6 +249,17 @@ def test_checkpoint_drops_kv_cache_in_training() -> None:
     for layer in model.model.layers:
         apply_policy(layer, "checkpoint")
     assert_same_step(expected, train_step(model, use_cache=True))
+
+
+def test_a_kv_cache_is_known_by_its_name_or_its_class() -> None:
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
+        assert is_kv_cache(name, object()) and not is_kv_cache(name, None)
+    assert is_kv_cache("kv_state", cache)  # a transformers Cache under a model's own name
+    assert not is_kv_cache("attention_mask", torch.ones(2, 4))
+    assert not is_kv_cache("use_cache", True)
 
 
 class InnerCheckpoint(nn.Module):
