@@ -57,6 +57,13 @@ def test_a_frozen_model_attaches_streams_and_gives_the_plain_logits(
     for ids in make_batches(2):
         with torch.no_grad():
             torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    ids = make_batches(1)[0]
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    mask = torch.ones_like(ids[:, :4])
+    greedy = dict(max_new_tokens=5, do_sample=False, attention_mask=mask, pad_token_id=0)
+    expected = plain.generate(ids[:, :4], **greedy)
+    assert torch.equal(model.generate(ids[:, :4], **greedy), expected)
 
 
 def test_offload_frozen_off_leaves_a_frozen_model_whole(make_llama, offload_cpu):
