@@ -5,8 +5,14 @@ puts that folder on ``sys.path``)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Llama shapes for the chat examples; the vocabulary is the tokenizer's.
 CHAT_SIZES = {
@@ -63,3 +69,24 @@ def dump_logits(model: torch.nn.Module, input_ids: list[int], path: str) -> None
     with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         logits = model(input_ids=ids).logits
     torch.save({"input_ids": ids.cpu(), "logits": logits.float().cpu()}, path)
+
+
+def chat_arguments(
+    description: str, data: str = "chat.jsonl", steps: int = 5, steps_help: str | None = None
+) -> argparse.ArgumentParser:
+    """The arguments every chat example takes: model size, steps, batch size, learning rate,
+    data file (in ``examples/data``) and tokenizer (the in-repo Qwen3 one)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--size", choices=sorted(CHAT_SIZES), default="tiny")
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--data", default=str(REPO / "examples/data" / data))
+    parser.add_argument("--tokenizer", default=str(REPO / "tests/data/tokenizers/qwen3"))
+    return parser
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSON-lines file, blank lines skipped."""
+    with open(path) as lines:
+        return [json.loads(line) for line in lines if line.strip()]

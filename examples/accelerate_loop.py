@@ -14,21 +14,16 @@ labels in the model's forward.
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
-from pathlib import Path
 
 import torch
-from _shared import CHAT_SIZES, chat_model, dump_logits
+from _shared import chat_arguments, chat_model, dump_logits, read_jsonl
 from accelerate import Accelerator
 from transformers import AutoTokenizer, get_scheduler
 
 import autooffload
 
 autooffload.enable()
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 class Progress:
@@ -57,15 +52,9 @@ def collate(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(CHAT_SIZES), default="tiny")
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps in all")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser = chat_arguments(__doc__.splitlines()[0], steps_help="optimizer steps in all")
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--data", default=str(REPO / "examples/data/chat.jsonl"))
-    parser.add_argument("--tokenizer", default=str(REPO / "tests/data/tokenizers/qwen3"))
     parser.add_argument("--output-dir", default=None, help="save_state here; default: a temp dir")
     parser.add_argument("--resume", action="store_true", help="load_state from --output-dir first")
     parser.add_argument("--dump-logits", default=None, help="save logits of a fixed batch here")
@@ -79,8 +68,7 @@ def main() -> None:
         gradient_accumulation_steps=args.grad_accum, mixed_precision="bf16" if use_cuda else "no"
     )
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    with open(args.data) as lines:
-        conversations = [json.loads(line)["messages"] for line in lines if line.strip()]
+    conversations = [record["messages"] for record in read_jsonl(args.data)]
     rows = [
         tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
         for messages in conversations

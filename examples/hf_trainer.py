@@ -13,13 +13,10 @@ masking turns them into assistant-only labels.
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
-from pathlib import Path
 
 import torch
-from _shared import CHAT_SIZES, chat_model, dump_logits
+from _shared import chat_arguments, chat_model, dump_logits, read_jsonl
 from transformers import (
     AutoTokenizer,
     DataCollatorForLanguageModeling,
@@ -31,17 +28,9 @@ import autooffload
 
 autooffload.enable()
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(CHAT_SIZES), default="tiny")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--data", default=str(REPO / "examples/data/chat.jsonl"))
-    parser.add_argument("--tokenizer", default=str(REPO / "tests/data/tokenizers/qwen3"))
+    parser = chat_arguments(__doc__.splitlines()[0])
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--output-dir", default=None, help="default: a temporary directory")
@@ -58,8 +47,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    with open(args.data) as lines:
-        conversations = [json.loads(line)["messages"] for line in lines if line.strip()]
+    conversations = [record["messages"] for record in read_jsonl(args.data)]
     train_dataset = [
         {"input_ids": tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]}
         for messages in conversations

@@ -14,14 +14,11 @@ nothing is downloaded.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import tempfile
-from pathlib import Path
 
 import torch
-from _shared import CHAT_SIZES, chat_model
+from _shared import chat_arguments, chat_model, read_jsonl
 from datasets import Dataset
 from transformers import AutoTokenizer
 from trl import DPOConfig, DPOTrainer
@@ -31,24 +28,15 @@ from autooffload import runtime as rt
 
 autooffload.enable()
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(CHAT_SIZES), default="tiny")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser = chat_arguments(__doc__.splitlines()[0], data="preferences.jsonl", steps=4)
     parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--data", default=str(REPO / "examples/data/preferences.jsonl"))
-    parser.add_argument("--tokenizer", default=str(REPO / "tests/data/tokenizers/qwen3"))
     args = parser.parse_args()
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    with open(args.data) as lines:
-        train_dataset = Dataset.from_list([json.loads(line) for line in lines if line.strip()])
+    train_dataset = Dataset.from_list(read_jsonl(args.data))
 
     model = chat_model(tokenizer, args.size)
     reference = copy.deepcopy(model).requires_grad_(False).eval()

@@ -11,13 +11,10 @@ downloaded.
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
-from pathlib import Path
 
 import torch
-from _shared import CHAT_SIZES, chat_model, dump_logits
+from _shared import chat_arguments, chat_model, dump_logits, read_jsonl
 from datasets import Dataset
 from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
@@ -26,17 +23,9 @@ import autooffload
 
 autooffload.enable()
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(CHAT_SIZES), default="tiny")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--data", default=str(REPO / "examples/data/chat.jsonl"))
-    parser.add_argument("--tokenizer", default=str(REPO / "tests/data/tokenizers/qwen3"))
+    parser = chat_arguments(__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default=None, help="default: a temporary directory")
     parser.add_argument("--save-steps", type=int, default=None, help="default: no checkpoints")
     parser.add_argument("--dump-logits", default=None, help="save logits of a fixed batch here")
@@ -44,8 +33,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    with open(args.data) as lines:
-        train_dataset = Dataset.from_list([json.loads(line) for line in lines if line.strip()])
+    train_dataset = Dataset.from_list(read_jsonl(args.data))
 
     use_cuda = torch.cuda.is_available()
     model = chat_model(tokenizer, args.size)

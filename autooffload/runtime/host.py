@@ -34,7 +34,6 @@ class HostArena:
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._array: np.ndarray | None = None  # the buffer as numpy, for ``alias``
         self._pin = pin
-        self._pending = lazy and total > 0
         self._lock = threading.Lock()  # the first view may be taken on the optimizer's worker
         if total == 0:
             self.pinned = pin  # nothing to pin: report what was asked (a rank hosting no chunk)
@@ -47,15 +46,14 @@ class HostArena:
         """Whether the bytes exist (a lazy arena has none before its first view)."""
         return self.buffer.numel() > 0
 
-    def _allocate(self) -> None:
-        with self._lock:
-            if self.buffer.numel() or not self.total_bytes:
-                self._pending = False
-                return
-            self._allocate_now()
-            self._pending = False
+    def _ensure(self) -> None:
+        """Allocate a lazy arena's bytes, once, whichever thread asks first."""
+        if self.buffer.numel() == 0 and self.total_bytes:
+            with self._lock:
+                if self.buffer.numel() == 0:
+                    self._allocate()
 
-    def _allocate_now(self) -> None:
+    def _allocate(self) -> None:
         total, pin = self.total_bytes, self._pin
         if pin:
             try:
@@ -77,8 +75,7 @@ class HostArena:
 
     def view(self, index: int) -> torch.Tensor:
         """The byte view of chunk ``index``."""
-        if self._pending:
-            self._allocate()
+        self._ensure()
         start = self.offsets[index]
         return self.buffer[start : start + self.sizes[index]]
 
@@ -90,8 +87,7 @@ class HostArena:
         checks (tied-weight detection) see only its bytes, where a view would carry the arena."""
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        if self._pending:
-            self._allocate()
+        self._ensure()
         if self._array is None:
             self._array = self.buffer.numpy()
         start = self.offsets[index] + offset
@@ -101,7 +97,6 @@ class HostArena:
     def free(self) -> None:
         """Drop the allocation (views taken earlier keep their memory alive until dropped)."""
         self._array = None
-        self._pending = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.offsets = []
         self.sizes = []
