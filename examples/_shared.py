@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -90,3 +91,14 @@ def read_jsonl(path: str) -> list[dict]:
     """The records of a JSON-lines file, blank lines skipped."""
     with open(path) as lines:
         return [json.loads(line) for line in lines if line.strip()]
+
+
+def print_losses_and_plan(trainer: Any) -> None:
+    """After a Trainer's run: its logged losses on one line, then the last attached model's plan
+    (the lines the example tests read)."""
+    import autooffload
+
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    print(f"losses: {' '.join(f'{loss:.4f}' for loss in losses)}")
+    plan = autooffload.last_plan()
+    print(plan.summary() if plan is not None else "plan: none (the model was not attached)")

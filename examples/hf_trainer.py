@@ -16,7 +16,7 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from _shared import chat_arguments, chat_model, dump_logits, read_jsonl
+from _shared import chat_arguments, chat_model, dump_logits, print_losses_and_plan, read_jsonl
 from transformers import (
     AutoTokenizer,
     DataCollatorForLanguageModeling,
@@ -82,10 +82,7 @@ def main() -> None:
 
     if args.dump_logits is not None:
         dump_logits(trainer.model, train_dataset[0]["input_ids"], args.dump_logits)
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    print(f"losses: {' '.join(f'{loss:.4f}' for loss in losses)}")
-    plan = autooffload.last_plan()
-    print(plan.summary() if plan is not None else "plan: none (the model was not attached)")
+    print_losses_and_plan(trainer)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import copy
 import tempfile
 
 import torch
-from _shared import chat_arguments, chat_model, read_jsonl
+from _shared import chat_arguments, chat_model, print_losses_and_plan, read_jsonl
 from datasets import Dataset
 from transformers import AutoTokenizer
 from trl import DPOConfig, DPOTrainer
@@ -68,10 +68,7 @@ def main() -> None:
         )
         trainer.train()
 
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    print(f"losses: {' '.join(f'{loss:.4f}' for loss in losses)}")
-    plan = autooffload.last_plan()
-    print(plan.summary() if plan is not None else "plan: none (the model was not attached)")
+    print_losses_and_plan(trainer)
 
 
 if __name__ == "__main__":

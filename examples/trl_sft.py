@@ -14,7 +14,7 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from _shared import chat_arguments, chat_model, dump_logits, read_jsonl
+from _shared import chat_arguments, chat_model, dump_logits, print_losses_and_plan, read_jsonl
 from datasets import Dataset
 from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
@@ -63,10 +63,7 @@ def main() -> None:
     if args.dump_logits is not None:
         first = tokenizer.apply_chat_template(train_dataset[0]["messages"], tokenize=True)
         dump_logits(trainer.model, first["input_ids"], args.dump_logits)
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    print(f"losses: {' '.join(f'{loss:.4f}' for loss in losses)}")
-    plan = autooffload.last_plan()
-    print(plan.summary() if plan is not None else "plan: none (the model was not attached)")
+    print_losses_and_plan(trainer)
 
 
 if __name__ == "__main__":
