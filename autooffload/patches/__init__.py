@@ -33,6 +33,11 @@ PATCH_MODULES: tuple[str, ...] = (
     "sharded_generate",
 )
 
+# The patch modules ``autooffload.attach()`` needs without ``enable()``: each of their wrappers
+# acts on attached models, their parameters and the optimizers bound to them only, and passes
+# anything else straight through (nothing global changes for objects attach() was not given).
+ATTACH_PATCH_MODULES: tuple[str, ...] = ("torch_module", "torch_optim", "peft_lora")
+
 # The registry state: the settings of the current enable() (None when disabled), the
 # (patch module, target) pairs installed under it, the patch modules used, and the targets whose
 # post-import hook is registered and has not fired yet (wrapt drops a hook once it fires).
@@ -40,6 +45,8 @@ _active_settings: Settings | None = None
 _installed: set[tuple[str, str]] = set()
 _loaded: dict[str, ModuleType] = {}
 _pending_hooks: set[str] = set()
+# (patch module, target) pairs installed for attach() alone, while no enable() is in force.
+_for_attach: set[tuple[str, str]] = set()
 
 
 def _load(name: str) -> ModuleType | None:
@@ -74,6 +81,7 @@ def _on_import(module: ModuleType) -> None:
 def install_all(settings: Settings) -> None:
     """Install every patch module with ``settings``; targets not imported yet get a hook."""
     global _active_settings
+    release_for_attach()
     _active_settings = settings
     for name in PATCH_MODULES:
         patch_module = _load(name)
@@ -99,6 +107,34 @@ def uninstall_all() -> None:
         _installed.clear()
         _loaded.clear()
         _registry.restore_all()
+
+
+def hold_for_attach(settings: Settings) -> None:
+    """Install the patches an attached model needs (``ATTACH_PATCH_MODULES``) when no
+    ``enable()`` is in force; ``release_for_attach`` removes them when the last model detaches.
+    Targets not imported yet are left alone: a model using them imported them already."""
+    if _active_settings is not None or _for_attach:
+        return
+    for name in ATTACH_PATCH_MODULES:
+        patch_module = _load(name)
+        if patch_module is None:
+            continue
+        for target in patch_module.TARGETS:
+            if target in sys.modules:
+                logger.debug("installing patch %s for %s (attach)", name, target)
+                patch_module.install(settings, target)
+                _for_attach.add((name, target))
+
+
+def release_for_attach() -> None:
+    """Remove the patches ``hold_for_attach`` installed, if any."""
+    if not _for_attach:
+        return
+    names = {name for name, _ in _for_attach}
+    _for_attach.clear()
+    for name in reversed(ATTACH_PATCH_MODULES):
+        if name in names:
+            importlib.import_module(f"{__name__}.{name}").uninstall()
 
 
 def is_installed() -> bool:

@@ -50,10 +50,22 @@ def _base_params(layer: nn.Module) -> list[nn.Parameter]:
     return list(base.parameters())
 
 
+def _layer_of(instance: Any, args: tuple) -> nn.Module | None:
+    """The layer a wrapped LoRA method runs on. PEFT calls some through the class with a layer
+    of another type as ``self`` (``ParamWrapper`` calls ``Linear.get_delta_weight(self)``), and
+    wrapt then binds no instance: the layer is the first argument."""
+    if instance is None:
+        instance = args[0] if args else None
+    return instance if isinstance(instance, nn.Module) else None
+
+
 def _layer_wrapper(writes: bool) -> Callable[..., Any]:
     def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         from autooffload.runtime.access import params_on_device, runtime_managing
 
+        instance = _layer_of(instance, args)
+        if instance is None:
+            return wrapped(*args, **kwargs)
         params = list(instance.parameters())
         runtime = runtime_managing(params)
         if runtime is None:
@@ -81,7 +93,10 @@ def _forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     its forward (inside a block, where they are resident already, this costs a few lookups)."""
     from autooffload.runtime.access import params_on_device, runtime_managing
 
-    params = list(instance.parameters())
+    layer = _layer_of(instance, args)
+    if layer is None:
+        return wrapped(*args, **kwargs)
+    params = list(layer.parameters())
     runtime = runtime_managing(params)
     if runtime is None:
         return wrapped(*args, **kwargs)

@@ -127,8 +127,7 @@ def _move(instance: nn.Module, device: torch.device | None, dtype: torch.dtype |
     """Handle a move of an attached model, or attach; returns NotImplemented to fall through."""
     from autooffload import runtime as rt
 
-    settings = current()
-    if settings is None or device is None and dtype is None:
+    if device is None and dtype is None:
         return NotImplemented
     runtime = rt._runtimes.get(id(instance))
     if runtime is not None:
@@ -147,7 +146,8 @@ def _move(instance: nn.Module, device: torch.device | None, dtype: torch.dtype |
             rt.detach(inside.model, device)
             return NotImplemented
         return _move_around(instance, inside, device)
-    if device is None or not should_attach(instance, settings, device):
+    settings = current()  # None under attach() alone: moves never attach then
+    if settings is None or device is None or not should_attach(instance, settings, device):
         return NotImplemented
     if dtype is not None:
         instance.to(dtype=dtype)

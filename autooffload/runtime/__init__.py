@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from autooffload import patches
 from autooffload.plan.types import Plan
 from autooffload.runtime import allocator
 from autooffload.runtime.attachable import check_attachable
@@ -45,12 +46,17 @@ def attach(
         return existing
     check_attachable(model)
     resolved = resolve_device(settings, device)
+    # Without enable(): the optimizer, clipping and LoRA wrappers this model needs, until the
+    # last model detaches (they pass anything not attached straight through).
+    patches.hold_for_attach(settings)
     # Before the runtime allocates its chunks and buffers on the device.
     held = allocator.acquire(settings.expandable_segments, resolved)
     try:
         runtime = Runtime(model, settings, resolved)
     except BaseException:
         allocator.release(held)
+        if not _runtimes:
+            patches.release_for_attach()
         raise
     runtime.allocator_hold = held
     _runtimes[id(model)] = runtime
@@ -96,7 +102,11 @@ def detach(model: nn.Module, device: torch.device | str | None = None) -> nn.Mod
     runtime = _runtimes.pop(id(model), None)
     if runtime is None:
         return model if device is None else model.to(device)
-    return runtime.detach(device)
+    try:
+        return runtime.detach(device)
+    finally:
+        if not _runtimes:
+            patches.release_for_attach()
 
 
 def detach_all() -> None:
@@ -108,6 +118,7 @@ def detach_all() -> None:
         except Exception as error:  # the others are detached all the same; the first is raised
             first = first or error
     _last_plan.clear()
+    patches.release_for_attach()
     if first is not None:
         raise first
 
