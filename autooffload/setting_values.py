@@ -30,7 +30,15 @@ _UNITS |= {unit + "ib": 2 ** (10 * power) for power, unit in enumerate("kmgt", s
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)$")
 
 _SIZE_TEXT = "a size such as 12GiB, 12GB, 12000MB or 1073741824 (bytes)"
-_FRACTION_TEXT = "a fraction of the device in (0, 1] such as 0.5"
+_FRACTION_TEXT = "a fraction of the device in (0, 1] such as 0.5 (1 = the whole device)"
+# Where a fraction is allowed, a bare number (no unit) is a fraction when in (0, 1] and a byte
+# count from here up; anything between is refused: "AUTOOFFLOAD_BUDGET=8" meant 8 GiB, not
+# 8 bytes. A size with a unit ("900KB") is taken as written.
+MIN_BARE_BYTES = 1 << 20
+_BARE_TEXT = (
+    f"a bare number is a fraction in (0, 1] or a byte count >= {MIN_BARE_BYTES};"
+    " give smaller sizes with a unit (e.g. 512KiB)"
+)
 _BOUNDARIES_TEXT = (
     "a JSON list of objects with keys role, start, end, include_start, include_end"
     " (start/end a string or a list of token ids, include_* true/false),"
@@ -73,11 +81,16 @@ def parse_size(
 ) -> int | float | None:
     valid = _SIZE_TEXT + (f", {_FRACTION_TEXT}" if fraction else "")
     valid += ", or auto" if optional else ""
+    if fraction:
+        valid += f" ({_BARE_TEXT})"
     if value is None and optional:
         return None
     if isinstance(value, bool):
         raise fail(name, value, valid)
     if isinstance(value, int):
+        # Typed: a byte count (sizes parsed from text arrive as ints too), 1 the whole device.
+        if fraction and value == 1:
+            return 1.0
         if value >= minimum:
             return value
         raise fail(name, value, valid)
@@ -99,15 +112,36 @@ def parse_size(
             if fraction and 0.0 < float(number) <= 1.0:
                 return float(number)
             raise fail(name, value, valid)
-        n_bytes = int(number)
-    else:
-        multiplier = _UNITS.get(unit.lower())
-        if multiplier is None:
-            raise fail(name, value, valid)
-        n_bytes = round(float(number) * multiplier)
-    if n_bytes < minimum:
+        return _bare_number(int(number), name, value, fraction=fraction, minimum=minimum)
+    multiplier = _UNITS.get(unit.lower())
+    if multiplier is None:
+        raise fail(name, value, valid)
+    n_bytes = round(float(number) * multiplier)
+    # One byte would read back as the int 1, the whole device, where a fraction is allowed.
+    if n_bytes < minimum or (fraction and n_bytes == 1):
         raise fail(name, value, valid)
     return n_bytes
+
+
+def _bare_number(
+    number: int, name: str, shown: Any, *, fraction: bool, minimum: int
+) -> int | float:
+    """An integer written without a unit: ``1`` is the whole device where a fraction is
+    allowed, and a byte count there must reach ``MIN_BARE_BYTES``."""
+    valid = _SIZE_TEXT + (f", {_FRACTION_TEXT} ({_BARE_TEXT})" if fraction else "")
+    if fraction and number == 1:
+        return 1.0
+    if number < minimum or (fraction and number < MIN_BARE_BYTES):
+        raise fail(name, shown, valid)
+    return number
+
+
+def readable_size(n_bytes: float) -> str:
+    """``n_bytes`` in the largest binary unit that keeps it >= 1, e.g. ``2.17 MiB``."""
+    for unit, power in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n_bytes) >= 1 << power:
+            return f"{n_bytes / (1 << power):.2f} {unit}"
+    return f"{int(n_bytes)} byte" + ("" if int(n_bytes) == 1 else "s")
 
 
 def parse_size_or_fraction(value: Any, name: str) -> int | float | None:

@@ -62,9 +62,12 @@ class Settings:
         offload: Offload weights (chunks of parameters, their grads and optimizer state) to pinned
             CPU memory. ``False`` keeps everything on the device but still manages activations
             and masking.
-        budget: Device memory the runtime may use: bytes (``int``, or strings like ``12GiB``,
-            ``12GB``, ``12000MB``) or a fraction of the device (``float`` in (0, 1], e.g. ``0.5``).
-            ``None``/``auto``: the free device memory minus a calibrated margin.
+        budget: Device memory the runtime may use: a size with a unit (``12GiB``, ``12GB``,
+            ``12000MB``), a byte count (an ``int``, or a bare number of at least 1 MiB), or a
+            fraction of the device in (0, 1] (``0.5``; ``1`` and ``1.0`` are the whole device).
+            A bare number between 1 and 1 MiB is refused. ``None``/``auto``: the free device
+            memory minus a calibrated margin. A budget below what the model's weights take in
+            the smallest plan is refused at attach.
         host_budget: Pinned host memory the runtime may use, as bytes or a fraction of host
             memory; ``None``: as much as the model needs.
         chunk_size: Bytes per parameter chunk; ``None``: the plan search picks it.

@@ -63,6 +63,9 @@ def test_defaults_match_the_contract():
         ("1073741824", GiB),
         ("0.5", 0.5),
         ("1.0", 1.0),
+        ("1", 1.0),
+        ("1048576", 1 << 20),
+        ("900KB", 900_000),
         ("auto", None),
     ],
 )
@@ -72,7 +75,9 @@ def test_budget_env_sizes(monkeypatch, text, expected):
     assert value == expected and type(value) is type(expected)
 
 
-@pytest.mark.parametrize("bad", ["lots", "1.5", "0.0", "-1GiB", "12XB", "0", "GiB", "12 GiB free"])
+@pytest.mark.parametrize(
+    "bad", ["lots", "1.5", "0.0", "-1GiB", "12XB", "0", "GiB", "12 GiB free", "8", "1048575", "1B"]
+)
 def test_bad_budget_env_names_var_value_and_valid_values(monkeypatch, bad):
     monkeypatch.setenv("AUTOOFFLOAD_BUDGET", bad)
     expect_error(["AUTOOFFLOAD_BUDGET", repr(bad), "12GiB", "fraction", "0.5"])
@@ -81,6 +86,13 @@ def test_bad_budget_env_names_var_value_and_valid_values(monkeypatch, bad):
 @pytest.mark.parametrize("bad", ["lots", 2.0, -5, True, [1]])
 def test_bad_budget_kwarg_names_kwarg(bad):
     expect_error(["budget=", repr(bad), "12GiB"], budget=bad)
+
+
+def test_a_bare_number_is_a_fraction_up_to_one_and_bytes_only_from_one_mebibyte(monkeypatch):
+    assert Settings.from_env(budget=1).budget == 1.0  # the whole device, as "1.0"
+    assert Settings.from_env(host_budget="1").host_budget == 1.0
+    monkeypatch.setenv("AUTOOFFLOAD_BUDGET", "24")
+    expect_error(["AUTOOFFLOAD_BUDGET", "'24'", "bare number", "unit"])
 
 
 def test_size_kwargs_accept_ints_floats_and_strings():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 from autooffload.runtime.calibration import arm_calibration
 from autooffload.runtime.chunks import ALIGN, ChunkLayout
 from autooffload.runtime.host import HostMemory, host_memory
+from autooffload.setting_values import readable_size
 from autooffload.settings import Settings
 
 if TYPE_CHECKING:
@@ -61,6 +63,39 @@ def persistent_cost(chunk_bytes: int, trainable_bytes: int) -> int:
     return chunk_bytes + 3 * trainable_bytes
 
 
+def model_state_peak(chunks: list, n_persist: int, n_buffer: int) -> int:
+    """Device bytes of the model states alone: the persistent chunks (with their grads and
+    optimizer states) and the widest run of ``n_buffer`` consecutive streamed chunks."""
+    persistent_bytes = sum(persistent_cost(c.nbytes, c.trainable_bytes) for c in chunks[:n_persist])
+    # Streamed chunks take their own size on the device (an oversized embedding's chunk beside
+    # small ones), about n_buffer consecutive ones at a time.
+    streamed_sizes = [c.nbytes for c in chunks[n_persist:]]
+    streamed = max(
+        (sum(streamed_sizes[i : i + n_buffer]) for i in range(len(streamed_sizes))), default=0
+    )
+    return persistent_bytes + streamed
+
+
+def check_smallest_plan_fits(
+    runtime: Runtime, settings: Settings, budget: int, widest: int
+) -> None:
+    """Refuse at attach, before any update, a budget below what the smallest plan needs for the
+    model states alone (every chunk offloaded, the fewest buffers, no activations yet)."""
+    n_persist = settings.n_persist or 0
+    n_buffer = settings.n_buffer or widest
+    floor = model_state_peak(runtime.layout.chunks, n_persist, n_buffer)
+    if budget >= floor:
+        return
+    given = "AUTOOFFLOAD_BUDGET" if settings.budget is not None else "the device's free memory"
+    suggested = f"{math.ceil(floor / (1 << 20))}MiB"
+    raise PlanError(
+        f"{given} gives the device {readable_size(budget)}, below the {readable_size(floor)} the"
+        f" model's weights alone take in the smallest plan (n_persist={n_persist},"
+        f" n_buffer={n_buffer}), before any activations; set AUTOOFFLOAD_BUDGET well above"
+        f" {suggested} (activations come on top), or to a fraction of the device such as 0.9"
+    )
+
+
 def initial_plan(runtime: Runtime, settings: Settings) -> Plan:
     """The plan used until the profiler has measured the real batch."""
     chunks = runtime.layout.chunks
@@ -90,20 +125,15 @@ def initial_plan(runtime: Runtime, settings: Settings) -> Plan:
         # profiling step cannot run out of memory; the plan from the real batch follows it.
         n_persist = 0
         source = "profiling step"
-    persistent_bytes = sum(persistent_cost(c.nbytes, c.trainable_bytes) for c in chunks[:n_persist])
-    # Streamed chunks take their own size on the device (an oversized embedding's chunk beside
-    # small ones), about n_buffer consecutive ones at a time.
-    streamed_sizes = [c.nbytes for c in chunks[n_persist:]]
-    streamed = max(
-        (sum(streamed_sizes[i : i + n_buffer]) for i in range(len(streamed_sizes))), default=0
-    )
+    if budget is not None:
+        check_smallest_plan_fits(runtime, settings, budget, widest)
     return Plan(
         chunk_size=chunk_size,
         n_chunks=n_chunks,
         n_persist=n_persist,
         n_buffer=n_buffer,
         budget_bytes=budget,
-        predicted_peak_bytes=persistent_bytes + streamed,
+        predicted_peak_bytes=model_state_peak(chunks, n_persist, n_buffer),
         bottleneck="not profiled yet (model states only)",
         source=source,
     )
