@@ -25,7 +25,7 @@ from autooffload.bench.runner import (
 )
 from autooffload.bench.workloads import WORKLOADS, UnknownNameError
 
-DEFAULT_PEERS = "vanilla,fsdp2_offload,deepspeed_offload,autooffload"
+DEFAULT_PEERS = "vanilla,fsdp2_offload,deepspeed,autooffload"
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 

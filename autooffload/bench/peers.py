@@ -18,6 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autooffload.bench.deepspeed_configs import SWEEP, DeepSpeedConfig
+from autooffload.bench.deepspeed_configs import label as deepspeed_label
+from autooffload.bench.deepspeed_configs import skip_reason as deepspeed_skip_reason
 from autooffload.bench.frontier import candidates_of
 from autooffload.bench.models import base_model, build_model, decoder_blocks
 from autooffload.bench.workloads import UnknownNameError, Workload
@@ -394,9 +397,6 @@ def _fsdp2_trainee(ctx: PeerContext, fused: bool | None) -> Trainee:
     return FSDP2Trainee(model, optimizer)
 
 
-# --- DeepSpeed ZeRO-3 with param + optimizer offload -------------------------------------------
-
-
 class FSDP2Trainee(DistributedTrainee):
     def sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         """FSDP2 reduce-scatters every backward unless told not to: the last one only."""
@@ -404,7 +404,16 @@ class FSDP2Trainee(DistributedTrainee):
         return contextlib.nullcontext()
 
 
+# --- DeepSpeed ZeRO-Offload (stage 2) and stage 3 with weights offloaded -----------------------
+
+
 class DeepSpeedTrainee(DistributedTrainee):
+    """A DeepSpeed engine; its report names the configuration it ran."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, config: DeepSpeedConfig) -> None:
+        super().__init__(model, optimizer)
+        self.config = config
+
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # The engine scales each loss by 1/accum and steps at the last micro-batch
         # (gradient_accumulation_steps in its config).
@@ -416,18 +425,31 @@ class DeepSpeedTrainee(DistributedTrainee):
             total = loss.detach() if total is None else total + loss.detach()
         return total / self.accum
 
+    def report(self, timed_steps: int) -> dict[str, Any]:
+        return {"deepspeed_config": deepspeed_label(self.config)}
+
 
 def _deepspeed_unavailable(workload: Workload, device: str) -> str | None:
     if importlib.util.find_spec("deepspeed") is None:
-        return "deepspeed not importable (pip install deepspeed)"
+        return "deepspeed not importable (pip install deepspeed; benchmarks/carry_deepspeed.sh)"
     if workload.mode == "qlora":
-        return "DeepSpeed ZeRO-3 cannot partition bitsandbytes 4-bit weights"
+        return "DeepSpeed ZeRO cannot partition bitsandbytes 4-bit weights"
     if device != "cuda":
-        return "DeepSpeed ZeRO-3 offload needs a CUDA device"
+        return "DeepSpeed offload needs a CUDA device"
     return None
 
 
-def _setup_deepspeed(ctx: PeerContext) -> Trainee:
+def _deepspeed_peer(base: dict[str, Any]) -> Callable[[PeerContext], Trainee]:
+    """The DeepSpeed peer whose options default to ``base``."""
+
+    def setup(ctx: PeerContext) -> Trainee:
+        config = DeepSpeedConfig.from_options({**base, **ctx.options})
+        return _setup_deepspeed(ctx, config.with_gc(ctx.workload.gc))
+
+    return setup
+
+
+def _setup_deepspeed(ctx: PeerContext, config: DeepSpeedConfig) -> Trainee:
     reason = _deepspeed_unavailable(ctx.workload, ctx.device)
     if reason:
         raise PeerUnavailable(reason)
@@ -437,26 +459,43 @@ def _setup_deepspeed(ctx: PeerContext) -> Trainee:
         raise PeerUnavailable(f"deepspeed not importable: {exc!r}") from exc
     _single_process_env()
     deepspeed.init_distributed(dist_backend="nccl")
-    model = build_model(ctx.workload, seed=ctx.seed)
-    config = {
-        "train_micro_batch_size_per_gpu": ctx.workload.bs,
-        "gradient_accumulation_steps": ctx.workload.accum,
-        "bf16": {"enabled": ctx.workload.dtype == "bfloat16"},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": True},
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-        },
-        "optimizer": {"type": "AdamW", "params": {"lr": ctx.workload.lr, "weight_decay": 0.0}},
-        "steps_per_print": 10**9,
-    }
+    model = build_model(replace(ctx.workload, gc=bool(config.gc)), seed=ctx.seed)
+    workload = ctx.workload
+    engine_config = config.engine_config(
+        workload.bs, workload.accum, workload.lr, bf16=workload.dtype == "bfloat16"
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, model_parameters=params, config=config
+        model=model, model_parameters=params, config=engine_config
     )
-    return DeepSpeedTrainee(engine, optimizer)
+    return DeepSpeedTrainee(engine, optimizer, config)
+
+
+def _check_deepspeed_options(options: dict[str, Any]) -> None:
+    DeepSpeedConfig.from_options(options)
+
+
+@dataclass(frozen=True)
+class PeerSweep:
+    """The configurations (option dicts) a peer tries for each workload and cap, fastest first,
+    and ``skip_reason(workload, options, done)``: why one is pointless given the outcomes
+    (``deepspeed_configs.FITS``, ``DEVICE_OOM``, ``HOST_OOM``, ``FAILED``) of those already
+    run, or None."""
+
+    candidates: tuple[dict[str, Any], ...]
+    skip_reason: Callable[[Workload, dict[str, Any], list[tuple[dict[str, Any], str]]], str | None]
+
+
+def _deepspeed_skip_reason(
+    workload: Workload, options: dict[str, Any], done: list[tuple[dict[str, Any], str]]
+) -> str | None:
+    def resolve(opts: dict[str, Any]) -> DeepSpeedConfig:
+        return DeepSpeedConfig.from_options(opts).with_gc(workload.gc)
+
+    return deepspeed_skip_reason(resolve(options), [(resolve(o), out) for o, out in done])
+
+
+DEEPSPEED_SWEEP = PeerSweep(tuple(c.options() for c in SWEEP), _deepspeed_skip_reason)
 
 
 # --- test-only peers ---------------------------------------------------------------------------
@@ -476,6 +515,15 @@ def _setup_crash(ctx: PeerContext) -> Trainee:
     os._exit(7)
 
 
+def _setup_deepspeed_sim(ctx: PeerContext) -> Trainee:
+    config = DeepSpeedConfig.from_options(ctx.options).with_gc(ctx.workload.gc)
+    if config.stage == 2 or not config.gc:
+        raise torch.cuda.OutOfMemoryError(
+            f"CUDA out of memory (simulated for deepspeed[{deepspeed_label(config)}])"
+        )
+    return _setup_vanilla(replace(ctx, workload=replace(ctx.workload, gc=True)))
+
+
 def _fsdp2_unavailable(workload: Workload, device: str) -> str | None:
     if workload.mode == "qlora":
         return "FSDP2 cannot shard bitsandbytes 4-bit (Params4bit) weights"
@@ -484,13 +532,20 @@ def _fsdp2_unavailable(workload: Workload, device: str) -> str | None:
 
 @dataclass(frozen=True)
 class PeerDef:
-    """A peer: its setup function, a pre-flight availability check, and a one-line description."""
+    """A peer: its setup function, a pre-flight availability check, and a one-line description.
+
+    ``takes_options``: it takes ``name[k=v,...]``; ``check_options`` rejects bad ones before any
+    run; ``autooffload_settings``: it also gets ``--autooffload-opt``; ``sweep``: without options
+    it runs as several configurations, and the report keeps the best that fits."""
 
     setup: Callable[[PeerContext], Trainee]
     description: str
     unavailable: Callable[[Workload, str], str | None] = lambda workload, device: None
     hidden: bool = False
     takes_options: bool = False
+    check_options: Callable[[dict[str, Any]], None] = lambda options: None
+    autooffload_settings: bool = False
+    sweep: PeerSweep | None = None
 
 
 PEERS: dict[str, PeerDef] = {
@@ -507,15 +562,35 @@ PEERS: dict[str, PeerDef] = {
         " (the per-param for-loop on CPU)",
         unavailable=_fsdp2_unavailable,
     ),
-    "deepspeed_offload": PeerDef(
-        _setup_deepspeed,
-        "DeepSpeed ZeRO-3, offload_param + offload_optimizer to CPU",
+    "deepspeed": PeerDef(
+        _deepspeed_peer({}),
+        "DeepSpeed at its best configuration that fits the cap: ZeRO-Offload (stage 2) or"
+        " stage 3 with weights offloaded, gc on/off, buckets (deepspeed_configs.SWEEP);"
+        " deepspeed[k=v,...] runs one configuration",
         unavailable=_deepspeed_unavailable,
+        takes_options=True,
+        check_options=_check_deepspeed_options,
+        sweep=DEEPSPEED_SWEEP,
+    ),
+    "deepspeed_zero2": PeerDef(
+        _deepspeed_peer({"stage": 2}),
+        "DeepSpeed ZeRO-Offload: ZeRO-2, offload_optimizer to pinned CPU (DeepSpeedCPUAdam)",
+        unavailable=_deepspeed_unavailable,
+        takes_options=True,
+        check_options=_check_deepspeed_options,
+    ),
+    "deepspeed_offload": PeerDef(
+        _deepspeed_peer({"stage": 3}),
+        "DeepSpeed ZeRO-3, offload_param + offload_optimizer to pinned CPU, DeepSpeed's defaults",
+        unavailable=_deepspeed_unavailable,
+        takes_options=True,
+        check_options=_check_deepspeed_options,
     ),
     "autooffload": PeerDef(
         _setup_autooffload,
         "autooffload.enable(budget=cap, **opts) + the vanilla script unchanged",
         takes_options=True,
+        autooffload_settings=True,
     ),
     "hf_gc": PeerDef(
         _setup_hf_gc,
@@ -530,12 +605,21 @@ PEERS: dict[str, PeerDef] = {
             _fixed_activation_mode(mode),
             f"autooffload with activation_mode={mode} for every block; the rest planned",
             takes_options=True,
+            autooffload_settings=True,
         )
         for short, mode in (("keep", "keep"), ("ckpt", "checkpoint"), ("swap", "swap"))
     },
     "_oom": PeerDef(_setup_oom, "test: raises CUDA OOM", hidden=True),
     "_error": PeerDef(_setup_error, "test: raises an error", hidden=True),
     "_crash": PeerDef(_setup_crash, "test: the worker dies", hidden=True),
+    "_deepspeed_sim": PeerDef(
+        _setup_deepspeed_sim,
+        "test: the deepspeed sweep on the CPU; stage 2 and gc off run out of memory",
+        hidden=True,
+        takes_options=True,
+        check_options=_check_deepspeed_options,
+        sweep=DEEPSPEED_SWEEP,
+    ),
 }
 
 

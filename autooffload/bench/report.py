@@ -156,9 +156,127 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         row["timed_alloc_retries"] = _median([_timed_retries(r) for r in ok])
         row["nproc"] = max([r.get("nproc") or 1 for r in runs])
+        row["sweep"] = runs[0].get("sweep")
         rows.append(row)
+    rows = _with_sweep_best(rows)
     _scaling(rows)
     return rows
+
+
+def is_sweep_configuration(row: dict[str, Any]) -> bool:
+    """Whether ``row`` is one configuration of a peer's sweep (not the sweep's best row)."""
+    return bool(row.get("sweep")) and not row.get("sweep_best")
+
+
+def _with_sweep_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with, before the configurations of each sweep (workload, cap, GPU count), one
+    row for the sweep: the fastest configuration that ran ok, or, when none fits, why."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        if is_sweep_configuration(row):
+            groups.setdefault(_sweep_key(row), []).append(row)
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        group = groups.get(_sweep_key(row)) if is_sweep_configuration(row) else None
+        if group and group[0] is row:
+            out.append(_sweep_best(group, [r for r in rows if is_sweep_configuration(r)]))
+        out.append(row)
+    return out
+
+
+def _sweep_key(row: dict[str, Any]) -> tuple:
+    return (row["workload"], row["cap"], row.get("nproc") or 1, row.get("sweep"))
+
+
+def _config_of(row: dict[str, Any]) -> str:
+    """``stage=2,gc=True`` from ``deepspeed[stage=2,gc=True]`` (and its `` xN``)."""
+    label = row["peer_label"]
+    return label[label.find("[") + 1 : label.rfind("]")] if "[" in label else label
+
+
+def _sweep_best(group: list[dict[str, Any]], every: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sweep's row: the fastest ok configuration's numbers, its configuration, the ones
+    that ran out of memory and, when none fits, the least GPU memory a configuration needed
+    at another cap of the same run (``need_gib``, ``need_cap``; None when none was measured)."""
+    first = group[0]
+    sweep, nproc = first["sweep"], first.get("nproc") or 1
+    ok = [r for r in group if r["status"] == "ok" and r.get("tokens_per_s")]
+    best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
+    row: dict[str, Any] = (
+        dict(best)
+        if best
+        else {
+            **{k: None for k in first if k not in ("workload", "cap", "nproc", "sweep")},
+            "workload": first["workload"],
+            "cap": first["cap"],
+            "nproc": nproc,
+            "breakdown": {k: None for k in first.get("breakdown") or {}},
+            "predicted_terms": {k: None for k in first.get("predicted_terms") or {}},
+        }
+    )
+    row["peer_label"] = sweep + (f" x{nproc}" if nproc > 1 else "")
+    row["sweep"], row["sweep_best"] = sweep, True
+    row["config"] = _config_of(best) if best else None
+    row["configs_oom"] = [_config_of(r) for r in group if "OOM" in r["status"]]
+    row["configs_run"] = sum(r["status"] != "skipped" for r in group)
+    row["need_gib"] = row["need_cap"] = None
+    if best is None:
+        statuses = {r["status"] for r in group}
+        row["status"] = "OOM" if row["configs_oom"] else "/".join(sorted(statuses))
+        same = (first["workload"], nproc, sweep)
+        # What a cap must hold: the whole run's reserved peak (set-up included).
+        elsewhere = [
+            r
+            for r in every
+            if (r["workload"], r.get("nproc") or 1, r.get("sweep")) == same
+            and r["status"] == "ok"
+            and r.get("peak_reserved_gib")
+        ]
+        if elsewhere:
+            least = min(elsewhere, key=lambda r: r["peak_reserved_gib"])
+            row["need_gib"], row["need_cap"] = least["peak_reserved_gib"], least["cap"]
+        need = (
+            f"; needs {row['need_gib']:.1f} GiB ([{_config_of(least)}] at cap {least['cap']})"
+            if elsewhere
+            else "; the memory it needs was not measured"
+        )
+        row["message"] = f"no configuration fits {first['cap']}{need}"
+        row["loss_check"] = "n/a"
+    return row
+
+
+def _sweep_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Under the table: each sweep's configurations as run (fastest first), and autooffload's
+    throughput over the sweep's best at the same cap."""
+    lines: list[str] = []
+    for best in (r for r in rows if r.get("sweep_best")):
+        key = _sweep_key(best)
+        configs = [r for r in rows if is_sweep_configuration(r) and _sweep_key(r) == key]
+        lines += ["", f"{best['peer_label']} configurations, {best['workload']} / {best['cap']}:"]
+        for row in configs:
+            if row["status"] == "ok":
+                outcome = (
+                    f"{row['tokens_per_s']:.0f} tok/s, peak alloc {_fmt(row['peak_allocated_gib'])}"
+                    f" / reserved {_fmt(row['peak_reserved_gib'])} GiB"
+                )
+            else:
+                outcome = f"{row['status']}: {row['message'] or row['reason'] or ''}"
+            mark = " (best)" if row["peer_label"].endswith(f"[{best.get('config')}]") else ""
+            lines.append(f"- [{_config_of(row)}]{mark}: {outcome}")
+        autooffload = [
+            r
+            for r in rows
+            if r["peer_label"].split(" x")[0] == "autooffload"
+            and (r["workload"], r["cap"], r.get("nproc") or 1) == key[:3]
+            and r.get("tokens_per_s")
+        ]
+        for auto in autooffload:
+            if best.get("tokens_per_s"):
+                ratio = auto["tokens_per_s"] / best["tokens_per_s"]
+                lines.append(f"- {auto['peer_label']}: {ratio:.2f}x the best {best['peer_label']}")
+            else:
+                lines.append(f"- {auto['peer_label']}: runs; {best['message']}")
+    return lines
 
 
 def _timed_retries(run: dict[str, Any]) -> int | None:
@@ -306,6 +424,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
     notes = []
     for row in rows:
+        if is_sweep_configuration(row):  # listed under the table, the sweep's best row in it
+            continue
         status = row["status"]
         if row["message"] and status != "ok":
             first = row["message"]
@@ -327,7 +447,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         cells = [
             row["workload"],
             row["cap"],
-            row["peer_label"],
+            row["peer_label"] + (f" [{row['config']}]" if row.get("config") else ""),
             status,
             _fmt(row["tokens_per_s"], ".0f"),
             _fmt(row["tput_ratio"], ".2f"),
@@ -354,6 +474,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"- {r['workload']} / {r['cap']} / {r['peer_label']}: {r['scaling']:.2f}"
             for r in scaled
         ]
+    lines += _sweep_lines(rows)
     lines += _prediction_notes(rows)
     lines += _predicted_step_lines(rows)
     if notes:
@@ -469,6 +590,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if not is_sweep_configuration(r)]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.5), squeeze=False)
     for ax, workload in zip(axes[0], workloads):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from autooffload.atomic import write_text_atomic
+from autooffload.bench.deepspeed_configs import DEVICE_OOM, FAILED, FITS, HOST_OOM
 from autooffload.bench.peers import get_peer
 from autooffload.bench.workloads import UnknownNameError, Workload, get_workload, workload_to_dict
 
@@ -127,12 +128,13 @@ def parse_peers(text: str, autooffload_opts: dict[str, Any] | None = None) -> li
         name = match.group(1)
         peer = get_peer(name)
         options: dict[str, Any] = {}
-        if peer.takes_options:
+        if peer.autooffload_settings:
             options.update(autooffload_opts or {})
         if match.group(2):
             if not peer.takes_options:
                 raise UnknownNameError(f"peer {name!r} takes no options (got {part!r})")
             options.update(parse_options([o for o in match.group(2).split(",") if o.strip()]))
+        peer.check_options(options)
         specs.append(PeerSpec(name, options))
     if not specs:
         raise UnknownNameError("no peers given")
@@ -141,13 +143,15 @@ def parse_peers(text: str, autooffload_opts: dict[str, Any] | None = None) -> li
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One run: a peer on a workload under a cap; ``repeat`` counts from 0."""
+    """One run: a peer on a workload under a cap; ``repeat`` counts from 0. ``sweep`` names the
+    peer whose sweep this configuration belongs to (``PeerDef.sweep``)."""
 
     workload: Workload
     peer: PeerSpec
     cap: int | None
     repeat: int
     nproc: int = 1
+    sweep: str | None = None
 
     @property
     def label(self) -> str:
@@ -168,7 +172,7 @@ def plan_runs(
     nprocs: list[int] | None = None,
 ) -> list[RunSpec]:
     """The runs in execution order: per workload, per repeat, per GPU count, per cap, every peer
-    (A B A B ...).
+    (A B A B ...); a peer with a sweep and no options runs as each of its configurations in turn.
 
     ``vanilla_caps`` (when given) replaces ``caps`` for the vanilla peer, e.g. ``[None]`` runs the
     reference once uncapped per repeat instead of once per cap. ``nprocs`` lists the process
@@ -187,8 +191,19 @@ def plan_runs(
                                     done_vanilla.add(vcap)
                                     runs.append(RunSpec(workload, peer, vcap, rep, nproc))
                             continue
-                        runs.append(RunSpec(workload, peer, cap, rep, nproc))
+                        runs += [
+                            RunSpec(workload, spec, cap, rep, nproc, sweep)
+                            for spec, sweep in _configurations(peer)
+                        ]
     return runs
+
+
+def _configurations(peer: PeerSpec) -> list[tuple[PeerSpec, str | None]]:
+    """The peer itself, or each configuration of its sweep when it has one and no options."""
+    sweep = get_peer(peer.name).sweep
+    if sweep is None or peer.options:
+        return [(peer, None)]
+    return [(PeerSpec(peer.name, dict(options)), peer.name) for options in sweep.candidates]
 
 
 @dataclass
@@ -227,6 +242,7 @@ def _record(run: RunSpec, common: CommonSettings, index: int) -> dict[str, Any]:
         **{k: v for k, v in workload_to_dict(run.workload).items() if k != "name"},
         "peer": run.peer.name,
         "peer_label": run.label,
+        "sweep": run.sweep,
         "nproc": run.nproc,
         "options": run.peer.options,
         "cap": cap_label(run.cap),
@@ -322,8 +338,12 @@ def run_all(
         bar = tqdm(runs, unit="run", desc="bench", dynamic_ncols=True, file=sys.stderr)
         for index, run in enumerate(bar):
             bar.set_postfix_str(run.describe())
+            pointless = _sweep_skip_reason(run, runs[:index], results)
             if common.deadline is not None and time.monotonic() >= common.deadline:
                 reason = "not started: the --deadline was reached"
+                result = {**_record(run, common, index), "status": "skipped", "reason": reason}
+            elif pointless:
+                reason = f"not run: {pointless}"
                 result = {**_record(run, common, index), "status": "skipped", "reason": reason}
             else:
                 result = run_one(run, common, Path(tmp), index)
@@ -332,6 +352,39 @@ def run_all(
             if on_result is not None:
                 on_result(results)
     return results
+
+
+def sweep_outcome(result: dict[str, Any]) -> str | None:
+    """What a sweep learns from a finished run: it fits, the GPU or the host ran out of memory,
+    or it failed otherwise; None when it did not run (skipped, timed out)."""
+    status = result.get("status")
+    if status == "ok":
+        return FITS
+    if status == "OOM":
+        return DEVICE_OOM
+    if status == "error":
+        # The kernel's OOM killer sends SIGKILL (runner's "killed by SIGKILL").
+        return HOST_OOM if "SIGKILL" in (result.get("message") or "") else FAILED
+    return None
+
+
+def _sweep_skip_reason(
+    run: RunSpec, earlier: list[RunSpec], results: list[dict[str, Any]]
+) -> str | None:
+    """Why ``run`` (a configuration of a sweep) is pointless after the runs of the same sweep,
+    workload, cap, repeat and GPU count so far; None when it must run (or is not in a sweep)."""
+    if run.sweep is None:
+        return None
+    sweep = get_peer(run.sweep).sweep
+    same = (run.workload, run.cap, run.repeat, run.nproc, run.sweep)
+    done = []
+    for before, result in zip(earlier, results, strict=True):
+        outcome = sweep_outcome(result)
+        if (before.workload, before.cap, before.repeat, before.nproc, before.sweep) == same and (
+            outcome is not None
+        ):
+            done.append((before.peer.options, outcome))
+    return sweep.skip_reason(run.workload, run.peer.options, done) if sweep else None
 
 
 def _one_line(result: dict[str, Any]) -> str:

@@ -1,0 +1,180 @@
+"""The DeepSpeed offload configurations the bench runs, and which ones a sweep can leave out.
+
+A :class:`DeepSpeedConfig` is one ZeRO-Offload setup (stage 2: optimizer state and step on the
+CPU, weights on the GPU) or ZeRO-Infinity-on-CPU setup (stage 3: weights offloaded too), with
+the knobs that trade GPU memory for speed. :data:`SWEEP` is the small list the ``deepspeed`` peer
+tries for every workload and cap, fastest first; :func:`skip_reason` says when the outcome of
+configurations already run makes another one pointless (it would run out of memory, or it cannot
+be faster than one that fits). Nothing here imports DeepSpeed or torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+# DeepSpeed's own defaults (deepspeed/runtime/zero/config.py, 0.19).
+DS_MAX_LIVE_PARAMETERS = 10**9
+DS_PREFETCH_BUCKET_SIZE = 5 * 10**7
+DS_PERSISTENCE_THRESHOLD = 10**5
+DS_REDUCE_BUCKET_SIZE = 5 * 10**8
+
+
+class DeepSpeedOptionError(ValueError):
+    """A ``deepspeed[...]`` option the bench does not know, or a value it cannot take."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """One DeepSpeed offload configuration (the ``deepspeed[k=v,...]`` options of the bench)."""
+
+    stage: int = 3
+    """2: ZeRO-Offload (``offload_optimizer`` only: weights and gradients on the GPU, AdamW on
+    the CPU with DeepSpeedCPUAdam); 3: ``offload_param`` + ``offload_optimizer``."""
+    gc: bool | None = None
+    """Activation checkpointing (HF ``gradient_checkpointing_enable``); None: the workload's."""
+    pin: bool = True
+    """``pin_memory`` of the offloaded weights and optimizer state."""
+    live: int = DS_MAX_LIVE_PARAMETERS
+    """``stage3_max_live_parameters``: parameters gathered on the GPU at once (stage 3)."""
+    prefetch: int = DS_PREFETCH_BUCKET_SIZE
+    """``stage3_prefetch_bucket_size``: parameters fetched ahead of use (stage 3)."""
+    persist: int = DS_PERSISTENCE_THRESHOLD
+    """``stage3_param_persistence_threshold``: tensors smaller than this stay on the GPU."""
+    bucket: int = DS_REDUCE_BUCKET_SIZE
+    """``reduce_bucket_size`` (and stage 2's ``allgather_bucket_size``), in elements."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (2, 3):
+            raise DeepSpeedOptionError(
+                f"deepspeed option stage={self.stage!r} is not offered; use stage=2 (ZeRO-Offload)"
+                " or stage=3 (weights offloaded too)"
+            )
+        for name in ("live", "prefetch", "persist", "bucket"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise DeepSpeedOptionError(
+                    f"deepspeed option {name}={value!r} must be a whole number of elements >= 0"
+                )
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> DeepSpeedConfig:
+        """The configuration ``options`` names (unnamed knobs at DeepSpeed's defaults)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            valid = ", ".join(sorted(known))
+            raise DeepSpeedOptionError(
+                f"unknown deepspeed option(s) {', '.join(unknown)}; valid: {valid}"
+            )
+        values = dict(options)
+        for name in ("live", "prefetch", "persist", "bucket"):
+            # 1e9 on the command line parses as a float.
+            if isinstance(values.get(name), float) and values[name].is_integer():
+                values[name] = int(values[name])
+        return cls(**values)
+
+    def options(self) -> dict[str, Any]:
+        """The options that differ from the defaults, in field order (the run's label)."""
+        default = DeepSpeedConfig()
+        out = {k: v for k, v in asdict(self).items() if v != getattr(default, k) or k == "stage"}
+        if self.stage == 2:  # the stage-3 knobs do nothing at stage 2
+            out = {k: v for k, v in out.items() if k not in ("live", "prefetch", "persist")}
+        return out
+
+    def with_gc(self, workload_gc: bool) -> DeepSpeedConfig:
+        """This configuration with ``gc`` resolved against the workload's default."""
+        return self if self.gc is not None else replace(self, gc=workload_gc)
+
+    def engine_config(self, bs: int, accum: int, lr: float, bf16: bool) -> dict[str, Any]:
+        """The ``deepspeed.initialize(config=...)`` dict: AdamW (weight decay 0) at ``lr``."""
+        offload = {"device": "cpu", "pin_memory": self.pin}
+        zero: dict[str, Any] = {
+            "stage": self.stage,
+            "offload_optimizer": dict(offload),
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": self.bucket,
+        }
+        if self.stage == 3:
+            zero["offload_param"] = dict(offload)
+            zero["stage3_max_live_parameters"] = self.live
+            zero["stage3_prefetch_bucket_size"] = self.prefetch
+            zero["stage3_param_persistence_threshold"] = self.persist
+        else:
+            zero["allgather_bucket_size"] = self.bucket
+        return {
+            "train_micro_batch_size_per_gpu": bs,
+            "gradient_accumulation_steps": accum,
+            "bf16": {"enabled": bf16},
+            "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+            "steps_per_print": 10**9,
+        }
+
+    def residency(self) -> tuple[int, ...]:
+        """How much of the model the GPU holds, as a vector ordered componentwise: a stage-2
+        configuration holds every weight, so it is above every stage-3 one."""
+        if self.stage == 2:
+            return (1, self.bucket, 0, 0, 0)
+        return (0, self.bucket, self.live, self.prefetch, self.persist)
+
+    def needs_at_least_the_memory_of(self, other: DeepSpeedConfig) -> bool:
+        """Whether this configuration holds at least what ``other`` holds on the GPU (pinning
+        changes host memory only). Both must have ``gc`` resolved."""
+        mine, theirs = self.residency(), other.residency()
+        if mine[0] != theirs[0]:
+            more_resident = mine[0] > theirs[0] and mine[1] >= theirs[1]
+        else:
+            more_resident = all(a >= b for a, b in zip(mine[1:], theirs[1:], strict=True))
+        keeps_activations = (not self.gc) or bool(other.gc)
+        return more_resident and keeps_activations
+
+    def at_least_as_fast_as(self, other: DeepSpeedConfig) -> bool:
+        """Whether this configuration is no slower than ``other``: it keeps at least as much on
+        the GPU, recomputes no more and pins at least as much."""
+        return self.needs_at_least_the_memory_of(other) and (self.pin or not other.pin)
+
+
+# Fastest first. Stage 2 keeps every weight on the GPU; the stage-3 rows go from "gather a lot,
+# keep small tensors resident" down to fetching in small pieces with small buckets.
+_Z3_LARGE = dict(stage=3, live=2 * 10**9, prefetch=2 * 10**8, persist=10**6)
+_Z3_SMALL = dict(stage=3, live=10**8, prefetch=10**7, persist=10**4, bucket=5 * 10**7)
+SWEEP: tuple[DeepSpeedConfig, ...] = (
+    DeepSpeedConfig(stage=2, gc=False),
+    DeepSpeedConfig(stage=2, gc=True),
+    DeepSpeedConfig(**_Z3_LARGE, gc=False),
+    DeepSpeedConfig(**_Z3_LARGE, gc=True),
+    DeepSpeedConfig(stage=3, gc=True),
+    DeepSpeedConfig(**_Z3_SMALL, gc=True),
+    DeepSpeedConfig(**_Z3_SMALL, gc=True, pin=False),
+)
+
+# A configuration's outcome, as :func:`skip_reason` reads it.
+FITS, DEVICE_OOM, HOST_OOM, FAILED = "fits", "device OOM", "host OOM", "failed"
+
+
+def label(config: DeepSpeedConfig) -> str:
+    """``stage=3,gc=True,live=100000000`` (what the bench writes in ``deepspeed[...]``)."""
+    return ",".join(f"{k}={v}" for k, v in config.options().items())
+
+
+def skip_reason(candidate: DeepSpeedConfig, done: list[tuple[DeepSpeedConfig, str]]) -> str | None:
+    """Why running ``candidate`` would tell nothing, given the configurations already run on
+    the same workload and cap with their outcomes; None when it must run.
+
+    A configuration is left out when one that needs no more GPU memory ran out of it, when one
+    at least as fast fits, or when the host ran out of memory (every configuration keeps the
+    same fp32 weights and AdamW state in host memory). ``gc`` must be resolved everywhere.
+    """
+    for config, outcome in done:
+        if outcome == HOST_OOM:
+            return (
+                f"the host ran out of memory with [{label(config)}], and every configuration"
+                " keeps the same fp32 weights and AdamW state on the host"
+            )
+        if outcome == DEVICE_OOM and candidate.needs_at_least_the_memory_of(config):
+            return f"needs at least the GPU memory of [{label(config)}], which ran out of it"
+        if outcome == FITS and config.at_least_as_fast_as(candidate):
+            return f"no faster than [{label(config)}], which fits"
+    return None
