@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import platform
 import shlex
 import sys
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command,
         "date": date.isoformat(timespec="seconds"),
         "host": platform.node(),
+        "host_cpus": os.cpu_count(),
         "device": device,
         "args": {
             "workloads": [w.name for w in workloads],
