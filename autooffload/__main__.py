@@ -1,16 +1,23 @@
 """The launcher: ``python -m autooffload [options] script.py args`` runs a script with it enabled.
 
 Like ``python script.py`` (or ``python -m module``): the script runs as ``__main__`` with the
-``sys.argv`` it expects and its folder as ``sys.path[0]``; its exit code and exceptions pass
-through unchanged. Options become ``AUTOOFFLOAD_*`` env vars, so subprocesses see them too.
+``sys.argv`` it expects and its folder as ``sys.path[0]``; its exit code passes through, and a
+script that raises shows the traceback python would show, from the script's own frames on (the
+launcher's and runpy's are left out). Options become ``AUTOOFFLOAD_*`` env vars, so subprocesses
+see them too.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import sys
+import types
+import zipfile
+from collections.abc import Callable
+from types import TracebackType
 
 import autooffload
 from autooffload.errors import SettingsError
@@ -58,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep weights on the device; manage activations and masking only"
         " (sets AUTOOFFLOAD_OFFLOAD=0)",
+    )
+    parser.add_argument(
+        "--force-attach",
+        action="store_true",
+        help="attach every trained model moved to the device, however small (the CPU"
+        " simulation's quick start; sets AUTOOFFLOAD_FORCE_ATTACH=1)",
     )
     parser.add_argument(
         "--no-mask",
@@ -113,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     flags = {
         "AUTOOFFLOAD_BUDGET": options.budget,
         "AUTOOFFLOAD_OFFLOAD": "0" if options.no_offload else None,
+        "AUTOOFFLOAD_FORCE_ATTACH": "1" if options.force_attach else None,
         "AUTOOFFLOAD_MASK": "0" if options.no_mask else None,
         "AUTOOFFLOAD_PRINT_PLAN": "1" if options.print_plan else None,
         "AUTOOFFLOAD_LOG": options.log,
@@ -124,15 +138,81 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"python -m autooffload: error: {error}\n")
 
     if options.module is not None:
+        problem = _module_problem(options.module)
+        if problem is not None:
+            parser.exit(1, f"{sys.executable}: {problem}\n")
         sys.argv = [options.module, *rest]
-        runpy.run_module(options.module, run_name="__main__", alter_sys=True)
+        _run_as_python_would(
+            lambda: runpy.run_module(options.module, run_name="__main__", alter_sys=True)
+        )
     else:
         script, *args = rest
         if not os.path.isfile(script):
-            parser.exit(2, f"python -m autooffload: error: can't open file {script!r}\n")
+            path = os.path.abspath(script)
+            missing = f"can't open file {path!r}: [Errno 2] No such file or directory"
+            parser.exit(2, f"{sys.executable}: {missing}\n")
         sys.argv = [script, *args]
         sys.path[0] = os.path.dirname(os.path.abspath(script))
+        _run_as_python_would(lambda: _run_script(script))
+
+
+def _run_script(script: str) -> None:
+    """Run a file as ``python script.py`` does: as ``__main__``, with the absolute path as its
+    ``__file__`` and in its tracebacks, ``sys.argv[0]`` as given. Folders and zip files with a
+    ``__main__.py`` go through runpy."""
+    path = os.path.abspath(script)
+    if zipfile.is_zipfile(path):
         runpy.run_path(script, run_name="__main__")
+        return
+    with open(path, "rb") as source:
+        code = compile(source.read(), path, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None
+    )
+    launcher = sys.modules["__main__"]
+    sys.modules["__main__"] = module  # pickling by reference finds the script's classes
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules["__main__"] = launcher
+
+
+def _module_problem(name: str) -> str | None:
+    """Why ``python -m name`` could not start, in python's words; None if it can."""
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            if importlib.util.find_spec(f"{name}.__main__") is None:
+                return (
+                    f"No module named {name}.__main__; '{name}' is a package and cannot be"
+                    " directly executed"
+                )
+    except (ImportError, ValueError) as error:
+        return f"Error while finding module specification for {name!r} ({error!r})"
+    return None if spec is not None else f"No module named {name}"
+
+
+def _run_as_python_would(run: Callable[[], object]) -> None:
+    """Run the target; an exception out of it is printed from the target's first frame on,
+    through ``sys.excepthook`` as python does, and the process exits with status 1."""
+    try:
+        run()
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as error:
+        error = error.with_traceback(_without_launcher_frames(error.__traceback__))
+        sys.excepthook(type(error), error, error.__traceback__)
+        sys.exit(1)
+
+
+def _without_launcher_frames(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` from its first frame outside this module and runpy."""
+    while tb is not None and (
+        tb.tb_frame.f_globals is globals() or tb.tb_frame.f_globals.get("__name__") == "runpy"
+    ):
+        tb = tb.tb_next
+    return tb
 
 
 if __name__ == "__main__":

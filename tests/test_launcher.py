@@ -153,6 +153,50 @@ def test_uncaught_exception_prints_its_traceback_and_exits_1(tmp_path):
     assert result.stderr.rstrip().endswith("ValueError: boom at step 3")
 
 
+def _python(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+
+
+def _without_library_noise(stderr: str) -> str:
+    """stderr less lines libraries print on import (bitsandbytes' kernel notice)."""
+    return "\n".join(line for line in stderr.splitlines() if "kernels-community" not in line)
+
+
+@pytest.mark.parametrize("form", ["script", "module"])
+def test_a_failing_script_shows_what_python_shows(tmp_path, form):
+    (tmp_path / "failing.py").write_text(
+        "import json\n\ndef train():\n    json.loads('{')\n\ntrain()\n"
+    )
+    target = ["failing.py"] if form == "script" else ["-m", "failing"]
+    plain = _python(*target, cwd=tmp_path)
+    launched = launch(*target, cwd=tmp_path)
+    assert launched.returncode == plain.returncode == 1
+    # python -m shows runpy's two frames before the module's; the launcher shows none.
+    expected_lines = [line for line in plain.stderr.splitlines() if "<frozen runpy>" not in line]
+    assert "autooffload" not in _without_library_noise(launched.stderr), launched.stderr
+    assert _without_library_noise(launched.stderr).splitlines() == expected_lines
+
+
+def test_a_missing_module_is_one_line_as_in_python(tmp_path):
+    plain = _python("-m", "no_such_module_here", cwd=tmp_path)
+    launched = launch("-m", "no_such_module_here", cwd=tmp_path)
+    assert launched.returncode == plain.returncode == 1
+    assert _without_library_noise(launched.stderr) == plain.stderr.rstrip("\n")
+    assert len(plain.stderr.splitlines()) == 1
+
+
+def test_force_attach_flag_sets_its_env_var(tmp_path):
+    (tmp_path / "show.py").write_text(
+        "import os\nfrom autooffload.settings import current\n"
+        "print(os.environ['AUTOOFFLOAD_FORCE_ATTACH'], current().force_attach)\n"
+    )
+    result = launch("--force-attach", "show.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "True"]
+
+
 def test_dash_m_runs_a_module_as_main(tmp_path):
     package = tmp_path / "mypkg"
     package.mkdir()
@@ -189,7 +233,8 @@ def test_missing_or_no_script_is_a_usage_error(tmp_path):
 def test_help_documents_every_option_and_env_var():
     result = launch("--help")
     assert result.returncode == 0
-    for option in ("--budget", "--no-offload", "--no-mask", "--print-plan", "--log", "-m MODULE"):
+    options = ("--budget", "--no-offload", "--force-attach", "--no-mask", "--print-plan", "--log")
+    for option in (*options, "-m MODULE"):
         assert option in result.stdout
     for env, default, _ in env_vars():
         line = next(line for line in result.stdout.splitlines() if line.split()[:1] == [env])
