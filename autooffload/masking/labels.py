@@ -356,7 +356,8 @@ class MaskerCache:
         options = self.options
         if name not in self._logged:
             self._logged.add(name)
-            logger.info(
+            # DEBUG only: the INFO line comes with the first batch whose labels masking changes.
+            logger.debug(
                 "masking: %s, roles=[%s], train_on_eos=%s%s",
                 name,
                 ",".join(options.roles_to_train),

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from autooffload.log import logger
-from autooffload.masking import MaskerCache, MaskingOptions
+from autooffload.masking import IGNORE_INDEX, MaskerCache, MaskingOptions
 from autooffload.masking.labels import LabelMasker
 from autooffload.patches import _registry
 
@@ -57,6 +57,29 @@ class _MaskingSession:
         self._owners: dict[int, tuple[Any, Any]] = {}
         self.masked_labels = _TensorIdSet()
         self.hooked_classes: set[type] = set()
+        self.announced = False
+
+    def announce(self, masker: LabelMasker, before: torch.Tensor, after: torch.Tensor) -> None:
+        """One INFO line, at the first batch whose labels masking changed: which template and
+        roles, the share of label tokens kept, and how to turn it off. Nothing otherwise."""
+        if self.announced or after.shape != before.shape or torch.equal(after, before):
+            return
+        self.announced = True
+        options = self.cache.options
+        total = int((before != IGNORE_INDEX).sum())
+        kept = int((after != IGNORE_INDEX).sum())
+        share = f" ({100 * kept / total:.0f}%)" if total else ""
+        logger.info(
+            "masking: %s chat template, training on %s turns only (train_on_eos=%s): the first"
+            " masked batch keeps %d of %d label tokens%s; AUTOOFFLOAD_MASK=0 trains on every"
+            " token",
+            masker.family,
+            "/".join(options.roles_to_train),
+            options.train_on_eos,
+            kept,
+            total,
+            share,
+        )
 
     def saw(self, tokenizer_or_processor: Any) -> None:
         """Remember the tokenizer or processor used last (for batches built by hand)."""
@@ -139,6 +162,7 @@ class _MaskingSession:
         if labels_t is not collated and masked.dim() == 2:
             chat_rows = (masked != labels_t).any(dim=1, keepdim=True)
             masked = torch.where(chat_rows, masked, collated)
+        self.announce(masker, collated, masked)
         self.masked_labels.add(masked)
         batch["labels"] = masked.numpy() if as_numpy else masked
 
@@ -195,7 +219,7 @@ def uninstall() -> None:
     """Restore every wrapped attribute; log the all -100 sample count if there was one."""
     global _session
     _registry.restore_group(__name__)
-    if _session is not None and _session.cache.stats.samples:
+    if _session is not None and _session.cache.stats.all_masked:
         stats = _session.cache.stats
         logger.info(
             "masking: %d of %d chat samples had every label -100", stats.all_masked, stats.samples
@@ -422,6 +446,7 @@ def _forward_wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
         changed = (masked != labels).any(-1)
         if bool(changed.any()):
             masker.count(masked.view(-1, masked.shape[-1]), changed.view(-1))
+            session.announce(masker, labels, masked)
         session.masked_labels.add(masked)
         kwargs = {**kwargs, "labels": masked}
     return wrapped(*args, **kwargs)

@@ -79,7 +79,7 @@ def test_unknown_template_warns_once_and_masks_nothing():
     assert MaskerCache(MaskingOptions()).get(tokenizer) is not None
 
 
-def test_one_log_line_per_detected_template():
+def test_detecting_a_template_logs_nothing_at_info():
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     logger = logging.getLogger("autooffload")
@@ -94,11 +94,7 @@ def test_one_log_line_per_detected_template():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
-    lines = stream.getvalue().splitlines()
-    assert lines == [
-        "masking: chatml, roles=[assistant], train_on_eos=turn",
-        "masking: llama3, roles=[assistant], train_on_eos=turn",
-    ]
+    assert stream.getvalue() == ""  # the INFO line comes with the first batch masking changes
 
 
 @pytest.mark.parametrize(

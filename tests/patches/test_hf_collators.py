@@ -279,3 +279,63 @@ def test_mask_false_installs_nothing():
     import transformers  # noqa: F401
 
     assert not [r for r in _registry.records() if r.group.endswith("hf_collators")]
+
+
+@pytest.fixture
+def records():
+    """What the ``autooffload`` logger emits at DEBUG and above during the test."""
+    import logging
+
+    caught: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = caught.append
+    logger = logging.getLogger("autooffload")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield caught
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+
+
+def _masking_lines(records, level: str = "INFO") -> list[str]:
+    return [
+        r.getMessage()
+        for r in records
+        if r.getMessage().startswith("masking:") and r.levelname == level
+    ]
+
+
+def test_one_info_line_at_the_first_batch_masking_changes(records):
+    from transformers import DataCollatorForLanguageModeling
+
+    autooffload.enable(device="cpu")
+    tok = tokenizer()
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    first = collator(chat_features(tok, [CHAT, CHAT[:3]]))
+    collator(chat_features(tok, [CHAT]))
+    lines = _masking_lines(records)
+    assert len(lines) == 1, lines
+    total = int((first["attention_mask"] != 0).sum())
+    kept = int((first["labels"] != IGNORE_INDEX).sum())
+    assert 0 < kept < total
+    for words in (
+        "chatml",
+        "assistant",
+        f"keeps {kept} of {total} label tokens",
+        "AUTOOFFLOAD_MASK=0",
+    ):
+        assert words in lines[0], lines[0]
+
+
+def test_plain_text_batches_log_nothing_about_masking(records):
+    from transformers import DataCollatorForLanguageModeling
+
+    autooffload.enable(device="cpu")
+    tok = tokenizer()
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    texts = ["The quick brown fox jumps over the lazy dog.", "Plain text, no chat at all."]
+    batch = collator([{"input_ids": tok(t)["input_ids"]} for t in texts])
+    assert torch.equal(batch["labels"] != IGNORE_INDEX, batch["attention_mask"] != 0)
+    autooffload.disable()
+    assert not [r for r in records if r.levelname != "DEBUG"], [r.getMessage() for r in records]
