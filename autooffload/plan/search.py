@@ -32,7 +32,7 @@ from autooffload.plan.cost import (
 from autooffload.plan.grid import Pick, pick_order, search_layout
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import chunk_tables
-from autooffload.plan.types import CHECKPOINT_INPUTS, GiB, Knobs, Plan
+from autooffload.plan.types import CHECKPOINT_INPUTS, Knobs, Plan, format_bytes
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
@@ -303,12 +303,12 @@ def _infeasible(
 ) -> PlanError:
     """The error for an empty feasible set: which fixed knob to change and to what, or budget."""
     budget_text = (
-        "unbounded budget" if budget is None else f"budget {budget / GiB:.2f} GiB ({budget} bytes)"
+        "unbounded budget" if budget is None else f"budget {format_bytes(budget)} ({budget} bytes)"
     )
     if min_persist and _run(profiles, hw, budget, fixed)[0] is not None:
         # Only the floor on n_persist (chunks already persistent) is in the way.
         floor = _run(profiles, hw, None, fixed, by_peak=True, min_persist=min_persist)[0]
-        least = "" if floor is None else f" (smallest predicted peak {floor.peak / GiB:.2f} GiB)"
+        least = "" if floor is None else f" (smallest predicted peak {format_bytes(floor.peak)})"
         return PlanError(
             f"no configuration keeping the {min_persist} persistent chunks (n_persist >="
             f" {min_persist}) fits the {budget_text}{least}; plans with fewer fit"
@@ -330,7 +330,7 @@ def _infeasible(
             f"{asked} leaves no valid configuration (n_buffer must cover one unit's chunks);"
             f" unset {', '.join(_KNOB_ENV[name] for name in fixed)} and let the search choose"
         )
-    best_peak = f"{smallest.peak / GiB:.2f} GiB"
+    best_peak = format_bytes(smallest.peak)
     if alternatives:
         return PlanError(
             f"{asked} cannot fit the {budget_text}: the smallest predicted peak with it is"

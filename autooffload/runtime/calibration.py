@@ -549,5 +549,5 @@ def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
     runtime.apply_plan(new_plan)
     if runtime.manager.is_cuda:
         fresh_peak(runtime.device)
-    logger.info("%s, re-planned:\n%s", what, new_plan.summary())
+    logger.info("%s, re-planned:\n%s", what, new_plan.summary(runtime.device.type))
     return new_plan

@@ -520,7 +520,8 @@ def switch_to_searched_plan(
     from autooffload import runtime as rt
 
     rt._last_plan[:] = [plan]
-    logger.info("%s", plan.summary())
+    summary = plan.summary(runtime.device.type)
     if runtime.settings.print_plan:
-        print(plan.summary(), flush=True)  # noqa: T201 - the launcher's --print-plan
+        print(summary, flush=True)  # noqa: T201 - the launcher's --print-plan
         raise SystemExit(0)
+    logger.info("%s", summary)
