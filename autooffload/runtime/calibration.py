@@ -1,5 +1,5 @@
 """Calibration after the plan switch: the planned steps' measured peak and CPU update rate
-against what the plan assumed, and the one re-plan that follows when they differ (issue 13)."""
+against what the plan assumed, and the one re-plan that follows when they differ."""
 
 from __future__ import annotations
 
