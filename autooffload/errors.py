@@ -33,3 +33,8 @@ class DetachStateError(AutoOffloadError):
 class OutOfStepError(AutoOffloadError):
     """Data-parallel ranks under sharded model states started different forwards or backwards,
     or issued different chunk collectives (``runtime/lockstep.py``)."""
+
+
+class MissingExtraError(AutoOffloadError, ImportError):
+    """A feature needs an optional dependency that is not installed (QLoRA: bitsandbytes, the
+    ``autooffload[qlora]`` extra)."""

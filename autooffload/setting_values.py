@@ -136,14 +136,6 @@ def _bare_number(
     return number
 
 
-def readable_size(n_bytes: float) -> str:
-    """``n_bytes`` in the largest binary unit that keeps it >= 1, e.g. ``2.17 MiB``."""
-    for unit, power in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if abs(n_bytes) >= 1 << power:
-            return f"{n_bytes / (1 << power):.2f} {unit}"
-    return f"{int(n_bytes)} byte" + ("" if int(n_bytes) == 1 else "s")
-
-
 def parse_size_or_fraction(value: Any, name: str) -> int | float | None:
     return parse_size(value, name, fraction=True, optional=True)
 

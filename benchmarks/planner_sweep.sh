@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13's planner sweep in one device command: predicted vs measured peak and step time,
+# The planner sweep in one command: predicted vs measured peak and step time,
 # and throughput vs budget with the planner's feasible set, for 1.1B / 3.6B full FT, 8B LoRA and
 # a Qwen2-VL-7B LoRA over a range of GPU memory caps (autooffload; vanilla last, time allowing).
 #

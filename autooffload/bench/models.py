@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from autooffload.bench.workloads import Workload
+from autooffload.optional import import_bitsandbytes
 
 POOL_NUMEL = 4_194_301  # prime, so the pool's period never lines up with a weight's rows
 IMAGE_TOKEN_LABEL = -100
@@ -66,7 +67,7 @@ def _materialise(module: nn.Module, pool: _NormalPool, dtype: torch.dtype, memo:
 
 def _quantise_linears(block: nn.Module, quant_device: str, dtype: torch.dtype) -> None:
     """Swap every ``nn.Linear`` in ``block`` for a ``bnb.nn.Linear4bit`` (nf4, double quant)."""
-    import bitsandbytes as bnb
+    bnb = import_bitsandbytes()
 
     for name, child in list(block.named_modules()):
         if not isinstance(child, nn.Linear) or isinstance(child, bnb.nn.Linear4bit):

@@ -347,7 +347,7 @@ def _predicted_step_lines(rows: list[dict[str, Any]]) -> list[str]:
     return ["", "Where the predicted step goes (ms; stalls are time beyond compute):", *lines]
 
 
-# Issue 13's targets for the planned runs: |peak error| and |step-time error| at most these.
+# The planner's targets for the planned runs: |peak error| and |step-time error| at most these.
 PEAK_ERR_TARGET_PCT, STEP_ERR_TARGET_PCT = 5.0, 15.0
 
 

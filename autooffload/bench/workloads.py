@@ -25,7 +25,7 @@ LLAMA32_3B = dict(
     vocab_size=128256,
     tie_word_embeddings=True,
 )
-# Issue 13's "3.6B": the Llama-3.2-3B shape with its LM head untied (3.21B tied, 3.61B untied).
+# "3.6B": the Llama-3.2-3B shape with its LM head untied (3.21B tied, 3.61B untied).
 LLAMA32_3B_UNTIED = dict(LLAMA32_3B, tie_word_embeddings=False)
 LLAMA3_8B = dict(
     hidden_size=4096,

@@ -89,7 +89,7 @@ def install_all(settings: Settings) -> None:
             continue
         _loaded[name] = patch_module
         for target in patch_module.TARGETS:
-            if target in sys.modules:
+            if sys.modules.get(target) is not None:  # None: an import blocked on purpose
                 _install(name, target)
             elif target not in _pending_hooks:
                 _pending_hooks.add(target)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from autooffload.optional import import_bitsandbytes
 from autooffload.patches import _registry
 from autooffload.settings import Settings
 
@@ -80,7 +81,7 @@ def _quantize_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
 
 
 def install(settings: Settings, target: str) -> None:
-    import bitsandbytes as bnb
+    bnb = import_bitsandbytes()
 
     for param_cls in (bnb.nn.Params4bit, bnb.nn.Int8Params):
         if "_quantize" in param_cls.__dict__:

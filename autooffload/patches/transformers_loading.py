@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from autooffload.log import logger
+from autooffload.optional import import_bitsandbytes
 from autooffload.patches import _registry
 from autooffload.patches.torch_module import attach_device_type
 from autooffload.settings import Settings, current
@@ -95,9 +96,15 @@ def placement_device(device_map: Any, attach_type: str) -> torch.device | None:
     return device if device is not None and device.type == attach_type else None
 
 
-def _is_bitsandbytes(hf_quantizer: Any) -> bool:
-    method = getattr(getattr(hf_quantizer, "quantization_config", None), "quant_method", None)
+def _is_bitsandbytes_config(config: Any) -> bool:
+    method = getattr(config, "quant_method", None)
+    if isinstance(config, dict):
+        method = config.get("quant_method")
     return str(getattr(method, "value", method)) == "bitsandbytes"
+
+
+def _is_bitsandbytes(hf_quantizer: Any) -> bool:
+    return _is_bitsandbytes_config(getattr(hf_quantizer, "quantization_config", None))
 
 
 def _get_hf_quantizer_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -133,6 +140,8 @@ def _from_pretrained_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     settings = current()
     if settings is None or not settings.offload:
         return wrapped(*args, **kwargs)
+    if _is_bitsandbytes_config(kwargs.get("quantization_config")):
+        import_bitsandbytes()  # the extra's error if missing; its import notice silenced
     load = _Load(kwargs.get("device_map"), attach_device_type(settings))
     if not _hooked["get_hf_quantizer"]:
         # A transformers without the quantizer step to hook: single-device maps only.

@@ -33,9 +33,8 @@ from autooffload.plan.cost import (
 from autooffload.plan.grid import Pick, pick_order, search_layout
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import chunk_tables
-from autooffload.plan.types import CHECKPOINT_INPUTS, Knobs, Plan
+from autooffload.plan.types import CHECKPOINT_INPUTS, Knobs, Plan, format_bytes
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
-from autooffload.setting_values import readable_size
 
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 # ``_best_backward_split``: counts tried one by one up to this many, else coarse to fine.
@@ -304,11 +303,11 @@ def _infeasible(
     min_persist: int = 0,
 ) -> PlanError:
     """The error for an empty feasible set: which fixed knob to change and to what, or budget."""
-    budget_text = "unbounded budget" if budget is None else f"budget of {readable_size(budget)}"
+    budget_text = "unbounded budget" if budget is None else f"budget of {format_bytes(budget)}"
     if min_persist and _run(profiles, hw, budget, fixed)[0] is not None:
         # Only the floor on n_persist (chunks already persistent) is in the way.
         floor = _run(profiles, hw, None, fixed, by_peak=True, min_persist=min_persist)[0]
-        least = "" if floor is None else f" (smallest predicted peak {readable_size(floor.peak)})"
+        least = "" if floor is None else f" (smallest predicted peak {format_bytes(floor.peak)})"
         return PlanError(
             f"no configuration keeping the {min_persist} persistent chunks (n_persist >="
             f" {min_persist}) fits the {budget_text}{least}; plans with fewer fit"
@@ -330,7 +329,7 @@ def _infeasible(
             f"{asked} leaves no valid configuration (n_buffer must cover one unit's chunks);"
             f" unset {', '.join(_KNOB_ENV[name] for name in fixed)} and let the search choose"
         )
-    best_peak = readable_size(smallest.peak)
+    best_peak = format_bytes(smallest.peak)
     if alternatives:
         return PlanError(
             f"{asked} cannot fit the {budget_text}: the smallest predicted peak with it is"

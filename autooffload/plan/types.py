@@ -86,14 +86,18 @@ class Plan:
             and self.accumulates_on_gpu == other.accumulates_on_gpu
         )
 
-    def summary(self) -> str:
-        """A short multi-line human summary (logged once per attach)."""
+    def summary(self, device_type: str = "cuda") -> str:
+        """A short multi-line human summary (logged once per attach). ``device_type`` "cpu"
+        words it for the CPU simulation, where host memory plays the device."""
         n_off = self.n_chunks - self.n_persist
+        simulated = device_type == "cpu"
+        dev = "device" if simulated else "GPU"
+        host = "host memory" if simulated else "pinned CPU"
         lines = [
-            f"plan ({self.source}): {self.n_chunks} chunks of"
-            f" {self.chunk_size / (1 << 20):.0f} MiB",
-            f"  persistent on GPU: {self.n_persist} chunks; offloaded to pinned CPU: {n_off} chunks"
-            f" through {self.n_buffer} GPU buffers",
+            f"plan ({self.source}): {self.n_chunks} chunks of {format_bytes(self.chunk_size)}"
+            + (" (CPU simulation: host memory plays the device)" if simulated else ""),
+            f"  persistent on {dev}: {self.n_persist} chunks; offloaded to {host}: {n_off} chunks"
+            f" through {self.n_buffer} {dev} buffers",
         ]
         k = self.gpu_update_chunks
         if self.breakdown.get("update_in_backward") and (n_off or self.n_persist):
@@ -101,12 +105,12 @@ class Plan:
             parts = ["offloaded chunks updated on the CPU as their gradients arrive"] * bool(n_off)
             if kb:
                 parts = [
-                    f"the lowest {kb} offloaded chunks updated on the GPU as their backward ends"
+                    f"the lowest {kb} offloaded chunks updated on the {dev} as their backward ends"
                     f" (state streamed from pinned memory), {n_off - kb} on the CPU as their"
                     " gradients arrive"
                 ]
             at_step = self.breakdown.get("persistent_at_step")
-            parts += ["persistent chunks stepped on the GPU as their backward ends"] * bool(
+            parts += [f"persistent chunks stepped on the {dev} as their backward ends"] * bool(
                 self.n_persist and not at_step
             )
             lines.append(
@@ -115,8 +119,9 @@ class Plan:
             )
         if k:
             lines.append(
-                f"  optimizer: {k} offloaded chunks updated on the GPU (state streamed from pinned"
-                f" memory), {self.breakdown.get('cpu_update_chunks', n_off - k):.0f} on the CPU"
+                f"  optimizer: {k} offloaded chunks updated on the {dev} (state streamed from"
+                f" pinned memory), {self.breakdown.get('cpu_update_chunks', n_off - k):.0f} on"
+                " the CPU"
             )
         if self.block_policies:
             n_keep = len(self.block_policies) - self.n_swap - self.n_checkpoint
@@ -129,15 +134,13 @@ class Plan:
                 f"{_block_ranges(self.block_policies, 'swap')}"
             )
         if self.predicted_peak_bytes is not None:
-            budget = (
-                "unbounded" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.2f} GiB"
-            )
+            budget = "unbounded" if self.budget_bytes is None else format_bytes(self.budget_bytes)
             streamed = self.breakdown.get("mem_buffers_max")
             in_flight = (
-                f" (streamed chunks: up to {streamed / GiB:.2f} GiB at once)" if streamed else ""
+                f" (streamed chunks: up to {format_bytes(streamed)} at once)" if streamed else ""
             )
             lines.append(
-                f"  predicted peak {self.predicted_peak_bytes / GiB:.2f} GiB vs budget {budget}"
+                f"  predicted peak {format_bytes(self.predicted_peak_bytes)} vs budget {budget}"
                 + in_flight
             )
         if self.predicted_step_s is not None:
@@ -148,6 +151,18 @@ class Plan:
                 f" (bottleneck: {self.bottleneck}{per})"
             )
         return "\n".join(lines)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in GiB with two decimals from 1 GiB, else in MiB or KiB with at least three
+    significant digits."""
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.{0 if value >= 100 else 1 if value >= 10 else 2}f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _block_ranges(policies: tuple[str, ...], policy: str) -> str:

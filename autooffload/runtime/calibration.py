@@ -1,5 +1,5 @@
 """Calibration after the plan switch: the planned steps' measured peak and CPU update rate
-against what the plan assumed, and the one re-plan that follows when they differ (issue 13)."""
+against what the plan assumed, and the one re-plan that follows when they differ."""
 
 from __future__ import annotations
 
@@ -549,5 +549,5 @@ def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
     runtime.apply_plan(new_plan)
     if runtime.manager.is_cuda:
         fresh_peak(runtime.device)
-    logger.info("%s, re-planned:\n%s", what, new_plan.summary())
+    logger.info("%s, re-planned:\n%s", what, new_plan.summary(runtime.device.type))
     return new_plan

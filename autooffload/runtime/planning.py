@@ -16,12 +16,11 @@ from autooffload.plan.hardware import measure_hardware
 from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
-from autooffload.plan.types import Plan
+from autooffload.plan.types import Plan, format_bytes
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 from autooffload.runtime.calibration import arm_calibration
 from autooffload.runtime.chunks import ALIGN, ChunkLayout
 from autooffload.runtime.host import HostMemory, host_memory
-from autooffload.setting_values import readable_size
 from autooffload.settings import Settings
 
 if TYPE_CHECKING:
@@ -89,7 +88,7 @@ def check_smallest_plan_fits(
     given = "AUTOOFFLOAD_BUDGET" if settings.budget is not None else "the device's free memory"
     suggested = f"{math.ceil(floor / (1 << 20))}MiB"
     raise PlanError(
-        f"{given} gives the device {readable_size(budget)}, below the {readable_size(floor)} the"
+        f"{given} gives the device {format_bytes(budget)}, below the {format_bytes(floor)} the"
         f" model's weights alone take in the smallest plan (n_persist={n_persist},"
         f" n_buffer={n_buffer}), before any activations; set AUTOOFFLOAD_BUDGET well above"
         f" {suggested} (activations come on top), or to a fraction of the device such as 0.9"
@@ -550,7 +549,8 @@ def switch_to_searched_plan(
     from autooffload import runtime as rt
 
     rt._last_plan[:] = [plan]
-    logger.info("%s", plan.summary())
+    summary = plan.summary(runtime.device.type)
     if runtime.settings.print_plan:
-        print(plan.summary(), flush=True)  # noqa: T201 - the launcher's --print-plan
+        print(summary, flush=True)  # noqa: T201 - the launcher's --print-plan
         raise SystemExit(0)
+    logger.info("%s", summary)

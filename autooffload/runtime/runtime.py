@@ -12,7 +12,7 @@ from autooffload.log import logger, warn_once
 from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import Candidates, SearchRequest
-from autooffload.plan.types import Plan
+from autooffload.plan.types import Plan, format_bytes
 from autooffload.runtime import allocator
 from autooffload.runtime.activations import (
     ActivationSwapper,
@@ -190,9 +190,20 @@ class Runtime(GroupHooks):
         self.oom = OomRetry(self).install() if settings.oom_retry_on else None
         if self.profiler is not None:
             self.profiler = StepProfiler(self)
-            logger.debug("%s", self.plan.summary())
+            logger.debug("%s", self.plan.summary(self.device.type))
+            # Two: a warm-up step that pays one-time costs, then the measured one
+            # (planning.profile_after_step).
+            logger.info(
+                "attached %s: %d chunks of %s; the next 2 optimizer steps are profiling steps"
+                " under a conservative plan (%d chunks streamed from the host), then the plan"
+                " is searched for what they measured",
+                type(model).__name__,
+                self.plan.n_chunks,
+                format_bytes(self.plan.chunk_size),
+                self.plan.n_chunks - self.plan.n_persist,
+            )
         else:
-            logger.info("%s", self.plan.summary())
+            logger.info("%s", self.plan.summary(self.device.type))
         # Nothing to train at attach (Settings.offload_frozen): a reference model, a teacher.
         self.attached_frozen = not any(p.requires_grad for p in model.parameters())
         if self.attached_frozen:

@@ -1,29 +1,57 @@
-"""The main example runs with its model attached (CPU simulation) and trains like the plain run."""
+"""The README's quick start offloads on a CPU-only machine (the CPU simulation), prints one plan
+in the simulation's words, and trains like plain training."""
 
 from __future__ import annotations
 
 import re
+import shlex
 
 import pytest
-from test_examples import run, step_losses
+from test_examples import REPO, run, step_losses
 
 pytestmark = pytest.mark.slow
 
+PLAN_LINE = r"^(\[autooffload\] )?plan \((search|user\+search)\): \d+ chunks"
 
-def test_plain_torch_attached_in_cpu_simulation_matches_plain_training():
-    attached = run(
-        "examples/plain_torch.py",
-        "--steps",
-        "4",
-        env={"AUTOOFFLOAD_FORCE_ATTACH": "1", "AUTOOFFLOAD_DEVICE": "cpu"},
+
+def readme_quick_start() -> tuple[dict[str, str], list[str]]:
+    """The README's command running ``examples/plain_torch.py``: its ``VAR=value`` prefix and
+    the arguments after ``python``."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    (line,) = [line for line in lines if "python examples/plain_torch.py" in line]
+    command = shlex.split(line.split("&&")[-1].split("#")[0])
+    env = {}
+    while "=" in command[0]:
+        name, value = command.pop(0).split("=", 1)
+        env[name] = value
+    assert command[0] == "python", line
+    return env, command[1:]
+
+
+def test_readme_quick_start_offloads_on_a_cpu_and_trains_like_plain_training():
+    env, args = readme_quick_start()
+    output = run(*args, env={**env, "CUDA_VISIBLE_DEVICES": ""}, log=True)
+    assert len(re.findall(PLAN_LINE, output, flags=re.M)) == 1, output
+    assert "the next 2 optimizer steps are profiling steps" in output, output
+    streamed = re.search(
+        r"^  persistent on device: \d+ chunks; offloaded to host memory: (\d+)", output, flags=re.M
     )
-    plain = run("examples/plain_torch.py", "--steps", "4", env={"AUTOOFFLOAD": "0"})
-    assert re.search(r"plan \((search|user\+search)\): \d+ chunks", attached), attached[-2000:]
-    assert step_losses(attached) == pytest.approx(step_losses(plain), rel=1e-4, abs=1e-5)
+    assert streamed and int(streamed.group(1)) > 0, output
+    blocks = re.search(
+        r"^  activations: \d+ blocks keep, (\d+) checkpoint.*, (\d+) swap", output, flags=re.M
+    )
+    assert blocks and int(blocks.group(1)) + int(blocks.group(2)) > 0, output
+    assert "GPU" not in output, output
+    losses = step_losses(output)
+    attached, plain = losses[: len(losses) // 2], losses[len(losses) // 2 :]
+    assert len(attached) == 5 and attached == pytest.approx(plain, rel=1e-4, abs=1e-5)
+    (last,) = [line for line in output.splitlines() if line.startswith("summary: ")]
+    assert re.match(r"summary: plain training needs [\d.]+ MiB on the device", last), last
+    assert "losses equal plain training's" in last, last
 
 
-def test_print_plan_prints_the_searched_plan_and_stops_after_profiling():
-    stdout = run(
+def test_print_plan_prints_the_searched_plan_once_and_stops_after_profiling():
+    output = run(
         "-m",
         "autooffload",
         "--print-plan",
@@ -31,7 +59,8 @@ def test_print_plan_prints_the_searched_plan_and_stops_after_profiling():
         "--steps",
         "6",
         env={"AUTOOFFLOAD_FORCE_ATTACH": "1", "AUTOOFFLOAD_DEVICE": "cpu"},
+        log=True,
     )
-    assert re.search(r"^plan \((search|user\+search)\): \d+ chunks", stdout, flags=re.M), stdout
+    assert len(re.findall(PLAN_LINE, output, flags=re.M)) == 1, output
     # Two profiling steps run; the script stops before its third step's loss is printed.
-    assert len(step_losses(stdout)) == 2, stdout
+    assert len(step_losses(output)) == 2, output

@@ -77,9 +77,11 @@ def capped_run(script: str, *args: str) -> str:
     output = f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     assert result.returncode == 0, f"{script} {args} exited {result.returncode}:\n{output}"
     stdout = result.stdout
-    assert re.search(r"^plan \([^)]*\): \d+ chunks", stdout, flags=re.M), output
+    # The plan is in the log (stderr) or, for the Trainer examples, also printed.
+    both = f"{stdout}\n{result.stderr}"
+    assert re.search(r"^(\[autooffload\] )?plan \([^)]*\): \d+ chunks", both, flags=re.M), output
     offloaded = re.search(
-        r"^  persistent on GPU: \d+ chunks; offloaded to pinned CPU: (\d+)", stdout, flags=re.M
+        r"^  persistent on GPU: \d+ chunks; offloaded to pinned CPU: (\d+)", both, flags=re.M
     )
     assert offloaded and int(offloaded.group(1)) > 0, f"nothing offloaded:\n{output}"
     (in_force,) = re.findall(r"^capped_run: cap in force at exit (\d+) bytes$", stdout, flags=re.M)

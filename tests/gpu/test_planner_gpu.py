@@ -1,4 +1,4 @@
-"""On a GPU, issue 13's acceptance checks of the planner, each run as a benchmark worker (a fresh
+"""On a GPU, the planner's acceptance checks, each run as a benchmark worker (a fresh
 process under a real cap, ``torch.cuda.set_per_process_memory_fraction``): the predicted peak
 and step time of every benchmark workload match the measurement, no budget from the smallest
 feasible one to none runs out of memory, and a 27B model trains under a 24 GiB cap."""
@@ -20,16 +20,16 @@ from autooffload.runtime.planning import BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE
 pytestmark = pytest.mark.gpu
 
 GiB = 1 << 30
-# Issue 13: predicted vs measured peak within 5%, step time within 15%. The predicted peak
-# includes the allocator's fragmentation, so it is compared with the memory the timed steps
-# needed: under the allocator's expandable segments (the bench's runs) their allocated maximum
-# times the allocator's prior, as the calibration reads it (``profile_types.need_from_peaks``: the
+# The planner's targets: predicted vs measured peak within 5%, step time within 15%. The predicted
+# peak includes the allocator's fragmentation, so it is compared with the memory the timed steps
+# needed: under the allocator's expandable segments (the bench's runs) their allocated maximum times
+# the allocator's prior, as the calibration reads it (``profile_types.need_from_peaks``: the
 # reserved maximum runs to the cap whatever the plan needs), else the reserved maximum; the plan
 # fitting under the cap is checked for real by the budget sweep below. The timed steps run the
-# searched plan as calibrated: steps 1-2 profile, step 3 switches to the searched plan, after step
-# 7 the calibration may re-plan (peak, CPU rate, step time), step 8 may switch to that plan (the
-# allocator's cache is emptied at each switch, so the timed peak is this plan's); a switched plan
-# is checked again five steps on, and the bench's warm-up goes on until the plan has settled.
+# searched plan as calibrated: steps 1-2 profile, step 3 switches to the searched plan, after step 7
+# the calibration may re-plan (peak, CPU rate, step time), step 8 may switch to that plan (the
+# allocator's cache is emptied at each switch, so the timed peak is this plan's); a switched plan is
+# checked again five steps on, and the bench's warm-up goes on until the plan has settled.
 PEAK_TOLERANCE = 0.05
 STEP_TOLERANCE = 0.15
 WARMUP, STEPS = 8, 4

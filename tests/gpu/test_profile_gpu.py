@@ -14,10 +14,9 @@ from autooffload import runtime as rt
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_gpu")]
 
-# This test is about counting: each double count here is 40% of the peak or more. On the H100
-# (2026-11-23) the predicted allocated peak was +75% with the head's gradient counted twice and
-# its chunk counted both as a chunk and in the post transient, +34% with the gradient counted
-# once, +5.3% now (64 MB on 1.19 GiB). Issue 13's 5% bar is for the benchmark workloads, on the
+# This test is about counting: each double count here is 40% of the peak or more (the head's
+# gradient, its chunk counted as a chunk and in the post transient); on an H100 the prediction
+# is +5.3% (64 MB on 1.19 GiB). The planner's 5% bar is for the benchmark workloads, on the
 # reserved peak (tests/gpu/test_planner_gpu.py).
 ALLOCATED_TOLERANCE = 0.10
 VOCAB = 128256

@@ -1,4 +1,4 @@
-"""LoRA on the four vision-language architectures issue 7 names, CPU simulation: with every
+"""LoRA on four vision-language architectures, CPU simulation: with every
 chunk offloaded, training equals plain PEFT, and the vision tower is chunked, traced and
 profiled from the real image batch (never unaccounted)."""
 

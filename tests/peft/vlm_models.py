@@ -1,4 +1,4 @@
-"""Tiny random-init vision-language models of the four architectures issue 7 names
+"""Tiny random-init vision-language models of four architectures
 (Qwen2-VL, Qwen2.5-VL, Llama-3.2-Vision, Gemma 3), each with one real image batch."""
 
 from __future__ import annotations

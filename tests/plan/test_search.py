@@ -23,8 +23,7 @@ from autooffload.plan.cost import (
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.residency import chunk_tables
 from autooffload.plan.search import EXHAUSTIVE_COUNTS, SearchRequest, make_plan, search, search_all
-from autooffload.plan.types import Knobs
-from autooffload.setting_values import readable_size
+from autooffload.plan.types import Knobs, format_bytes
 
 SMALL = dict(n_blocks=4, chunk_size=48 * MiB, block_param_bytes=64 * MiB)
 
@@ -296,7 +295,7 @@ def test_infeasible_override_names_knob_value_budget_and_nearest_feasible():
     with pytest.raises(PlanError) as error:
         search(profiles, hw, budget, {"n_persist": n_persist})
     message = str(error.value)
-    assert f"n_persist={n_persist}" in message and readable_size(budget) in message
+    assert f"n_persist={n_persist}" in message and format_bytes(budget) in message
     alternative = int(re.search(r"nearest feasible: n_persist=(\d+)", message).group(1))
     assert alternative < n_persist
     assert search(profiles, hw, budget, {"n_persist": alternative}).n_persist == alternative
@@ -328,7 +327,7 @@ def test_nothing_fits_reports_the_smallest_peak():
     # Rounded up to a size that fits, in units a person reads.
     suggested = int(re.search(r"AUTOOFFLOAD_BUDGET >= (\d+)MiB", str(error.value)).group(1))
     assert smallest <= suggested * MiB < smallest + MiB
-    assert readable_size(smallest) in str(error.value)
+    assert format_bytes(smallest) in str(error.value)
     assert search(profiles, hw, smallest).predicted_peak_bytes == smallest
 
 

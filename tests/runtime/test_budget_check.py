@@ -32,7 +32,7 @@ def test_a_budget_above_the_weights_but_below_the_batch_names_the_size_it_needs(
     model = tiny_llama()
     model.to("cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    with pytest.raises(PlanError, match=r"budget of 200\.00 KiB.*AUTOOFFLOAD_BUDGET >= \d+MiB"):
+    with pytest.raises(PlanError, match=r"budget of 200 KiB.*AUTOOFFLOAD_BUDGET >= \d+MiB"):
         for ids in batches(4):
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()

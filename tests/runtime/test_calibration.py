@@ -1,5 +1,5 @@
 """After the first planned steps, a measured peak above the prediction calibrates the
-fragmentation factor and re-plans (issue 13), keeping the persistent chunks."""
+fragmentation factor and re-plans, keeping the persistent chunks."""
 
 from __future__ import annotations
 
@@ -121,8 +121,7 @@ def test_a_peak_that_only_fewer_persistent_chunks_fit_demotes_them_and_training_
     """The measured peak leaves no plan keeping the persistent chunks under the budget, but
     plans with fewer fit: the calibration demotes chunks (their bytes written back to the host
     store, their AdamW state moved from the user's optimizer to the CPU twins) and training goes
-    on as plain torch's. Until the twenty-second session the plan stayed, over the budget
-    (Llama-8B @ 24 GiB on an H100: 5 allocator retries in 4 steps, 25% over its prediction)."""
+    on as plain torch's."""
     reference = make_llama(n_layers=4)
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     batches = make_batches(6)
