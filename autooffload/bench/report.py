@@ -373,7 +373,7 @@ def _prediction_notes(rows: list[dict[str, Any]]) -> list[str]:
             inside = sum(abs(r[key]) <= target for r in known)
             line += f"; within +-{target:g}%: {inside} of {len(known)}"
         lines.append(line)
-    retried = [r for r in rows if r.get("timed_alloc_retries")]
+    retried = [r for r in rows if r.get("timed_alloc_retries") and not r.get("sweep_best")]
     if retried:
         lines.append(
             "- allocator retries in the timed steps (each empties the cache and synchronises): "

@@ -339,11 +339,11 @@ def run_all(
         for index, run in enumerate(bar):
             bar.set_postfix_str(run.describe())
             pointless = _sweep_skip_reason(run, runs[:index], results)
-            if common.deadline is not None and time.monotonic() >= common.deadline:
-                reason = "not started: the --deadline was reached"
-                result = {**_record(run, common, index), "status": "skipped", "reason": reason}
-            elif pointless:
+            if pointless:
                 reason = f"not run: {pointless}"
+                result = {**_record(run, common, index), "status": "skipped", "reason": reason}
+            elif common.deadline is not None and time.monotonic() >= common.deadline:
+                reason = "not started: the --deadline was reached"
                 result = {**_record(run, common, index), "status": "skipped", "reason": reason}
             else:
                 result = run_one(run, common, Path(tmp), index)
