@@ -42,18 +42,6 @@ _loaded: dict[str, ModuleType] = {}
 _pending_hooks: set[str] = set()
 
 
-def _load(name: str) -> ModuleType | None:
-    """Import patch module ``name``; None if that module is not written yet."""
-    qualified = f"{__name__}.{name}"
-    try:
-        return importlib.import_module(qualified)
-    except ModuleNotFoundError as error:
-        if error.name != qualified:
-            raise
-        logger.debug("patch module %s does not exist yet; skipped", qualified)
-        return None
-
-
 def _install(name: str, target: str) -> None:
     if _active_settings is None or (name, target) in _installed:
         return
@@ -76,9 +64,7 @@ def install_all(settings: Settings) -> None:
     global _active_settings
     _active_settings = settings
     for name in PATCH_MODULES:
-        patch_module = _load(name)
-        if patch_module is None:
-            continue
+        patch_module = importlib.import_module(f"{__name__}.{name}")
         _loaded[name] = patch_module
         for target in patch_module.TARGETS:
             if target in sys.modules:

@@ -271,8 +271,6 @@ class Runtime(GroupHooks):
         takes their params, and their optimizer state moves from the user's optimizers to the
         CPU twins (under sharded state to the owner's; the other ranks drop their replica of
         it, which is the same)."""
-        from autooffload.runtime.state import adopt_existing_state
-
         for index in indices:
             self.cpu_optim.demote_chunk(self.layout.chunks[index])
         for optimizer in self.optimizers:
