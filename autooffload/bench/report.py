@@ -372,11 +372,6 @@ def workload_meta(workload: Any) -> dict[str, Any]:
     }
 
 
-def build_payload_from_file(path: Path) -> dict[str, Any]:
-    """Re-read a results file and recompute its annotations and summary."""
-    return build_payload_from_files([path])
-
-
 def build_payload_from_files(paths: list[Path]) -> dict[str, Any]:
     """Re-read one or more results files as one: runs in file order, annotations and summary
     recomputed; the first file's metadata, with every file's command, date and workloads."""
