@@ -17,6 +17,7 @@ from autooffload.plan.profile_types import HardwareProfile, ModelProfile, need_f
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
+from autooffload.runtime import registry
 
 if TYPE_CHECKING:
     from autooffload.runtime.optimizer import CpuOptimizer
@@ -535,11 +536,9 @@ def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
         return None
     runtime.profile = found.profile
     runtime.search_request = found.request
-    from autooffload import runtime as rt
-
     # last_plan() reports the calibrated prediction whether or not the configuration changes
     # (it reported the stale one when the plan stayed, beside candidates from the new model).
-    rt._last_plan[:] = [new_plan]
+    registry.set_last_plan(new_plan)
     if new_plan.configures_like(plan):
         runtime.plan = new_plan
         (logger.debug if found.drift else logger.info)(

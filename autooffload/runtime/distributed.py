@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from autooffload.errors import AttachError
 from autooffload.log import logger
+from autooffload.runtime import registry
 
 if TYPE_CHECKING:
     from autooffload.plan.profile_types import HardwareProfile
@@ -392,9 +393,7 @@ def no_sync(model: torch.nn.Module) -> Iterator[None]:
 
     Works like ``DistributedDataParallel.no_sync``; DDP's own ``no_sync`` works too.
     """
-    from autooffload import runtime as rt
-
-    reducers = [r.data_parallel for r in rt.runtimes_in(model) if r.data_parallel is not None]
+    reducers = [r.data_parallel for r in registry.runtimes_in(model) if r.data_parallel is not None]
     before = [r.sync for r in reducers]
     for reducer in reducers:
         reducer.sync = False

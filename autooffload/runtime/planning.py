@@ -17,6 +17,7 @@ from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
+from autooffload.runtime import registry
 from autooffload.runtime.calibration import arm_calibration
 from autooffload.runtime.chunks import ALIGN, ChunkLayout
 from autooffload.runtime.host import HostMemory, host_memory
@@ -517,9 +518,7 @@ def switch_to_searched_plan(
         # The worker is idle here (the last profiling step waited for its update).
         runtime.calibration_switches = 0
         arm_calibration(runtime, plan)
-    from autooffload import runtime as rt
-
-    rt._last_plan[:] = [plan]
+    registry.set_last_plan(plan)
     logger.info("%s", plan.summary())
     if runtime.settings.print_plan:
         print(plan.summary(), flush=True)  # noqa: T201 - the launcher's --print-plan
