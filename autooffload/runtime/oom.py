@@ -46,7 +46,6 @@ from torch.utils._pytree import tree_flatten
 
 from autooffload.errors import AutoOffloadError, PlanError
 from autooffload.log import logger
-from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import make_plan
 from autooffload.plan.types import GiB, Plan
@@ -60,6 +59,7 @@ from autooffload.runtime.planning import (
     plan_from_profile,
     profile_for_plan,
 )
+from autooffload.runtime.profiler import StepProfiler
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime

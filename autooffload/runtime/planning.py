@@ -12,7 +12,6 @@ from autooffload.errors import PlanError
 from autooffload.log import logger, warn_once
 from autooffload.plan.cost import with_accumulation_of, with_checkpoint_inputs_on_cpu
 from autooffload.plan.hardware import measure_hardware
-from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
@@ -21,6 +20,7 @@ from autooffload.runtime import registry
 from autooffload.runtime.calibration import arm_calibration
 from autooffload.runtime.chunks import ALIGN, ChunkLayout
 from autooffload.runtime.host import HostMemory, host_memory
+from autooffload.runtime.profiler import StepProfiler
 from autooffload.settings import Settings
 
 if TYPE_CHECKING:

@@ -9,7 +9,6 @@ from torch import nn
 
 from autooffload.errors import AttachError, DetachStateError, PlanError
 from autooffload.log import logger, warn_once
-from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import Candidates, SearchRequest
 from autooffload.plan.types import Plan
@@ -44,6 +43,7 @@ from autooffload.runtime.planning import (
     profile_after_step,
     switch_to_searched_plan,
 )
+from autooffload.runtime.profiler import StepProfiler
 from autooffload.runtime.quantized import QuantizedParams
 from autooffload.runtime.sharding import Sharding, fetch_offloaded
 from autooffload.runtime.state import (
