@@ -28,7 +28,7 @@ from autooffload.plan.residency import (
     prefetch_queue,
     transfer_s,
 )
-from autooffload.plan.types import Knobs
+from autooffload.plan.types import Knobs, Plan, UpdatePlacement
 from autooffload.plan.update_split import (
     BackwardSplit,
     backward_split,
@@ -50,13 +50,12 @@ def accumulates_on_gpu(profile: ModelProfile) -> bool:
     return profile.micro_batches > 1 and profile.accumulate_on == "gpu"
 
 
-def with_accumulation_of(profile: ModelProfile, breakdown: dict[str, float]) -> ModelProfile:
-    """``profile`` on "auto" pinned to where a plan (its ``breakdown``) sums accumulated
-    gradients: the variant the plan was predicted on."""
+def with_accumulation_of(profile: ModelProfile, plan: Plan) -> ModelProfile:
+    """``profile`` on "auto" pinned to where ``plan`` sums accumulated gradients: the variant
+    the plan was predicted on."""
     if profile.accumulate_on != "auto":
         return profile
-    on_gpu = bool(breakdown.get("accumulate_on_gpu", 0.0))
-    return replace(profile, accumulate_on="gpu" if on_gpu else "cpu")
+    return replace(profile, accumulate_on="gpu" if plan.accumulates_on_gpu else "cpu")
 
 
 def accumulate_scratch_bytes(profile: ModelProfile) -> int:
@@ -587,10 +586,31 @@ def step_windows(
     )
 
 
+@dataclass(frozen=True)
+class StepPrediction:
+    """The predicted step of one configuration."""
+
+    step_s: float
+    breakdown: dict[str, float]
+    """The terms behind ``step_s`` (seconds, bytes, counts), for diagnostics."""
+    bottleneck: str
+    update: UpdatePlacement
+    """Where the configuration runs the optimizer's update and the accumulation's sums."""
+
+
 def predict_step_time(
     profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, tables: ChunkTables | None = None
 ) -> tuple[float, dict[str, float], str]:
-    """Predicted seconds per step, its breakdown, and the bottleneck's name.
+    """Predicted seconds per step, its breakdown, and the bottleneck's name (``predict_step``)."""
+    prediction = predict_step(profile, hw, knobs, tables)
+    return prediction.step_s, prediction.breakdown, prediction.bottleneck
+
+
+def predict_step(
+    profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, tables: ChunkTables | None = None
+) -> StepPrediction:
+    """Predicted seconds per step, its breakdown, the bottleneck's name, and where the update
+    runs.
 
     Time 0 is ``optimizer.step()`` of the previous step. Per forward window u (unit u computes,
     the gathers of u+1 prefetch into the buffers u leaves free, u's swapped activations go out):
@@ -666,7 +686,17 @@ def predict_step_time(
         "accumulate_on_gpu": float(accumulates_on_gpu(profile)),
     }
     breakdown = {key: float(value) for key, value in breakdown.items()}
-    return float(step_s), breakdown, _bottleneck(step_s, recompute_s, stalls)
+    update = UpdatePlacement(
+        gpu_update_chunks=int(windows.gpu_update_chunks),
+        gpu_backward_chunks=int(windows.gpu_backward_chunks),
+        accumulate_on_gpu=accumulates_on_gpu(profile),
+        update_in_backward=bool(profile.update_in_backward),
+        persistent_at_step=bool(profile.persistent_at_step),
+        micro_batches=int(micro),
+    )
+    return StepPrediction(
+        float(step_s), breakdown, _bottleneck(step_s, recompute_s, stalls), update
+    )
 
 
 def _bottleneck(step_s: float, recompute_s: float, stalls: dict[str, float]) -> str:

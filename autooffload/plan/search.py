@@ -26,6 +26,7 @@ from autooffload.errors import PlanError
 from autooffload.plan.cost import (
     assign_block_policies,
     peak_breakdown,
+    predict_step,
     predict_step_time,
     with_checkpoint_inputs_on_cpu,
 )
@@ -216,8 +217,8 @@ def make_plan(
     """A Plan for explicit knobs, with the cost model's predictions filled in."""
     tables = chunk_tables(profile)
     memory = peak_breakdown(profile, hw, knobs, tables)
-    step_s, breakdown, bottleneck = predict_step_time(profile, hw, knobs, tables)
-    breakdown.update({f"mem_{key}": value for key, value in memory.items()})
+    prediction = predict_step(profile, hw, knobs, tables)
+    breakdown = {**prediction.breakdown, **{f"mem_{key}": value for key, value in memory.items()}}
     return Plan(
         chunk_size=profile.chunk_size,
         n_chunks=profile.n_chunks,
@@ -231,9 +232,10 @@ def make_plan(
         ),
         budget_bytes=budget_bytes,
         predicted_peak_bytes=int(memory["peak"]),
-        predicted_step_s=step_s,
-        bottleneck=bottleneck,
+        predicted_step_s=prediction.step_s,
+        bottleneck=prediction.bottleneck,
         source=source,
+        update=prediction.update,
         breakdown=breakdown,
     )
 

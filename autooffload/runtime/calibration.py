@@ -480,7 +480,7 @@ def with_running_split(profile: ModelProfile, plan: Plan) -> ModelProfile:
     auto stays where the plan sums (``cost.with_accumulation_of``)."""
     from autooffload.plan.cost import with_accumulation_of
 
-    profile = with_accumulation_of(profile, plan.breakdown)
+    profile = with_accumulation_of(profile, plan)
     if profile.update_in_backward:
         if profile.gpu_update_in_backward != GPU_UPDATE_AUTO:
             return profile

@@ -354,6 +354,7 @@ class OomRetry:
             predicted_step_s=None,
             bottleneck="not profiled yet (re-profiling a longer batch)",
             source=REPROFILE_SOURCE,
+            update=None,
             breakdown={},
         )
 

@@ -322,7 +322,7 @@ def profile_for_plan(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> 
     """``profile`` in the variant ``plan`` was predicted on: checkpointed blocks' inputs in host
     memory when the plan chose that (``checkpoint_cpu``), the measured profile otherwise;
     gradient accumulation where the plan sums it (``cost.with_accumulation_of``)."""
-    profile = with_accumulation_of(profile, plan.breakdown)
+    profile = with_accumulation_of(profile, plan)
     if "checkpoint_cpu" in plan.block_policies:
         return with_checkpoint_inputs_on_cpu(profile, hw)
     return profile

@@ -287,12 +287,12 @@ class Runtime(GroupHooks):
         trainable = [c.index for c in self.layout.chunks[plan.n_persist :] if c.trainable_slots]
         self.cpu_optim.gpu_chunks = set(trainable[len(trainable) - k :]) if k else set()
         kb = plan.gpu_backward_chunks
-        if "gpu_backward_chunks" not in plan.breakdown:
+        if not plan.predicted:
             kb = self.settings.gpu_update_in_backward or 0
         self.cpu_optim.backward_gpu_chunks = set(trainable[:kb])
         # Gradient accumulation's sums: where the search put them; a plan not searched (the
         # first steps, a fixed plan) follows the setting.
-        if "accumulate_on_gpu" in plan.breakdown:
+        if plan.predicted:
             self.cpu_optim.accumulate_on_gpu = plan.accumulates_on_gpu
         else:
             self.cpu_optim.accumulate_on_gpu = self.settings.accumulate_on == "gpu"
