@@ -167,7 +167,7 @@ def _prediction_errors(row: dict[str, Any]) -> None:
     row["step_err_pct"] = _error_pct(row["predicted_step_s"], row["step_s_median"])
 
 
-# The plan's predicted step, term by term (``cost.predict_step_time``'s breakdown): compute and
+# The plan's predicted step, term by term (``cost_time.predict_step_time``'s breakdown): compute and
 # recompute, then the stalls each resource adds on top; with labels for the report.
 PREDICTED_TERMS = (
     ("fwd_compute_s", "fwd compute"),

@@ -15,7 +15,7 @@ class Knobs:
     """The searched knobs for one chunk layout (the chunk size is fixed by the layout's profile).
 
     ``n_swap`` / ``n_checkpoint`` count blocks; which blocks get which policy is
-    ``plan.cost.assign_block_policies`` (swap the first blocks, checkpoint the next ones).
+    ``plan.configuration.assign_block_policies`` (swap the first blocks, checkpoint the next ones).
     """
 
     n_persist: int
@@ -27,7 +27,7 @@ class Knobs:
 @dataclass(frozen=True)
 class UpdatePlacement:
     """Where a plan runs the optimizer's update and gradient accumulation's sums, as the cost
-    model predicted them (``cost.predict_step_time``)."""
+    model predicted them (``cost_time.predict_step_time``)."""
 
     gpu_update_chunks: int = 0
     """Offloaded chunks updated on the GPU at ``step()``, the last ones
@@ -36,7 +36,8 @@ class UpdatePlacement:
     """Offloaded chunks updated on the GPU in the backward, the lowest ones
     (``update_split.backward_split``)."""
     accumulate_on_gpu: bool = False
-    """Gradient accumulation sums offloaded gradients on the GPU (``cost.accumulation_terms``)."""
+    """Gradient accumulation sums offloaded gradients on the GPU
+    (``cost_time.accumulation_terms``)."""
     update_in_backward: bool = False
     """Offloaded chunks are updated in the backward, as their gradients arrive."""
     persistent_at_step: bool = False

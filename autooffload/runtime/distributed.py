@@ -246,7 +246,7 @@ class DataParallel:
         """The machine as one rank's cost model sees it: an offloaded chunk's gradients go to
         the host after their collective (``_offload_averaged_grads``: the D2H copy waits for
         it), so a gradient byte costs 1 / B_d2h + 1 / B_collective seconds; persistent chunks'
-        gradients are all-reduced at ``allreduce_bps`` (``cost.persistent_allreduce_exposed``).
+        gradients are all-reduced at ``allreduce_bps`` (``cost_time.persistent_allreduce_exposed``).
         Apply after ``Sharding.effective_hardware`` (whose D2H rate already counts the owner's
         share)."""
         return replace(

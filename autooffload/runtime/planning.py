@@ -10,7 +10,7 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger, warn_once
-from autooffload.plan.cost import with_accumulation_of, with_checkpoint_inputs_on_cpu
+from autooffload.plan.configuration import with_accumulation_of, with_checkpoint_inputs_on_cpu
 from autooffload.plan.hardware import measure_hardware
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
@@ -321,7 +321,7 @@ def _checkpoint_inputs(runtime: Runtime) -> str:
 def profile_for_plan(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> ModelProfile:
     """``profile`` in the variant ``plan`` was predicted on: checkpointed blocks' inputs in host
     memory when the plan chose that (``checkpoint_cpu``), the measured profile otherwise;
-    gradient accumulation where the plan sums it (``cost.with_accumulation_of``)."""
+    gradient accumulation where the plan sums it (``configuration.with_accumulation_of``)."""
     profile = with_accumulation_of(profile, plan)
     if "checkpoint_cpu" in plan.block_policies:
         return with_checkpoint_inputs_on_cpu(profile, hw)

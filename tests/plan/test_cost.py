@@ -10,16 +10,20 @@ import pytest
 from plan_profiles import MiB, make_hardware, make_profile
 
 from autooffload.errors import PlanError
-from autooffload.plan.cost import (
-    ACCUMULATE_SCRATCH_BYTES,
+from autooffload.plan.calibration_model import (
     COMPUTE_ELASTICITY_MIN,
     COMPUTE_SCALE_RANGE,
-    assign_block_policies,
     calibrate,
     calibrate_compute,
+)
+from autooffload.plan.configuration import assign_block_policies
+from autooffload.plan.cost_memory import (
+    ACCUMULATE_SCRATCH_BYTES,
     peak_breakdown,
-    persistent_allreduce_exposed,
     predict_peak_bytes,
+)
+from autooffload.plan.cost_time import (
+    persistent_allreduce_exposed,
     predict_step_time,
     prefetched_bytes,
     step_windows,
@@ -174,7 +178,7 @@ def test_calibrate_compute_declines_a_fit_that_lands_on_a_floor_compute_does_not
     copies): a measurement just under that floor is reached within the fit's tolerance only at
     the range's end. 3.6B at 24 GiB measured 15% below its prediction was "explained" by
     compute x0.25 that way, and the re-plan on it predicted 153 ms for a plan that ran 273."""
-    import autooffload.plan.cost as cost
+    import autooffload.plan.calibration_model as calibration_model
 
     unscaled = profile.blocks[0].fwd_s
 
@@ -182,7 +186,7 @@ def test_calibrate_compute_declines_a_fit_that_lands_on_a_floor_compute_does_not
         factor = scaled.blocks[0].fwd_s / unscaled
         return max(0.305, 0.355 * factor), {}, "compute"
 
-    monkeypatch.setattr(cost, "predict_step_time", knee)
+    monkeypatch.setattr(calibration_model, "predict_step_time", knee)
     knobs = _knobs(profile)
     assert knee(profile.with_compute_scaled(1.1), hw, knobs)[0] > 1.09 * 0.355  # elastic at 1
     assert calibrate_compute(profile, hw, knobs, 0.302) is None
