@@ -1,6 +1,4 @@
-"""Calibration of the cost model: the fragmentation factor and the compute scale that make
-its predictions meet a measured step.
-"""
+"""Calibration of the cost model from a measured step: fragmentation factor, compute scale."""
 
 from __future__ import annotations
 

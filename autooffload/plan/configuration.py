@@ -1,5 +1,7 @@
-"""A configuration's knobs made concrete: their checks, the blocks' policies, and the profile
-variants the search tries (checkpoint inputs on the host, where accumulation sums).
+"""A configuration's knobs made concrete: their checks, block policies and profile variants.
+
+The variants are those the search tries: checkpoint inputs on the host, and where gradient
+accumulation sums.
 
 A configuration is a chunk layout (one ``ModelProfile``, i.e. one ``chunk_size``) plus
 ``Knobs(n_persist, n_buffer, n_swap, n_checkpoint)``. Units: bytes, seconds, bytes/s. Chunks have
