@@ -10,7 +10,7 @@ the runtime's own, so after its waits for the block's chunks), at the gradient o
 output (the block's backward starts) and around ``loss.backward()`` and ``optimizer.step()``,
 with the host clock beside each. A forward window is the time from one block's pre-hook to the
 next one's (the block's compute plus the wait for the next block's chunks), which is what
-``cost.step_windows`` predicts as w_f[u]; a backward window from one block's output gradient to
+``cost_time.step_windows`` predicts as w_f[u]; a backward window from one block's output gradient to
 the one before's (w_b[u]). The table shows, per unit: the profiled compute, the predicted window
 and the measured one (median over the timed steps), and how far the host ran ahead of the GPU.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from autooffload.plan.cost import predict_step_time, step_windows
+from autooffload.plan.cost_time import predict_step_time, step_windows
 from autooffload.runtime import runtime_of
 from autooffload.runtime.calibration import with_running_split
 from autooffload.setting_values import parse_size_or_fraction

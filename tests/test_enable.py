@@ -226,11 +226,6 @@ def test_hook_does_nothing_once_disabled(monkeypatch, tmp_path):
     assert len(module.installs) == 1
 
 
-def test_patch_modules_not_written_yet_are_skipped(monkeypatch):
-    monkeypatch.setattr(patches, "PATCH_MODULES", ("_does_not_exist",))
-    assert autooffload.enable().enabled is True
-
-
 def test_a_patch_module_with_a_broken_import_is_not_hidden(monkeypatch, tmp_path):
     (tmp_path / "_broken_import.py").write_text("import a_module_that_does_not_exist_anywhere\n")
     monkeypatch.setattr(patches, "__path__", [*patches.__path__, str(tmp_path)])

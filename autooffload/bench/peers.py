@@ -222,7 +222,7 @@ class AutoOffloadTrainee(Trainee):
         out["plan"]["bottleneck"] = getattr(plan, "bottleneck", None)
         out["plan"]["source"] = getattr(plan, "source", None)
         # The plan's predicted breakdown (times, stalls, memory terms), and what the model ran
-        # on: re-running ``plan.cost`` on these offline shows where a prediction went wrong.
+        # on: re-running ``plan.cost_time`` on these offline shows where a prediction went wrong.
         out["predicted_breakdown"] = dict(getattr(plan, "breakdown", None) or {}) or None
         out["model_profile"] = _safe(lambda: _planned_profile(runtime, plan).to_dict())
         out["hardware"] = _safe(lambda: runtime.search_request.hw.to_dict())

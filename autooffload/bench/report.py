@@ -315,7 +315,7 @@ def _prediction_errors(row: dict[str, Any]) -> None:
     row["step_err_pct"] = _error_pct(row["predicted_step_s"], row["step_s_median"])
 
 
-# The plan's predicted step, term by term (``cost.predict_step_time``'s breakdown): compute and
+# The plan's predicted step, term by term (``cost_time.predict_step_time``'s breakdown): compute and
 # recompute, then the stalls each resource adds on top; with labels for the report.
 PREDICTED_TERMS = (
     ("fwd_compute_s", "fwd compute"),
@@ -522,11 +522,6 @@ def workload_meta(workload: Any) -> dict[str, Any]:
         "text_dims": workload.text_dims,
         "vision_dims": workload.vision_dims or None,
     }
-
-
-def build_payload_from_file(path: Path) -> dict[str, Any]:
-    """Re-read a results file and recompute its annotations and summary."""
-    return build_payload_from_files([path])
 
 
 def build_payload_from_files(paths: list[Path]) -> dict[str, Any]:

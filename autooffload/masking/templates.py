@@ -180,14 +180,6 @@ def detect_family(obj: Any) -> TemplateFamily | None:
     return None
 
 
-def family_by_name(name: str) -> TemplateFamily:
-    """The built-in family called ``name`` (one of ``FAMILY_NAMES``)."""
-    for family in FAMILIES:
-        if family.name == name:
-            return family
-    raise KeyError(f"unknown template family {name!r}; known: {', '.join(FAMILY_NAMES)}")
-
-
 def specs_from_settings(role_boundaries: Sequence[dict[str, Any]]) -> tuple[BoundarySpec, ...]:
     """User ``role_boundaries`` dicts as specs (``end`` null -> no end marker)."""
     specs = []

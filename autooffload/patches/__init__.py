@@ -49,18 +49,6 @@ _pending_hooks: set[str] = set()
 _for_attach: set[tuple[str, str]] = set()
 
 
-def _load(name: str) -> ModuleType | None:
-    """Import patch module ``name``; None if that module is not written yet."""
-    qualified = f"{__name__}.{name}"
-    try:
-        return importlib.import_module(qualified)
-    except ModuleNotFoundError as error:
-        if error.name != qualified:
-            raise
-        logger.debug("patch module %s does not exist yet; skipped", qualified)
-        return None
-
-
 def _install(name: str, target: str) -> None:
     if _active_settings is None or (name, target) in _installed:
         return
@@ -84,9 +72,7 @@ def install_all(settings: Settings) -> None:
     release_for_attach()
     _active_settings = settings
     for name in PATCH_MODULES:
-        patch_module = _load(name)
-        if patch_module is None:
-            continue
+        patch_module = importlib.import_module(f"{__name__}.{name}")
         _loaded[name] = patch_module
         for target in patch_module.TARGETS:
             if sys.modules.get(target) is not None:  # None: an import blocked on purpose
@@ -116,11 +102,9 @@ def hold_for_attach(settings: Settings) -> None:
     if _active_settings is not None or _for_attach:
         return
     for name in ATTACH_PATCH_MODULES:
-        patch_module = _load(name)
-        if patch_module is None:
-            continue
+        patch_module = importlib.import_module(f"{__name__}.{name}")
         for target in patch_module.TARGETS:
-            if target in sys.modules:
+            if sys.modules.get(target) is not None:
                 logger.debug("installing patch %s for %s (attach)", name, target)
                 patch_module.install(settings, target)
                 _for_attach.add((name, target))

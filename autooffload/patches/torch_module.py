@@ -12,9 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from autooffload import runtime as rt
 from autooffload.errors import AttachError
 from autooffload.log import logger
 from autooffload.patches import _registry
+from autooffload.runtime import registry
+from autooffload.runtime.access import params_on_device, runtime_managing
+from autooffload.runtime.attachable import COMPILE_UNSUPPORTED
+from autooffload.runtime.planning import budget_bytes
 from autooffload.settings import Settings, current
 
 TARGETS = ("torch",)
@@ -58,13 +63,11 @@ FROZEN_BUDGET_SHARE = 0.25
 def should_attach(model: nn.Module, settings: Settings, device: torch.device) -> bool:
     """Attach on a move to the compute device of a large model that has something to train,
     or of a large frozen one (``settings.offload_frozen``)."""
-    from autooffload import runtime as rt
-
     if not settings.offload or device.type != attach_device_type(settings):
         return False
     if _attach_suppressed.get():
         return False
-    if rt.runtime_of(model) is not None or _runtime_inside(model) is not None:
+    if registry.runtime_of(model) is not None or _runtime_inside(model) is not None:
         return False
     if any(_is_dtensor(p) for p in model.parameters()):
         # Sharded by FSDP2: its CPUOffloadPolicy is the tool for weights (docs/distributed.md).
@@ -79,9 +82,6 @@ def should_attach(model: nn.Module, settings: Settings, device: torch.device) ->
 
 def _should_stream_frozen(model: nn.Module, settings: Settings, device: torch.device) -> bool:
     """Whether a model with nothing to train attaches (to be streamed, docs/interfaces.md)."""
-    from autooffload import runtime as rt
-    from autooffload.runtime.planning import budget_bytes
-
     if settings.offload_frozen is False:
         return False
     if settings.force_attach:
@@ -101,9 +101,7 @@ def _is_dtensor(param: torch.Tensor) -> bool:
 
 def _runtime_inside(module: nn.Module) -> Any:
     """The runtime of an attached model nested in ``module`` (a PEFT or DDP wrapper), if any."""
-    from autooffload import runtime as rt
-
-    for runtime in rt.runtimes():
+    for runtime in registry.runtimes():
         if any(m is runtime.model for m in module.modules()):
             return runtime
     return None
@@ -125,11 +123,9 @@ def _move_around(instance: nn.Module, runtime: Any, device: torch.device) -> nn.
 
 def _move(instance: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> Any:
     """Handle a move of an attached model, or attach; returns NotImplemented to fall through."""
-    from autooffload import runtime as rt
-
     if device is None and dtype is None:
         return NotImplemented
-    runtime = rt._runtimes.get(id(instance))
+    runtime = registry.attached(instance)
     if runtime is not None:
         if dtype is not None:
             raise AttachError(
@@ -193,10 +189,8 @@ def _cpu_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 def _apply_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``float()``, ``half()``, ``bfloat16()``, ``type()``... on an attached model would rewrite
     parameters whose storage the runtime owns: refuse with the fix instead of corrupting them."""
-    from autooffload import runtime as rt
-
-    if rt.runtimes() and not _moving.get():
-        for runtime in rt.runtimes():
+    if registry.runtimes() and not _moving.get():
+        for runtime in registry.runtimes():
             if any(m is instance for m in runtime.model.modules()) or _runtime_inside(instance):
                 raise AttachError(
                     f"cannot convert or move {type(instance).__name__} while it is attached"
@@ -207,11 +201,9 @@ def _apply_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 
 
 def _zero_grad_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    from autooffload import runtime as rt
-
     result = wrapped(*args, **kwargs)
     set_to_none = kwargs.get("set_to_none", args[0] if args else True)
-    for runtime in rt.runtimes():
+    for runtime in registry.runtimes():
         if runtime.model is instance or any(m is runtime.model for m in instance.modules()):
             runtime.zero_grad(set_to_none)
     return result
@@ -220,8 +212,6 @@ def _zero_grad_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
 def _param_repr_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``repr(param)`` of an offloaded parameter: its placeholder keeps the shape but has no
     bytes (torch's printer would read out of bounds), so the chunk is gathered for the print."""
-    from autooffload.runtime.access import params_on_device, runtime_managing
-
     runtime = runtime_managing([instance]) if isinstance(instance, torch.Tensor) else None
     if runtime is None:
         return wrapped(*args, **kwargs)
@@ -230,10 +220,7 @@ def _param_repr_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
 
 
 def _refuse_attached(model: Any) -> None:
-    from autooffload import runtime as rt
-    from autooffload.runtime.attachable import COMPILE_UNSUPPORTED
-
-    if isinstance(model, nn.Module) and rt.runtimes_in(model):
+    if isinstance(model, nn.Module) and registry.runtimes_in(model):
         raise AttachError(COMPILE_UNSUPPORTED)
 
 

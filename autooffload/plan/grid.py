@@ -4,8 +4,8 @@ per layout and keeps the best pick; its module docstring gives the shape of the 
 ``search_layout`` builds the chunk terms from ``residency.chunk_tables`` and ``queued_bytes`` as
 (n_persist, n_buffer, unit) arrays once, then loops over ``n_swap`` and evaluates every
 ``n_checkpoint`` at once: the step time as a prefix sum of the windows' recompute, the peak with
-``_split_max``. It computes ``cost``'s formulas, element for element; ``tests/plan/test_search.py``
-checks every row against the scalar model.
+``_split_max``. It computes the cost model's formulas, element for element;
+``tests/plan/test_search.py`` checks every row against the scalar model.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autooffload.plan.cost import (
+from autooffload.plan.configuration import accumulates_on_gpu
+from autooffload.plan.cost_memory import (
     accumulate_scratch_bytes,
-    accumulates_on_gpu,
-    later_on_cpu,
     optimizer_step_bytes,
     persist_grads_in_backward,
-    persistent_allreduce_exposed,
 )
+from autooffload.plan.cost_time import later_on_cpu, persistent_allreduce_exposed
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import ChunkTables, chunk_spans, chunk_tables, queued_bytes
 from autooffload.plan.types import Knobs
@@ -137,7 +136,7 @@ def search_layout(
     summing = accumulates_on_gpu(profile)
     accumulating = micro > 1 and not summing and bool(np.isfinite(accumulate_rate))
     if accumulating:
-        # ``cost.accumulation_terms``: one micro-batch's adds, and the chunks whose adds the
+        # ``cost_time.accumulation_terms``: one micro-batch's adds, and the chunks whose adds the
         # update at step() waits for (all offloaded ones; the lowest, first needed, last).
         adds_s = tables.offload_numel[persist] / accumulate_rate
         after_lowest = tables.offload_numel[np.minimum(persist + 1, n_chunks)]
@@ -147,7 +146,7 @@ def search_layout(
     tail_d2h = tail
     allreduce = np.isfinite(hw.allreduce_bps) and tables.persist_grad_done[persist].any()
     done_bytes = tables.persist_grad_done[persist][:, None, :]
-    # Persistent chunks stepped in the backward (``cost.step_windows``), else at step().
+    # Persistent chunks stepped in the backward (``cost_time.step_windows``), else at step().
     gpu_optim_in_bwd = gpu_optim if profile.persistent_in_backward else np.zeros_like(gpu_optim)
     if profile.persistent_in_backward:
         start, tail = first_gather, tail + gpu_optim
@@ -158,8 +157,8 @@ def search_layout(
     # the live grads; the static bytes per P.
     live = tables.resident_bytes[persist][:, None, :]
     grads = tables.offload_grad_bytes[persist] + persist_grads_in_backward(profile, tables)[persist]
-    # ``cost.peak_breakdown``'s ``pooled``: the chunk buffers' peak over the step, plus the rest's
-    # (activations, plus the gradients in the backward).
+    # ``cost_memory.peak_breakdown``'s ``pooled``: the chunk buffers' peak over the step, plus
+    # the rest's (activations, plus the gradients in the backward).
     chunk_pool = np.maximum((live + fwd_window).max(-1), (live + bwd_window).max(-1))
     # The GPU update path's scratch lives from step() into the next forward (until its last
     # chunk, which the forward needs late, is back): on top of every forward event.
@@ -190,7 +189,7 @@ def search_layout(
         base = np.maximum(bwd_s, bwd_xfer)
         extra = np.maximum(bwd_s + fwd_s, bwd_xfer) - base
         t_bwd = tail[:, None] + (base + bwd_exposed).sum(axis=-1)
-        # A later micro-batch of gradient accumulation (``cost.accumulation_terms``): the
+        # A later micro-batch of gradient accumulation (``cost_time.accumulation_terms``): the
         # forward from its first gathers, the backward without the all-reduce (``no_sync``).
         later_gpu = first_gather[:, None] + after[..., 0] + t_bwd
         if summing:
@@ -213,7 +212,7 @@ def search_layout(
             )
         if allreduce:
             # Data parallelism: the persistent all-reduces past the last window, beyond the
-            # D2H tail (``cost.persistent_allreduce_exposed``).
+            # D2H tail (``cost_time.persistent_allreduce_exposed``).
             exposed = persistent_allreduce_exposed(done_bytes, base + bwd_exposed, hw.allreduce_bps)
             t_bwd = t_bwd + np.maximum(exposed - tail_d2h[:, None], 0.0)
         extra_before = np.concatenate([np.zeros((*extra.shape[:2], 1)), extra.cumsum(-1)], -1)
@@ -226,7 +225,7 @@ def search_layout(
             )
         recompute = extra_before[..., n_swap + 1 + checkpoints] - extra_before[..., [n_swap + 1]]
         if in_backward:
-            # ``cost.backward_update_done`` for every (K, P, D): H(c) is the backward's windows
+            # ``cost_time.backward_update_done`` for every (K, P, D): H(c) is the backward's windows
             # before chunk c's first unit, with the recompute of the checkpointed ones.
             # + the persistent chunks' steps in the backward, after every offloaded chunk's
             # gradients arrived.
@@ -265,7 +264,8 @@ def search_layout(
         # Peak memory, shape (K, P, D), for every n_checkpoint at once without a K x P x D x U
         # array: with k checkpoints, units u <= n_swap + k + 1 see every non-swapped block before
         # them checkpointed, and later units see the keep-all events minus the constant saving
-        # C_k of the k checkpoints (``cost.activation_events``): a prefix max and a suffix max.
+        # C_k of the k checkpoints (``cost_memory.activation_events``): a prefix max and a
+        # suffix max.
         kept = np.where(swapped, 0, keep)
         blocks = (unit_index > n_swap) & (unit_index <= n_blocks)
         all_ckpt = np.where(blocks, ckpt, kept)
@@ -316,7 +316,7 @@ def _backward_done(
     work: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
     after_s: np.ndarray | float = 0.0,
 ) -> np.ndarray:
-    """``cost.backward_update_done`` for every (K, P, D): when CPU work queued in the
+    """``cost_time.backward_update_done`` for every (K, P, D): when CPU work queued in the
     backward's arrival order is done, after the backward ends. ``work`` is (first unit, seconds)
     of all of it and of its last piece (per P, the lowest chunk's); with H(u) =
     ``_backward_left`` + ``after_s`` (what runs after the backward's windows),

@@ -20,8 +20,9 @@ from typing import Any
 
 from autooffload.errors import PlanError
 
-# Allocator fragmentation priors by weight dtype, used until ``cost.calibrate`` has measured the
-# real factor on this model (4-bit / 8-bit weights bring many small quant-state tensors).
+# Allocator fragmentation priors by weight dtype, used until ``calibration_model.calibrate`` has
+# measured the real factor on this model (4-bit / 8-bit weights bring many small quant-state
+# tensors).
 DEFAULT_FRAGMENTATION: dict[str, float] = {
     "float32": 1.10,
     "bfloat16": 1.10,
@@ -190,12 +191,13 @@ class ModelProfile:
     weight_dtype: str = "bfloat16"
     """Storage dtype of the weights; selects the fragmentation factor."""
     fragmentation: dict[str, float] = field(default_factory=dict)
-    """Calibrated allocator fragmentation factor per weight dtype (see ``cost.calibrate``)."""
+    """Calibrated allocator fragmentation factor per weight dtype (see
+    ``calibration_model.calibrate``)."""
     grad_accumulation: bool = False
     """True when gradients of persistent chunks stay allocated across forwards (accumulation)."""
     micro_batches: int = 1
     """Forward and backward passes per ``optimizer.step()`` (gradient accumulation), as the
-    profiled step ran them: the cost model's step is that many micro-batches (``cost.py``,
+    profiled step ran them: the cost model's step is that many micro-batches (``cost_time.py``,
     ``step_windows``), tokens/s counts them all."""
     update_in_backward: bool = False
     """True under ``AUTOOFFLOAD_UPDATE_IN_BACKWARD``: the CPU update of an offloaded chunk starts
@@ -216,13 +218,13 @@ class ModelProfile:
     accumulate_on: str = "cpu"
     """Where gradient accumulation sums the offloaded chunks' gradients (``micro_batches`` > 1):
     "cpu" (the CPU worker adds each micro-batch's), "gpu" (the running sum comes back to the
-    device and is added there before the copy out: ``cost.accumulation_terms``), or "auto"
+    device and is added there before the copy out: ``cost_time.accumulation_terms``), or "auto"
     (the search tries both: ``search._variants``; the cost model reads "auto" as "cpu")."""
     expandable_segments: bool = False
     """True when the allocator uses expandable segments (``EXPANDABLE_FRAGMENTATION`` prior)."""
     checkpoint_inputs_on_cpu: bool = False
     """True for the variant where checkpointed blocks keep their input in host memory
-    (``cost.with_checkpoint_inputs_on_cpu``): its plans name them ``checkpoint_cpu``."""
+    (``configuration.with_checkpoint_inputs_on_cpu``): its plans name them ``checkpoint_cpu``."""
 
     @property
     def persistent_in_backward(self) -> bool:
@@ -258,15 +260,16 @@ class ModelProfile:
         return DEFAULT_FRAGMENTATION.get(self.weight_dtype, FALLBACK_FRAGMENTATION)
 
     def with_fragmentation(self, factor: float) -> ModelProfile:
-        """A copy whose factor for ``weight_dtype`` is ``factor`` (after ``cost.calibrate``)."""
+        """A copy whose factor for ``weight_dtype`` is ``factor`` (after
+        ``calibration_model.calibrate``)."""
         frag = dict(self.fragmentation)
         frag[self.weight_dtype] = float(factor)
         return replace(self, fragmentation=frag)
 
     def with_compute_scaled(self, factor: float) -> ModelProfile:
         """A copy whose units' forward and backward times are ``factor`` times the profiled
-        ones (``cost.calibrate_compute``: the step runs its blocks slower or faster than the
-        probe timed them alone)."""
+        ones (``calibration_model.calibrate_compute``: the step runs its blocks slower or faster
+        than the probe timed them alone)."""
         return self._with_units(
             lambda unit: replace(unit, fwd_s=unit.fwd_s * factor, bwd_s=unit.bwd_s * factor)
         )

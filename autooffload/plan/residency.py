@@ -5,7 +5,7 @@ no later group needs it, and prefetches the chunks that come next while fewer th
 offloaded chunks are on the device. ``prefetch_queue`` states that order for one unit;
 ``queued_bytes`` is its vectorised form for the search. ``chunk_tables`` tabulates residency and
 traffic per unit for every ``n_persist``, and ``chunk_bytes_in_flight`` the chunk bytes on the
-device per unit for one configuration; ``cost`` builds memory and time on them.
+device per unit for one configuration; ``cost_memory`` and ``cost_time`` build on them.
 """
 
 from __future__ import annotations

@@ -5,15 +5,15 @@ For each chunk layout (one ModelProfile per candidate chunk size) the search enu
 which the cost model predicts no gain, every ``n_swap`` and every ``n_checkpoint`` with
 ``n_swap + n_checkpoint <= n_blocks``. It loops in Python over ``n_swap`` only (n_blocks + 1
 iterations) and evaluates the rest as numpy arrays: the chunk terms come from
-``residency.chunk_tables`` (one row per ``n_persist``), and the step time for every
-``n_checkpoint`` is a prefix sum of the per-window recompute cost, because one more checkpoint
-only adds the recompute of one more block (``cost.assign_block_policies`` is nested), and the
-peak for every ``n_checkpoint`` is read off one running maximum from the front and one from the
-back (see ``_split_max``). Chunks on the device per (n_persist, n_buffer, unit) are prefix sums
+``residency.chunk_tables`` (one row per ``n_persist``), and the step time for every ``n_checkpoint``
+is a prefix sum of the per-window recompute cost, because one more checkpoint only adds the
+recompute of one more block (``configuration.assign_block_policies`` is nested), and the peak for
+every ``n_checkpoint`` is read off one running maximum from the front and one from the back (see
+``_split_max``). Chunks on the device per (n_persist, n_buffer, unit) are prefix sums
 over the runtime's prefetch order (``residency.queued_bytes``), each chunk at its own size. Work
 per layout is O(n_blocks * n_chunks * n_buffers * (n_blocks + n_units)) simple array operations,
 with no pruning that could miss the optimum; ``tests/plan/test_search.py`` checks it against a
-brute force over ``cost``'s scalar functions.
+brute force over the cost model's scalar functions.
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autooffload.errors import PlanError
-from autooffload.plan.cost import (
-    assign_block_policies,
-    peak_breakdown,
-    predict_step_time,
-    with_checkpoint_inputs_on_cpu,
-)
+from autooffload.plan.configuration import assign_block_policies, with_checkpoint_inputs_on_cpu
+from autooffload.plan.cost_memory import peak_breakdown
+from autooffload.plan.cost_time import predict_step, predict_step_time
 from autooffload.plan.grid import Pick, pick_order, search_layout
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import chunk_tables
@@ -119,10 +116,10 @@ def search(
 
     ``fixed`` pins any subset of ``chunk_size, n_persist, n_buffer, n_swap, n_checkpoint``; the
     search completes the rest, with ``n_persist >= min_persist``. ``checkpoint_inputs``: where
-    checkpointed blocks keep their input, ``gpu``, ``cpu`` (``cost.with_checkpoint_inputs_on_cpu``)
-    or ``auto`` (both layouts searched). Raises ``PlanError`` when nothing fits, naming the fixed
-    knob that makes it infeasible and its nearest feasible value, or the smallest budget that
-    would fit.
+    checkpointed blocks keep their input, ``gpu``, ``cpu``
+    (``configuration.with_checkpoint_inputs_on_cpu``) or ``auto`` (both layouts searched). Raises
+    ``PlanError`` when nothing fits, naming the fixed knob that makes it infeasible and its nearest
+    feasible value, or the smallest budget that would fit.
     """
     fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
     variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs)
@@ -217,8 +214,8 @@ def make_plan(
     """A Plan for explicit knobs, with the cost model's predictions filled in."""
     tables = chunk_tables(profile)
     memory = peak_breakdown(profile, hw, knobs, tables)
-    step_s, breakdown, bottleneck = predict_step_time(profile, hw, knobs, tables)
-    breakdown.update({f"mem_{key}": value for key, value in memory.items()})
+    prediction = predict_step(profile, hw, knobs, tables)
+    breakdown = {**prediction.breakdown, **{f"mem_{key}": value for key, value in memory.items()}}
     return Plan(
         chunk_size=profile.chunk_size,
         n_chunks=profile.n_chunks,
@@ -232,9 +229,10 @@ def make_plan(
         ),
         budget_bytes=budget_bytes,
         predicted_peak_bytes=int(memory["peak"]),
-        predicted_step_s=step_s,
-        bottleneck=bottleneck,
+        predicted_step_s=prediction.step_s,
+        bottleneck=prediction.bottleneck,
         source=source,
+        update=prediction.update,
         breakdown=breakdown,
     )
 

@@ -15,7 +15,7 @@ class Knobs:
     """The searched knobs for one chunk layout (the chunk size is fixed by the layout's profile).
 
     ``n_swap`` / ``n_checkpoint`` count blocks; which blocks get which policy is
-    ``plan.cost.assign_block_policies`` (swap the first blocks, checkpoint the next ones).
+    ``plan.configuration.assign_block_policies`` (swap the first blocks, checkpoint the next ones).
     """
 
     n_persist: int
@@ -25,12 +25,38 @@ class Knobs:
 
 
 @dataclass(frozen=True)
+class UpdatePlacement:
+    """Where a plan runs the optimizer's update and gradient accumulation's sums, as the cost
+    model predicted them (``cost_time.predict_step_time``)."""
+
+    gpu_update_chunks: int = 0
+    """Offloaded chunks updated on the GPU at ``step()``, the last ones
+    (``plan/update_split.py``)."""
+    gpu_backward_chunks: int = 0
+    """Offloaded chunks updated on the GPU in the backward, the lowest ones
+    (``update_split.backward_split``)."""
+    accumulate_on_gpu: bool = False
+    """Gradient accumulation sums offloaded gradients on the GPU
+    (``cost_time.accumulation_terms``)."""
+    update_in_backward: bool = False
+    """Offloaded chunks are updated in the backward, as their gradients arrive."""
+    persistent_at_step: bool = False
+    """Under the update in the backward, persistent chunks still step at ``step()`` (data
+    parallelism)."""
+    micro_batches: int = 1
+    """Backward passes per step (gradient accumulation) the prediction assumed."""
+
+
+@dataclass(frozen=True)
 class Plan:
     """One configuration of the runtime, chosen by the search or fixed by the user.
 
     ``n_persist`` chunks (the first ones in execution order) stay on the GPU; the other chunks
     stream through at most ``n_buffer`` GPU chunk buffers. ``block_policies[i]`` is the activation
-    policy of block ``i`` ("keep", "checkpoint", "checkpoint_cpu" or "swap").
+    policy of block ``i`` ("keep", "checkpoint", "checkpoint_cpu" or "swap"). ``update`` is
+    None for a plan the cost model did not predict (the profiling step's, one fixed by the
+    user, a re-profile's): the runtime then places the update as the settings say.
+    ``breakdown`` holds the cost model's terms, for diagnostics only.
     """
 
     chunk_size: int
@@ -43,6 +69,7 @@ class Plan:
     predicted_step_s: float | None = None
     bottleneck: str = "unknown"
     source: str = "search"
+    update: UpdatePlacement | None = None
     breakdown: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -54,20 +81,25 @@ class Plan:
         return sum(p in ("checkpoint", "checkpoint_cpu") for p in self.block_policies)
 
     @property
+    def predicted(self) -> bool:
+        """Whether the cost model predicted this plan (and so placed its update)."""
+        return self.update is not None
+
+    @property
     def gpu_update_chunks(self) -> int:
-        """Offloaded chunks updated on the GPU at ``step()`` (``plan/update_split.py``)."""
-        return int(self.breakdown.get("gpu_update_chunks", 0))
+        """Offloaded chunks updated on the GPU at ``step()`` (0 for a plan not predicted)."""
+        return self.update.gpu_update_chunks if self.update else 0
 
     @property
     def gpu_backward_chunks(self) -> int:
-        """Offloaded chunks updated on the GPU in the backward (``update_split.backward_split``)."""
-        return int(self.breakdown.get("gpu_backward_chunks", 0))
+        """Offloaded chunks updated on the GPU in the backward (0 for a plan not predicted)."""
+        return self.update.gpu_backward_chunks if self.update else 0
 
     @property
     def accumulates_on_gpu(self) -> bool:
-        """Whether gradient accumulation sums offloaded gradients on the GPU
-        (``cost.accumulation_terms``)."""
-        return bool(self.breakdown.get("accumulate_on_gpu", 0.0))
+        """Whether gradient accumulation sums offloaded gradients on the GPU (False for a plan
+        not predicted)."""
+        return self.update.accumulate_on_gpu if self.update else False
 
     @property
     def knobs(self) -> Knobs:
@@ -99,8 +131,9 @@ class Plan:
             f"  persistent on {dev}: {self.n_persist} chunks; offloaded to {host}: {n_off} chunks"
             f" through {self.n_buffer} {dev} buffers",
         ]
-        k = self.gpu_update_chunks
-        if self.breakdown.get("update_in_backward") and (n_off or self.n_persist):
+        update = self.update or UpdatePlacement()
+        k = update.gpu_update_chunks
+        if update.update_in_backward and (n_off or self.n_persist):
             kb = self.gpu_backward_chunks
             parts = ["offloaded chunks updated on the CPU as their gradients arrive"] * bool(n_off)
             if kb:
@@ -109,9 +142,8 @@ class Plan:
                     f" (state streamed from pinned memory), {n_off - kb} on the CPU as their"
                     " gradients arrive"
                 ]
-            at_step = self.breakdown.get("persistent_at_step")
             parts += [f"persistent chunks stepped on the {dev} as their backward ends"] * bool(
-                self.n_persist and not at_step
+                self.n_persist and not update.persistent_at_step
             )
             lines.append(
                 f"  optimizer: in the backward, {' and '.join(parts)}"
@@ -120,8 +152,7 @@ class Plan:
         if k:
             lines.append(
                 f"  optimizer: {k} offloaded chunks updated on the {dev} (state streamed from"
-                f" pinned memory), {self.breakdown.get('cpu_update_chunks', n_off - k):.0f} on"
-                " the CPU"
+                f" pinned memory), {n_off - k} on the CPU"
             )
         if self.block_policies:
             n_keep = len(self.block_policies) - self.n_swap - self.n_checkpoint
@@ -144,7 +175,7 @@ class Plan:
                 + in_flight
             )
         if self.predicted_step_s is not None:
-            micro = int(self.breakdown.get("micro_batches", 1))
+            micro = update.micro_batches
             per = f", {micro} micro-batches of accumulation" if micro > 1 else ""
             lines.append(
                 f"  predicted step {self.predicted_step_s * 1e3:.1f} ms"

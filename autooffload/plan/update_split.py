@@ -165,7 +165,7 @@ def update_split(
 #
 # The CPU keeps the higher chunks, which arrive first and are needed last; the forward waits for
 # it at the gather of its lowest chunk q only: done = max(cpu_numel / rate - H(n - 1),
-# numel[q] / rate - H(q), 0) (``cost.backward_update_done``).
+# numel[q] / rate - H(q), 0) (``cost_time.backward_update_done``).
 
 
 @dataclass(frozen=True)

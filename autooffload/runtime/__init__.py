@@ -6,15 +6,23 @@ import torch
 from torch import nn
 
 from autooffload import patches
-from autooffload.plan.types import Plan
-from autooffload.runtime import allocator
+from autooffload.runtime import allocator, registry
 from autooffload.runtime.attachable import check_attachable
+from autooffload.runtime.registry import last_plan, runtime_of, runtimes, runtimes_in
 from autooffload.runtime.runtime import Runtime
 from autooffload.settings import Settings
 
-# The active-runtimes registry: the only global state besides the patch registry.
-_runtimes: dict[int, Runtime] = {}
-_last_plan: list[Plan] = []
+__all__ = [
+    "Runtime",
+    "attach",
+    "detach",
+    "detach_all",
+    "last_plan",
+    "resolve_device",
+    "runtime_of",
+    "runtimes",
+    "runtimes_in",
+]
 
 
 def resolve_device(settings: Settings, requested: torch.device | str | None = None) -> torch.device:
@@ -39,7 +47,7 @@ def attach(
     """Attach ``model``: its weights go to a host store, only persistent chunks to the device."""
     if settings is None:
         settings = Settings.from_env()
-    existing = _runtimes.get(id(model))
+    existing = registry.attached(model)
     if existing is not None:
         if optimizer is not None:
             existing.bind_optimizer(optimizer)
@@ -55,74 +63,38 @@ def attach(
         runtime = Runtime(model, settings, resolved)
     except BaseException:
         allocator.release(held)
-        if not _runtimes:
+        if not registry.runtimes():
             patches.release_for_attach()
         raise
     runtime.allocator_hold = held
-    _runtimes[id(model)] = runtime
-    _last_plan[:] = [runtime.plan]
+    registry.register(model, runtime)
     if optimizer is not None:
         runtime.bind_optimizer(optimizer)
     return runtime
 
 
-def runtime_of(obj: nn.Module | torch.Tensor) -> Runtime | None:
-    """The runtime managing a model (or one of its parameters), if any."""
-    if isinstance(obj, nn.Module):
-        runtime = _runtimes.get(id(obj))
-        if runtime is not None:
-            return runtime
-        for candidate in _runtimes.values():
-            if any(m is obj for m in candidate.model.modules()):
-                return candidate
-        return None
-    for candidate in _runtimes.values():
-        if candidate.owns(obj):
-            return candidate
-    return None
-
-
-def runtimes() -> list[Runtime]:
-    return list(_runtimes.values())
-
-
-def runtimes_in(model: nn.Module) -> list[Runtime]:
-    """Every runtime managing ``model``, a module inside it, or a model enclosing it; each once,
-    in attach order (the same on every rank, for code issuing collectives per runtime)."""
-    inside = {id(m) for m in model.modules()}
-    return [
-        r
-        for r in _runtimes.values()
-        if id(r.model) in inside or any(m is model for m in r.model.modules())
-    ]
-
-
 def detach(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
     """Detach one model; returns it as an ordinary module on ``device``."""
-    runtime = _runtimes.pop(id(model), None)
+    runtime = registry.unregister(model)
     if runtime is None:
         return model if device is None else model.to(device)
     try:
         return runtime.detach(device)
     finally:
-        if not _runtimes:
+        if not registry.runtimes():
             patches.release_for_attach()
 
 
 def detach_all() -> None:
     """Detach every attached model (``autooffload.disable()`` calls this)."""
     first: BaseException | None = None
-    for key in list(_runtimes):
+    for runtime in registry.runtimes():
+        registry.unregister(runtime.model)
         try:
-            _runtimes.pop(key).detach()
+            runtime.detach()
         except Exception as error:  # the others are detached all the same; the first is raised
             first = first or error
-    _last_plan.clear()
+    registry.forget_last_plan()
     patches.release_for_attach()
     if first is not None:
         raise first
-
-
-def last_plan() -> Plan | None:
-    """The plan of the most recently attached (or re-planned) model."""
-    return _last_plan[0] if _last_plan else None

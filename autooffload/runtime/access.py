@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from autooffload.runtime import registry
 from autooffload.runtime.chunks import Chunk, ParamSlot
 from autooffload.runtime.manager import Residency
 
@@ -17,9 +18,7 @@ if TYPE_CHECKING:
 
 def runtime_managing(params: Iterable[torch.Tensor]) -> Runtime | None:
     """The runtime whose chunks hold any of ``params``, if any."""
-    from autooffload import runtime as rt
-
-    candidates = rt.runtimes()
+    candidates = registry.runtimes()
     if not candidates:
         return None
     params = list(params)

@@ -67,11 +67,6 @@ def is_recomputing() -> bool:
     return getattr(_recompute_state, "module", None) is not None
 
 
-def recomputing_module() -> nn.Module | None:
-    """The block (or MLP) whose forward is being recomputed in this thread, else ``None``."""
-    return getattr(_recompute_state, "module", None)
-
-
 class recomputing:  # noqa: N801 - used like the context-manager function it replaced
     """Mark this thread as recomputing ``module``'s forward (calls ``on_start(module)`` first).
 

@@ -13,10 +13,14 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger, warn_once
+from autooffload.plan.calibration_model import calibrate, calibrate_compute
+from autooffload.plan.configuration import with_accumulation_of, with_checkpoint_inputs_on_cpu
+from autooffload.plan.cost_time import predict_step_time
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile, need_from_peaks
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
+from autooffload.runtime import registry
 
 if TYPE_CHECKING:
     from autooffload.runtime.optimizer import CpuOptimizer
@@ -34,7 +38,7 @@ COPY_RATE_MARGIN = 0.10
 COPY_RATE_MIN_BYTES = 1 << 30
 # How far the measured step time may be from the prediction (with the calibrated peak, CPU
 # rate and copy rates) before the units' compute times are scaled to it
-# (``cost.calibrate_compute``).
+# (``calibration_model.calibrate_compute``).
 STEP_MARGIN = 0.05
 # A calibration that switches the plan checks the new plan the same way, CALIBRATE_AFTER_STEPS
 # later (the new plan's prediction is otherwise never measured: a swap-heavy re-plan ran 23%
@@ -235,7 +239,7 @@ def calibrate_after_steps(
 ) -> Plan | None:
     """Check the planned steps against what their plan assumed, in this order:
     - the measured peak (``measured_need``) above the prediction by more than
-      ``CALIBRATION_MARGIN`` calibrates the fragmentation factor (``cost.calibrate``);
+      ``CALIBRATION_MARGIN`` calibrates the fragmentation factor (``calibration_model.calibrate``);
     - the CPU worker's measured rate (``worker_rate``: the update contended by the running step,
       gradient accumulation included) off the planned one by more than ``CPU_RATE_MARGIN``
       replaces it;
@@ -246,7 +250,8 @@ def calibrate_after_steps(
       fast beside the other traffic shows the probe read the link low;
     - the measured step time (``StepTimer``) off the plan's step as predicted with the
       calibrations above (at the plan's own GPU update split) by more than ``STEP_MARGIN``
-      scales the units' compute times (``cost.calibrate_compute``), when a scale explains it.
+      scales the units' compute times (``calibration_model.calibrate_compute``), when a scale
+      explains it.
     Any of them re-runs the search, which may promote chunks or demote them (their optimizer
     state moves between the user's optimizer and the CPU twins: ``Runtime.apply_plan``); a
     ``drift`` check only promotes.
@@ -326,8 +331,6 @@ def _calibration(
 ) -> _Calibration | None:
     """The calibrated profile and hardware, and the plan searched with them; None when the
     measurements are within the margins of what the plan assumed."""
-    from autooffload.plan.cost import calibrate
-
     plan, request, profile = runtime.plan, runtime.search_request, runtime.profile
     predicted = plan.predicted_peak_bytes
     if request is None or profile is None or not predicted:
@@ -476,10 +479,8 @@ def with_running_split(profile: ModelProfile, plan: Plan) -> ModelProfile:
     """``profile`` with the GPU update split the search picks on auto fixed at ``plan``'s count:
     the split follows the CPU rate, which a window reads 10-20% off on a busy host (3.6B at 16
     GiB: 3 -> 6 -> 5 chunks updated on the GPU in three checks). Gradient accumulation on
-    auto stays where the plan sums (``cost.with_accumulation_of``)."""
-    from autooffload.plan.cost import with_accumulation_of
-
-    profile = with_accumulation_of(profile, plan.breakdown)
+    auto stays where the plan sums (``configuration.with_accumulation_of``)."""
+    profile = with_accumulation_of(profile, plan)
     if profile.update_in_backward:
         if profile.gpu_update_in_backward != GPU_UPDATE_AUTO:
             return profile
@@ -496,12 +497,6 @@ def _step_calibration(
 ) -> tuple[ModelProfile, str] | None:
     """``profile`` with its compute scaled to the measured step, and the log's words for it;
     None when the step is within ``STEP_MARGIN`` of the prediction, or no scale explains it."""
-    from autooffload.plan.cost import (
-        calibrate_compute,
-        predict_step_time,
-        with_checkpoint_inputs_on_cpu,
-    )
-
     # The plan's own variant: its checkpointed blocks may keep their inputs in host memory, and
     # its GPU update split stays at the running count (on auto it would follow the new CPU rate
     # to another split, and the running step would be judged against that split's prediction).
@@ -535,11 +530,9 @@ def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
         return None
     runtime.profile = found.profile
     runtime.search_request = found.request
-    from autooffload import runtime as rt
-
     # last_plan() reports the calibrated prediction whether or not the configuration changes
     # (it reported the stale one when the plan stayed, beside candidates from the new model).
-    rt._last_plan[:] = [new_plan]
+    registry.set_last_plan(new_plan)
     if new_plan.configures_like(plan):
         runtime.plan = new_plan
         (logger.debug if found.drift else logger.info)(

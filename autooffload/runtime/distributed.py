@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from autooffload.errors import AttachError
 from autooffload.log import logger
+from autooffload.runtime import registry
 
 if TYPE_CHECKING:
     from autooffload.plan.profile_types import HardwareProfile
@@ -245,7 +246,7 @@ class DataParallel:
         """The machine as one rank's cost model sees it: an offloaded chunk's gradients go to
         the host after their collective (``_offload_averaged_grads``: the D2H copy waits for
         it), so a gradient byte costs 1 / B_d2h + 1 / B_collective seconds; persistent chunks'
-        gradients are all-reduced at ``allreduce_bps`` (``cost.persistent_allreduce_exposed``).
+        gradients are all-reduced at ``allreduce_bps`` (``cost_time.persistent_allreduce_exposed``).
         Apply after ``Sharding.effective_hardware`` (whose D2H rate already counts the owner's
         share)."""
         return replace(
@@ -392,9 +393,7 @@ def no_sync(model: torch.nn.Module) -> Iterator[None]:
 
     Works like ``DistributedDataParallel.no_sync``; DDP's own ``no_sync`` works too.
     """
-    from autooffload import runtime as rt
-
-    reducers = [r.data_parallel for r in rt.runtimes_in(model) if r.data_parallel is not None]
+    reducers = [r.data_parallel for r in registry.runtimes_in(model) if r.data_parallel is not None]
     before = [r.sync for r in reducers]
     for reducer in reducers:
         reducer.sync = False

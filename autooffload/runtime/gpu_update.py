@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from autooffload.runtime.chunks import Chunk, ParamSlot
     from autooffload.runtime.manager import ChunkManager
 
-# The optimizer classes this path runs (torch's fused Adam kernels, CUDA and CPU alike).
-GPU_UPDATE_OPTIMIZERS = ("Adam", "AdamW")
 _ALIGN = 256
 
 

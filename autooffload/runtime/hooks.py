@@ -23,7 +23,6 @@ from torch.utils.hooks import RemovableHandle
 
 from autooffload.errors import AutoOffloadError
 from autooffload.log import logger, warn_once
-from autooffload.plan.profile import StepProfiler
 from autooffload.runtime.activations import take_over_hf_gradient_checkpointing
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
@@ -34,6 +33,7 @@ from autooffload.runtime.lockstep import (
     FORWARD_WITH_GRAD,
 )
 from autooffload.runtime.manager import Residency
+from autooffload.runtime.profiler import StepProfiler
 
 if TYPE_CHECKING:
     from autooffload.runtime.activations import ActivationSwapper

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from autooffload.plan.cost import ACCUMULATE_SCRATCH_BYTES
+from autooffload.plan.cost_memory import ACCUMULATE_SCRATCH_BYTES
 from autooffload.runtime.chunks import ALIGN, Chunk, ChunkLayout, ParamSlot
 from autooffload.runtime.host import HostArena
 
@@ -89,7 +89,7 @@ GradsReady = Callable[
 ]
 # Gradient accumulation on the GPU (``ChunkManager._sum_on_device``): the running sums come back
 # through a device scratch of this many bytes, piece by piece (the planner's
-# ``cost.ACCUMULATE_SCRATCH_BYTES``).
+# ``cost_memory.ACCUMULATE_SCRATCH_BYTES``).
 SUM_SCRATCH_BYTES = ACCUMULATE_SCRATCH_BYTES
 
 

@@ -46,10 +46,10 @@ from torch.utils._pytree import tree_flatten
 
 from autooffload.errors import AutoOffloadError, PlanError
 from autooffload.log import logger
-from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import make_plan
 from autooffload.plan.types import GiB, Plan
+from autooffload.runtime import registry
 from autooffload.runtime.forward_wrap import install_forward, remove_forward
 from autooffload.runtime.hooks import in_backward
 from autooffload.runtime.planning import (
@@ -59,6 +59,7 @@ from autooffload.runtime.planning import (
     plan_from_profile,
     profile_for_plan,
 )
+from autooffload.runtime.profiler import StepProfiler
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
@@ -353,6 +354,7 @@ class OomRetry:
             predicted_step_s=None,
             bottleneck="not profiled yet (re-profiling a longer batch)",
             source=REPROFILE_SOURCE,
+            update=None,
             breakdown={},
         )
 
@@ -477,12 +479,10 @@ class OomRetry:
 def run_backward(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``torch.autograd.backward`` with the OOM retry of the runtime whose output it runs
     from, and the clean-up of every runtime when it raises (or Ctrl-C)."""
-    from autooffload import runtime as rt
-
     outermost = not in_backward()
     replays: list[tuple[OomRetry, _Replay | str]] = []
     if outermost:
-        for runtime in rt.runtimes():
+        for runtime in registry.runtimes():
             guard = getattr(runtime, "oom", None)
             if guard is not None and guard.last_call is not None:
                 replays.append((guard, guard.replay_for(args, kwargs)))
@@ -516,7 +516,5 @@ def run_backward(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
 
 def _recover_all() -> None:
-    from autooffload import runtime as rt
-
-    for runtime in rt.runtimes():
+    for runtime in registry.runtimes():
         runtime.recover_interrupted()

@@ -597,9 +597,9 @@ class CpuOptimizer(HostGradNorms):
     def _unalias(self, chunk: Chunk) -> None:
         """Copy ``chunk``'s aliased gradients out of their staging. Only gradient accumulation
         does this: its time and elements count with the adds (``add_s``, ``added_params``),
-        as the cost model charges it at the add rate (``cost.later_on_cpu``); counted as update
-        time, it read 3.6B's update at 3.8 Gparam/s against 5.3 for its kernel and the step
-        +17.5% over (twenty-seventh session)."""
+        as the cost model charges it at the add rate (``cost_time.later_on_cpu``). Counted as
+        update time, it reads 3.6B's update at 3.8 Gparam/s against its kernel's 5.3, and the
+        step 17.5% off its prediction."""
         start = time.perf_counter()
         masters, buffers, staged = [], [], []
         for slot in chunk.trainable_slots:

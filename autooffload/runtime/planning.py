@@ -11,16 +11,17 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger, warn_once
-from autooffload.plan.cost import with_accumulation_of, with_checkpoint_inputs_on_cpu
+from autooffload.plan.configuration import with_accumulation_of, with_checkpoint_inputs_on_cpu
 from autooffload.plan.hardware import measure_hardware
-from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan, format_bytes
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
+from autooffload.runtime import registry
 from autooffload.runtime.calibration import arm_calibration
 from autooffload.runtime.chunks import ALIGN, ChunkLayout
 from autooffload.runtime.host import HostMemory, host_memory
+from autooffload.runtime.profiler import StepProfiler
 from autooffload.settings import Settings
 
 if TYPE_CHECKING:
@@ -349,8 +350,8 @@ def _checkpoint_inputs(runtime: Runtime) -> str:
 def profile_for_plan(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> ModelProfile:
     """``profile`` in the variant ``plan`` was predicted on: checkpointed blocks' inputs in host
     memory when the plan chose that (``checkpoint_cpu``), the measured profile otherwise;
-    gradient accumulation where the plan sums it (``cost.with_accumulation_of``)."""
-    profile = with_accumulation_of(profile, plan.breakdown)
+    gradient accumulation where the plan sums it (``configuration.with_accumulation_of``)."""
+    profile = with_accumulation_of(profile, plan)
     if "checkpoint_cpu" in plan.block_policies:
         return with_checkpoint_inputs_on_cpu(profile, hw)
     return profile
@@ -546,9 +547,7 @@ def switch_to_searched_plan(
         # The worker is idle here (the last profiling step waited for its update).
         runtime.calibration_switches = 0
         arm_calibration(runtime, plan)
-    from autooffload import runtime as rt
-
-    rt._last_plan[:] = [plan]
+    registry.set_last_plan(plan)
     summary = plan.summary(runtime.device.type)
     if runtime.settings.print_plan:
         print(summary, flush=True)  # noqa: T201 - the launcher's --print-plan

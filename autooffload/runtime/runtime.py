@@ -9,7 +9,6 @@ from torch import nn
 
 from autooffload.errors import AttachError, DetachStateError, PlanError
 from autooffload.log import logger, warn_once
-from autooffload.plan.profile import StepProfiler
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import Candidates, SearchRequest
 from autooffload.plan.types import Plan, format_bytes
@@ -44,6 +43,7 @@ from autooffload.runtime.planning import (
     profile_after_step,
     switch_to_searched_plan,
 )
+from autooffload.runtime.profiler import StepProfiler
 from autooffload.runtime.quantized import QuantizedParams
 from autooffload.runtime.sharding import Sharding, fetch_offloaded
 from autooffload.runtime.state import (
@@ -282,8 +282,6 @@ class Runtime(GroupHooks):
         takes their params, and their optimizer state moves from the user's optimizers to the
         CPU twins (under sharded state to the owner's; the other ranks drop their replica of
         it, which is the same)."""
-        from autooffload.runtime.state import adopt_existing_state
-
         for index in indices:
             self.cpu_optim.demote_chunk(self.layout.chunks[index])
         for optimizer in self.optimizers:
@@ -300,12 +298,12 @@ class Runtime(GroupHooks):
         trainable = [c.index for c in self.layout.chunks[plan.n_persist :] if c.trainable_slots]
         self.cpu_optim.gpu_chunks = set(trainable[len(trainable) - k :]) if k else set()
         kb = plan.gpu_backward_chunks
-        if "gpu_backward_chunks" not in plan.breakdown:
+        if not plan.predicted:
             kb = self.settings.gpu_update_in_backward or 0
         self.cpu_optim.backward_gpu_chunks = set(trainable[:kb])
         # Gradient accumulation's sums: where the search put them; a plan not searched (the
         # first steps, a fixed plan) follows the setting.
-        if "accumulate_on_gpu" in plan.breakdown:
+        if plan.predicted:
             self.cpu_optim.accumulate_on_gpu = plan.accumulates_on_gpu
         else:
             self.cpu_optim.accumulate_on_gpu = self.settings.accumulate_on == "gpu"

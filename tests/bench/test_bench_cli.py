@@ -12,11 +12,9 @@ import pytest
 import autooffload
 from autooffload.bench.__main__ import main
 from autooffload.bench.peers import _planned_profile
-from autooffload.plan.cost import (
-    predict_peak_bytes,
-    predict_step_time,
-    with_checkpoint_inputs_on_cpu,
-)
+from autooffload.plan.configuration import with_checkpoint_inputs_on_cpu
+from autooffload.plan.cost_memory import predict_peak_bytes
+from autooffload.plan.cost_time import predict_step_time
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import make_plan
 from autooffload.plan.types import Knobs

@@ -10,16 +10,20 @@ import pytest
 from plan_profiles import MiB, make_hardware, make_profile
 
 from autooffload.errors import PlanError
-from autooffload.plan.cost import (
-    ACCUMULATE_SCRATCH_BYTES,
+from autooffload.plan.calibration_model import (
     COMPUTE_ELASTICITY_MIN,
     COMPUTE_SCALE_RANGE,
-    assign_block_policies,
     calibrate,
     calibrate_compute,
+)
+from autooffload.plan.configuration import assign_block_policies
+from autooffload.plan.cost_memory import (
+    ACCUMULATE_SCRATCH_BYTES,
     peak_breakdown,
-    persistent_allreduce_exposed,
     predict_peak_bytes,
+)
+from autooffload.plan.cost_time import (
+    persistent_allreduce_exposed,
     predict_step_time,
     prefetched_bytes,
     step_windows,
@@ -174,7 +178,7 @@ def test_calibrate_compute_declines_a_fit_that_lands_on_a_floor_compute_does_not
     copies): a measurement just under that floor is reached within the fit's tolerance only at
     the range's end. 3.6B at 24 GiB measured 15% below its prediction was "explained" by
     compute x0.25 that way, and the re-plan on it predicted 153 ms for a plan that ran 273."""
-    import autooffload.plan.cost as cost
+    import autooffload.plan.calibration_model as calibration_model
 
     unscaled = profile.blocks[0].fwd_s
 
@@ -182,7 +186,7 @@ def test_calibrate_compute_declines_a_fit_that_lands_on_a_floor_compute_does_not
         factor = scaled.blocks[0].fwd_s / unscaled
         return max(0.305, 0.355 * factor), {}, "compute"
 
-    monkeypatch.setattr(cost, "predict_step_time", knee)
+    monkeypatch.setattr(calibration_model, "predict_step_time", knee)
     knobs = _knobs(profile)
     assert knee(profile.with_compute_scaled(1.1), hw, knobs)[0] > 1.09 * 0.355  # elastic at 1
     assert calibrate_compute(profile, hw, knobs, 0.302) is None
@@ -628,7 +632,7 @@ def test_the_search_on_auto_sums_where_the_step_is_faster():
     for rate, on_gpu in ((numel / 1e-6, False), (numel / 10.0, True)):
         fast = replace(hw, cpu_accumulate_params_per_s=rate)
         plan = search(profiles, fast, None)
-        assert plan.breakdown["accumulate_on_gpu"] == float(on_gpu), rate
+        assert plan.accumulates_on_gpu is on_gpu, rate
 
 
 def test_a_plan_on_auto_is_judged_and_switched_where_it_sums():
@@ -645,6 +649,29 @@ def test_a_plan_on_auto_is_judged_and_switched_where_it_sums():
     assert plan.accumulates_on_gpu
     assert with_running_split(auto, plan).accumulate_on == "gpu"
     assert profile_for_plan(auto, plan, slow_adds).accumulate_on == "gpu"
-    on_cpu = replace(plan, breakdown={**plan.breakdown, "accumulate_on_gpu": 0.0})
+    on_cpu = replace(plan, update=replace(plan.update, accumulate_on_gpu=False))
     assert with_running_split(auto, on_cpu).accumulate_on == "cpu"
     assert not plan.configures_like(on_cpu) and plan.configures_like(replace(plan))
+
+
+def test_a_plan_carries_where_its_update_runs_as_typed_fields():
+    """A predicted plan places the update as the cost model did; a plan built without the
+    cost model (the profiling step's) places nothing, and the runtime follows the settings."""
+    from autooffload.plan.search import make_plan
+    from autooffload.plan.types import Plan
+
+    profile, hw, knobs = _accumulating(4, cpu_optim_params_per_s=5e9)
+    profile = replace(profile, gpu_update=-1)
+    plan = make_plan(profile, hw, knobs, None)
+    _, terms, _ = predict_step_time(profile, hw, knobs)
+    assert plan.predicted and plan.update.micro_batches == 4
+    assert plan.gpu_update_chunks == terms["gpu_update_chunks"] >= 1
+    assert plan.gpu_backward_chunks == terms["gpu_backward_chunks"] == 0
+    assert plan.accumulates_on_gpu is False and plan.update.update_in_backward is False
+    bare = Plan(chunk_size=1, n_chunks=2, n_persist=0, n_buffer=2)
+    assert not bare.predicted
+    assert (bare.gpu_update_chunks, bare.gpu_backward_chunks, bare.accumulates_on_gpu) == (
+        0,
+        0,
+        False,
+    )

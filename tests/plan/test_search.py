@@ -14,12 +14,9 @@ import pytest
 from plan_profiles import MiB, layout_chunks, make_hardware, make_profile
 
 from autooffload.errors import PlanError
-from autooffload.plan.cost import (
-    peak_breakdown,
-    predict_peak_bytes,
-    predict_step_time,
-    with_checkpoint_inputs_on_cpu,
-)
+from autooffload.plan.configuration import with_checkpoint_inputs_on_cpu
+from autooffload.plan.cost_memory import peak_breakdown, predict_peak_bytes
+from autooffload.plan.cost_time import predict_step_time
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.residency import chunk_tables
 from autooffload.plan.search import EXHAUSTIVE_COUNTS, SearchRequest, make_plan, search, search_all
@@ -32,7 +29,8 @@ _SCORED: dict[str, list] = {}
 
 
 def brute_force(profiles, hw, budget, fixed=None):
-    """Every valid configuration, scored by cost.py's scalar functions: [(step, peak, cs, knobs)].
+    """Every valid configuration, scored by the cost model's scalar functions:
+    [(step, peak, cs, knobs)].
 
     ``n_buffer`` goes two past the search's last useful value, so the claim that more buffers
     never help beyond it is checked too."""

@@ -7,6 +7,7 @@ from runtime_models import enable_cpu, tiny_llama
 
 import autooffload
 from autooffload import runtime as rt
+from autooffload.runtime import registry
 
 
 def test_runtimes_in_finds_each_runtime_once_from_the_model_a_part_or_a_wrapper():
@@ -24,3 +25,17 @@ def test_runtimes_in_finds_each_runtime_once_from_the_model_a_part_or_a_wrapper(
         assert rt.runtimes_in(torch.nn.Linear(2, 2)) == []
     finally:
         autooffload.disable()
+
+
+def test_disable_empties_the_registry_and_forgets_the_last_plan():
+    enable_cpu()
+    try:
+        model = tiny_llama().to("cpu")
+        runtime = registry.attached(model)
+        assert runtime is not None and registry.runtimes() == [runtime]
+        assert registry.attached(model.model) is None  # a part is reached by runtime_of only
+        assert autooffload.last_plan() is runtime.plan
+    finally:
+        autooffload.disable()
+    assert registry.runtimes() == [] and autooffload.last_plan() is None
+    assert registry.runtime_of(model) is None

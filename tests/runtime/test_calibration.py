@@ -16,7 +16,8 @@ import torch
 
 import autooffload
 from autooffload import runtime as rt
-from autooffload.plan.cost import predict_peak_bytes, predict_step_time
+from autooffload.plan.cost_memory import predict_peak_bytes
+from autooffload.plan.cost_time import predict_step_time
 from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
 from autooffload.plan.search import SearchRequest
 from autooffload.runtime import calibration

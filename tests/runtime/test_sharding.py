@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "plan"))
 from plan_profiles import make_hardware, make_profile  # noqa: E402
 
-from autooffload.plan.cost import predict_step_time  # noqa: E402
+from autooffload.plan.cost_time import predict_step_time  # noqa: E402
 from autooffload.plan.profile_types import HardwareProfile  # noqa: E402
 from autooffload.plan.types import Knobs  # noqa: E402
 from autooffload.runtime.sharding import NotConsolidatedError, Sharding  # noqa: E402

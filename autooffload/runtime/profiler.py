@@ -1,5 +1,7 @@
-"""Profile the model on the user's real first batch: per-block time and activation bytes,
-non-block memory, and transient peaks, into a ``ModelProfile`` for the cost model.
+"""The step profiler: measures a live runtime's profiling step into a ``ModelProfile``.
+
+It records per-block time and activation bytes, non-block memory and transient peaks on the
+user's real first batch; ``plan/`` receives only the resulting ``ModelProfile``.
 
 The first step runs under a conservative plan (no persistent chunks, every block
 checkpointed) so it cannot run out of memory; its update is real. While it runs the runtime
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from autooffload.plan.profile_types import ChunkProfile, ModelProfile, UnitProfile
+from autooffload.runtime import activations
 
 if TYPE_CHECKING:
     from autooffload.runtime.blocks import Group
@@ -232,8 +235,6 @@ class StepProfiler:
         block runs through its ``__call__`` (the hooks of HF and others with it; the runtime's
         own step aside), as in the step: where the launching thread is the bottleneck (a small
         block at a short batch), the call path is part of the time."""
-        from autooffload.runtime import activations
-
         runtime = self.runtime
         policy = activations.policy_of(block)
         activations.remove_policy(block)

@@ -1,286 +1,29 @@
-"""The cost model: peak device memory and step time of one configuration, as documented formulas.
+"""The time model: the predicted step time of one configuration, window by window.
 
-A configuration is a chunk layout (one ``ModelProfile``, i.e. one ``chunk_size``) plus
-``Knobs(n_persist, n_buffer, n_swap, n_checkpoint)``. Units: bytes, seconds, bytes/s. Chunks have
-their real sizes: a parameter larger than ``chunk_size`` has a chunk of its own size, and the
-runtime sizes each chunk's device storage when it is gathered, so memory and traffic sum the
-chunks actually on the device or on the link, never ``n_buffer * chunk_size``.
-Notation: ``u`` is an execution unit (0 = pre, 1..L = blocks, L+1 = post, see ``profile_types``),
-``p = n_persist`` (chunks ``0 .. p-1`` persistent, chunks ``>= p`` offloaded), ``b = n_buffer``.
-docs/planner.md explains every term; ``plan.search`` evaluates the same formulas vectorised and
-tests check both agree.
+Notation and units as in ``plan/configuration.py``; ``docs/planner.md`` explains every term.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from autooffload.errors import PlanError
+from autooffload.plan.configuration import accumulates_on_gpu, check_knobs, unit_policies
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.residency import (
     ChunkTables,
-    chunk_bytes_in_flight,
     chunk_spans,
     chunk_tables,
     prefetch_queue,
     transfer_s,
 )
-from autooffload.plan.types import Knobs
-from autooffload.plan.update_split import (
-    BackwardSplit,
-    backward_split,
-    gpu_update_chunks,
-    scratch_bytes_of,
-    update_split_row,
-)
+from autooffload.plan.types import Knobs, UpdatePlacement
+from autooffload.plan.update_split import BackwardSplit, backward_split, update_split_row
 
 # Below this share of the step, stalls and recompute are noise and the step is compute-bound.
 BOTTLENECK_MIN_SHARE = 0.05
-# Gradient accumulation on the GPU: the running sum comes back through a scratch of this many
-# bytes (``runtime/manager.py``, piece by piece), on the device for the rest of the run.
-ACCUMULATE_SCRATCH_BYTES = 32 << 20
-
-
-def accumulates_on_gpu(profile: ModelProfile) -> bool:
-    """Whether the later micro-batches of gradient accumulation sum offloaded gradients on the
-    GPU (``ModelProfile.accumulate_on`` "gpu"; "auto" reads as "cpu" outside the search)."""
-    return profile.micro_batches > 1 and profile.accumulate_on == "gpu"
-
-
-def with_accumulation_of(profile: ModelProfile, breakdown: dict[str, float]) -> ModelProfile:
-    """``profile`` on "auto" pinned to where a plan (its ``breakdown``) sums accumulated
-    gradients: the variant the plan was predicted on."""
-    if profile.accumulate_on != "auto":
-        return profile
-    on_gpu = bool(breakdown.get("accumulate_on_gpu", 0.0))
-    return replace(profile, accumulate_on="gpu" if on_gpu else "cpu")
-
-
-def accumulate_scratch_bytes(profile: ModelProfile) -> int:
-    """Device bytes the GPU accumulation's scratch holds all step (0 without it)."""
-    return ACCUMULATE_SCRATCH_BYTES if accumulates_on_gpu(profile) else 0
-
-
-def assign_block_policies(
-    n_blocks: int, n_swap: int, n_checkpoint: int, checkpoint: str = "checkpoint"
-) -> tuple[str, ...]:
-    """Per-block policy: blocks ``[0, n_swap)`` swap, the next ``n_checkpoint`` checkpoint (named
-    ``checkpoint``: "checkpoint", or "checkpoint_cpu" with the inputs on the host), the rest keep.
-
-    Why this order: a swapped block's activations leave during its forward and are needed back only
-    at the very end of the backward, so the first blocks have the most time to hide both copies.
-    Their swap-in traffic rides in the backward windows of the blocks just after them, so those are
-    the ones checkpointed: their recompute lengthens exactly the windows where PCIe would stall.
-    The last blocks keep (their backward comes first, with nothing to overlap a recompute with).
-    The rule is nested: one more checkpoint only turns a keep block into a checkpoint block.
-    """
-    if min(n_swap, n_checkpoint) < 0 or n_swap + n_checkpoint > n_blocks:
-        raise PlanError(
-            f"n_swap={n_swap} + n_checkpoint={n_checkpoint} must be >= 0 and <= n_blocks={n_blocks}"
-        )
-    n_keep = n_blocks - n_swap - n_checkpoint
-    return ("swap",) * n_swap + (checkpoint,) * n_checkpoint + ("keep",) * n_keep
-
-
-def with_checkpoint_inputs_on_cpu(profile: ModelProfile, hw: HardwareProfile) -> ModelProfile:
-    """The layout's variant where a checkpointed block's one saved tensor, its input, is copied
-    to host memory in the forward and prefetched back for its recompute (``checkpoint_cpu``).
-
-    For every block ``u`` with input bytes ``c = act_bytes_checkpoint[u]``:
-      act_bytes_checkpoint'[u] = 0                    (nothing stays saved on the device)
-      fwd_transient'[u]        = fwd_transient[u] + c  (the input while its copy-out runs)
-      bwd_transient'[u]        = bwd_transient[u] + 2c (its input back, and the next one
-                                                         prefetched)
-      bwd_s'[u]                = bwd_s[u] + c / h2d    (the prefetch, charged unoverlapped)
-      other_s'                 = other_s + sum(c) / d2h (the copy-outs, charged unoverlapped)
-    Kept and swapped blocks get the same small surcharges (a few MiB and ~1 ms per block at most
-    for an 8B model at 4k tokens), so the variant wins only where it really saves memory or
-    recompute: the search runs both layouts and keeps the faster feasible plan.
-    """
-    blocks = []
-    copied_out = 0
-    for unit in profile.blocks:
-        c = unit.act_bytes_checkpoint
-        copied_out += c
-        blocks.append(
-            replace(
-                unit,
-                act_bytes_checkpoint=0,
-                fwd_transient_bytes=unit.fwd_transient_bytes + c,
-                bwd_transient_bytes=unit.bwd_transient_bytes + 2 * c,
-                bwd_s=unit.bwd_s + c / hw.h2d_bps,
-            )
-        )
-    return replace(
-        profile,
-        blocks=tuple(blocks),
-        other_s=profile.other_s + copied_out / hw.d2h_bps,
-        checkpoint_inputs_on_cpu=True,
-    )
-
-
-def unit_policies(n_blocks: int, n_swap: int, n_checkpoint: int) -> tuple[str, ...]:
-    """Policies of all units: pre and post always keep."""
-    return ("keep", *assign_block_policies(n_blocks, n_swap, n_checkpoint), "keep")
-
-
-def check_knobs(profile: ModelProfile, knobs: Knobs, tables: ChunkTables | None = None) -> None:
-    """Raise ``PlanError`` naming the knob if ``knobs`` is outside its valid range."""
-    tables = tables or chunk_tables(profile)
-    if not 0 <= knobs.n_persist <= profile.n_chunks:
-        raise PlanError(
-            f"n_persist={knobs.n_persist} is out of range; valid: 0..{profile.n_chunks} chunks"
-        )
-    min_buffers = int(tables.min_buffers[knobs.n_persist])
-    if knobs.n_buffer < min_buffers:
-        raise PlanError(
-            f"n_buffer={knobs.n_buffer} is too small for n_persist={knobs.n_persist}: one unit"
-            f" needs {min_buffers} offloaded chunks at once; valid: n_buffer >= {min_buffers}"
-        )
-    assign_block_policies(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint)
-
-
-def activation_events(profile: ModelProfile, knobs: Knobs) -> tuple[np.ndarray, np.ndarray]:
-    """Activation bytes live at each unit's forward and backward peak (grads excluded), per unit.
-
-    saved[v]    = act_keep[v] (keep) | act_checkpoint[v] (checkpoint) | 0 (swap, once copied out)
-    in_flight[u] = act_keep[u-1] if unit u-1 swaps (copy-out in forward, prefetch in backward)
-    fwd[u] = sum(saved[v] for v < u) + in_flight[u] + act_keep[u] + fwd_transient[u]       (bytes)
-    bwd[u] = sum(saved[v] for v < u) + in_flight[u] + act_keep[u] + bwd_transient[u]       (bytes)
-    (a checkpointed unit recomputes act_keep[u]; a swapped one has it prefetched back)
-    """
-    policies = unit_policies(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint)
-    units = profile.units
-    keep = np.array([u.act_bytes_keep for u in units], dtype=np.int64)
-    ckpt = np.array([u.act_bytes_checkpoint for u in units], dtype=np.int64)
-    saved = np.where(
-        [p == "keep" for p in policies], keep, np.where([p == "swap" for p in policies], 0, ckpt)
-    )
-    saved_before = np.concatenate([[0], np.cumsum(saved)[:-1]])
-    in_flight = np.zeros_like(keep)
-    in_flight[1:] = np.where([p == "swap" for p in policies[:-1]], keep[:-1], 0)
-    base = saved_before + in_flight + keep
-    fwd = base + np.array([u.fwd_transient_bytes for u in units], dtype=np.int64)
-    bwd = base + np.array([u.bwd_transient_bytes for u in units], dtype=np.int64)
-    return fwd, bwd
-
-
-def peak_breakdown(
-    profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, tables: ChunkTables | None = None
-) -> dict[str, float]:
-    """The terms of the predicted peak (bytes); ``predict_peak_bytes`` is its ``"peak"``.
-
-    static   = persist_bytes[p] + optim_bytes_per_param * persist_numel[p] + static_bytes
-               (+ persist_grad_total[p] if accumulating)
-    grads[u] = offload_grad_bytes[p, u] + persist_grad_bytes[p, u]   (backward only)
-               (under the update in the backward, ``persist_grads_in_backward``: the
-               persistent grads live at u only, plus one chunk's optimizer temporaries;
-               and + ``backward_split.scratch[p, u]``, the state of the chunks the GPU
-               updates there)
-    fwd[u]   = fwd_act[u] + scratch_bytes[p] + in_flight_fwd[u]   (``activation_events``,
-    bwd[u]   = bwd_act[u] + grads[u] + in_flight_bwd[u]    ``chunk_bytes_in_flight``)
-    step     = persist_grad_total[p] (unless in static) + optim_step_bytes_per_param
-               * persist_numel[p]       (the user's optimizer.step(): activations are gone, the
-                                         persistent grads and the optimizer's temporaries live)
-               + scratch_bytes[p]       (the GPU update path's, ``plan/update_split.py``)
-               (0 under the update in the backward: the persistent chunks were stepped in it)
-    allocated = static + max(max_u fwd[u], max_u bwd[u], step)     (bytes live at once)
-    pooled   = static + max(max_u fwd_act[u], max_u (bwd_act[u] + grads[u]), step)
-               + max_u max(in_flight_fwd[u], in_flight_bwd[u])
-    peak     = cuda_context + ceil(fragmentation * pooled)
-
-    ``pooled`` adds the chunk buffers' own peak to the rest's, as reserved memory was when chunk
-    buffers had the copy stream's allocator pool (reserved 0.7 GiB over the simultaneous peak,
-    8B LoRA at 12 GiB). They share the compute stream's pool now (``runtime/manager.py``), and
-    ``pooled`` still met max reserved within 0.4% at 8B LoRA and QLoRA under caps: it stays, a
-    bound a little above the simultaneous peak (docs/planner.md, "Pools").
-    """
-    tables = tables or chunk_tables(profile)
-    check_knobs(profile, knobs, tables)
-    p = knobs.n_persist
-    fwd_act, bwd_act = activation_events(profile, knobs)
-    # The GPU update path's scratch lives from step() into the next forward (until its last
-    # chunk, which the forward needs late, is back): counted on every forward event.
-    scratch = scratch_bytes_of(profile, gpu_update_chunks(profile, hw, p))
-    fwd_act = fwd_act + scratch
-    in_fwd, in_bwd = chunk_bytes_in_flight(profile, knobs, tables)
-    grads = tables.offload_grad_bytes[p].copy()
-    static = int(
-        tables.persist_bytes[p]
-        + profile.optim_bytes_per_param * tables.persist_numel[p]
-        + profile.static_bytes
-        + accumulate_scratch_bytes(profile)
-    )
-    if profile.grad_accumulation:
-        static += int(tables.persist_grad_total[p])
-    grads = grads + persist_grads_in_backward(profile, tables)[p]
-    # The optimizer state of the chunks the GPU updates in the backward, while it is there.
-    backward_scratch = np.zeros_like(grads)
-    if profile.update_in_backward:
-        backward_scratch = backward_split(profile, hw, np.array([p])).scratch[0]
-    grads = grads + backward_scratch
-    fwd, bwd = fwd_act + in_fwd, bwd_act + grads + in_bwd
-    fwd_peak, bwd_peak = int(fwd.max()), int(bwd.max())
-    in_backward = bwd_peak > fwd_peak
-    peak_unit = int(np.argmax(bwd if in_backward else fwd))
-    step = optimizer_step_bytes(profile, tables, p) + scratch
-    allocated = static + max(fwd_peak, bwd_peak, step)
-    chunk_pool = int(max(in_fwd.max(), in_bwd.max()))
-    pooled = static + max(int(fwd_act.max()), int((bwd_act + grads).max()), step) + chunk_pool
-    frag = profile.fragmentation_factor
-    peak = hw.cuda_context_bytes + math.ceil(frag * pooled)
-    return {
-        "peak": float(peak),
-        "context": float(hw.cuda_context_bytes),
-        "persistent_weights": float(tables.persist_bytes[p]),
-        "persistent_optim_states": float(profile.optim_bytes_per_param * tables.persist_numel[p]),
-        "buffers": float((in_bwd if in_backward else in_fwd)[peak_unit]),
-        "buffers_max": float(max(in_fwd.max(), in_bwd.max())),
-        "static_other": float(profile.static_bytes),
-        "activations_fwd_peak": float(fwd_act.max()),
-        "activations_bwd_peak": float((bwd_act + grads).max()),
-        "peak_in_backward": float(in_backward),
-        "optimizer_step": float(step),
-        "backward_update_scratch": float(backward_scratch.max()),
-        "peak_unit": float(peak_unit),
-        "allocated": float(allocated),
-        "pooled": float(pooled),
-        "fragmentation": frag,
-    }
-
-
-def optimizer_step_bytes(
-    profile: ModelProfile, tables: ChunkTables, p: int | np.ndarray
-) -> int | np.ndarray:
-    """Bytes above ``static`` while the user's optimizer steps the persistent chunks (see
-    ``peak_breakdown``); ``p`` an n_persist or an array of them. None where the update in the
-    backward stepped them in the backward (``runtime/persistent_update.py``)."""
-    if profile.persistent_in_backward and not profile.grad_accumulation:
-        return 0 * tables.persist_numel[p]
-    grads = 0 if profile.grad_accumulation else tables.persist_grad_total[p]
-    return grads + profile.optim_step_bytes_per_param * tables.persist_numel[p]
-
-
-def persist_grads_in_backward(profile: ModelProfile, tables: ChunkTables) -> np.ndarray:
-    """Persistent gradient bytes live in each unit's backward beside the activations, per
-    n_persist (shape (n_chunks + 1, n_units)): none when accumulating (they are static); under
-    the update in the backward those of the persistent chunks live at the unit only, plus the
-    optimizer's temporaries for the largest chunk it steps there; else all since their last
-    unit's backward."""
-    if profile.grad_accumulation:
-        return np.zeros_like(tables.persist_grad_bytes)
-    if profile.persistent_in_backward:
-        temporaries = profile.optim_step_bytes_per_param * tables.persist_numel_max
-        return tables.persist_grad_live + temporaries[:, None]
-    return tables.persist_grad_bytes
-
-
-def predict_peak_bytes(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs) -> int:
-    """Predicted peak device memory of the process (CUDA context included), bytes."""
-    return int(peak_breakdown(profile, hw, knobs)["peak"])
 
 
 def prefetched_bytes(
@@ -317,8 +60,8 @@ def backward_update_done(
     persistent chunks' steps, which come after every offloaded chunk's gradients) and H(c) =
     ``left_after[first_unit(c)]`` the backward left after chunk c's gradients arrive:
         done = max(cpu_numel / rate - H(n-1), numel[q] / rate - H(q), 0)
-    (before the fifteenth session H counted the units' backward compute only; the step then
-    was predicted 25-44% slow on 3.6B, whose 28 checkpointed blocks recompute 55 ms.)
+    (H counting the units' backward compute alone predicted the step 25-44% slow on 3.6B,
+    whose 28 checkpointed blocks recompute 55 ms.)
     """
     first, _ = chunk_spans(profile)
     n = profile.n_chunks
@@ -587,10 +330,31 @@ def step_windows(
     )
 
 
+@dataclass(frozen=True)
+class StepPrediction:
+    """The predicted step of one configuration."""
+
+    step_s: float
+    breakdown: dict[str, float]
+    """The terms behind ``step_s`` (seconds, bytes, counts), for diagnostics."""
+    bottleneck: str
+    update: UpdatePlacement
+    """Where the configuration runs the optimizer's update and the accumulation's sums."""
+
+
 def predict_step_time(
     profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, tables: ChunkTables | None = None
 ) -> tuple[float, dict[str, float], str]:
-    """Predicted seconds per step, its breakdown, and the bottleneck's name.
+    """Predicted seconds per step, its breakdown, and the bottleneck's name (``predict_step``)."""
+    prediction = predict_step(profile, hw, knobs, tables)
+    return prediction.step_s, prediction.breakdown, prediction.bottleneck
+
+
+def predict_step(
+    profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, tables: ChunkTables | None = None
+) -> StepPrediction:
+    """Predicted seconds per step, its breakdown, the bottleneck's name, and where the update
+    runs.
 
     Time 0 is ``optimizer.step()`` of the previous step. Per forward window u (unit u computes,
     the gathers of u+1 prefetch into the buffers u leaves free, u's swapped activations go out):
@@ -666,7 +430,17 @@ def predict_step_time(
         "accumulate_on_gpu": float(accumulates_on_gpu(profile)),
     }
     breakdown = {key: float(value) for key, value in breakdown.items()}
-    return float(step_s), breakdown, _bottleneck(step_s, recompute_s, stalls)
+    update = UpdatePlacement(
+        gpu_update_chunks=int(windows.gpu_update_chunks),
+        gpu_backward_chunks=int(windows.gpu_backward_chunks),
+        accumulate_on_gpu=accumulates_on_gpu(profile),
+        update_in_backward=bool(profile.update_in_backward),
+        persistent_at_step=bool(profile.persistent_at_step),
+        micro_batches=int(micro),
+    )
+    return StepPrediction(
+        float(step_s), breakdown, _bottleneck(step_s, recompute_s, stalls), update
+    )
 
 
 def _bottleneck(step_s: float, recompute_s: float, stalls: dict[str, float]) -> str:
@@ -674,91 +448,3 @@ def _bottleneck(step_s: float, recompute_s: float, stalls: dict[str, float]) -> 
     costs = {**stalls, "recompute": recompute_s}
     name = max(costs, key=costs.__getitem__)
     return name if costs[name] >= BOTTLENECK_MIN_SHARE * step_s else "compute"
-
-
-def calibrate(
-    model_profile: ModelProfile,
-    measured_peak: int,
-    predicted_peak: int,
-    cuda_context_bytes: int = 0,
-) -> float:
-    """New fragmentation factor for ``model_profile.weight_dtype`` from one measured step.
-
-    Both peaks include the CUDA context (``cuda_context_bytes``, from the HardwareProfile used):
-        allocated = (predicted - context) / f_old
-        f_new     = max(1, (measured - context) / allocated)
-    Use it with ``model_profile.with_fragmentation(f_new)`` and re-plan.
-    """
-    old = model_profile.fragmentation_factor
-    predicted_alloc = (predicted_peak - cuda_context_bytes) / old
-    if predicted_alloc <= 0:
-        raise PlanError(
-            f"predicted_peak={predicted_peak} is not above cuda_context_bytes={cuda_context_bytes};"
-            " pass the peak predict_peak_bytes returned and the same context bytes"
-        )
-    return max(1.0, (measured_peak - cuda_context_bytes) / predicted_alloc)
-
-
-# ``calibrate_compute``: the range of the compute factor, and how close the scaled prediction
-# must come to the measured step for the factor to count as the explanation of the miss.
-COMPUTE_SCALE_RANGE = (0.25, 4.0)
-COMPUTE_SCALE_FIT = 0.02
-# The least share of a change in compute time that must show in the predicted step (its
-# elasticity at the profiled times) for a step miss to be laid on compute at all.
-COMPUTE_ELASTICITY_MIN = 0.5
-_BISECTIONS = 40
-
-
-def calibrate_compute(
-    profile: ModelProfile, hw: HardwareProfile, knobs: Knobs, measured_step_s: float
-) -> float | None:
-    """The factor f by which the units' compute times must be scaled
-    (``profile.with_compute_scaled(f)``) for ``predict_step_time`` at ``knobs`` to equal a
-    measured step, or None when compute is not what the step is made of or no f in
-    ``COMPUTE_SCALE_RANGE`` brings the prediction within ``COMPUTE_SCALE_FIT`` of it.
-
-    Compute must be most of the step: a 10% change of every unit's time must change the
-    predicted step by at least ``COMPUTE_ELASTICITY_MIN`` x 10%, and so must the fitted change
-    (the step moves by at least ``COMPUTE_ELASTICITY_MIN`` x |f - 1|). A step bound by the CPU
-    update (3.6B at 16 GiB: elasticity ~0.3) that misses by 13% would otherwise be "explained" by
-    halving every block's time, and the search would then trade memory for recompute it
-    thinks is cheap; that miss is the CPU update's, whose rate is calibrated on its own.
-
-    The probe times each block alone; in the step the same blocks run beside the CPU update's
-    threads, the copies and the other launching thread, and a launch-bound block (a small
-    model at a short batch) runs slower there than alone. The step time is non-decreasing in f
-    (every window is a max of terms, each non-decreasing in compute), so the smallest f whose
-    prediction reaches the measurement is found by bisection.
-    """
-    if measured_step_s <= 0:
-        raise PlanError(f"measured_step_s={measured_step_s} must be > 0 seconds")
-    tables = chunk_tables(profile)
-
-    def predicted(factor: float) -> float:
-        return predict_step_time(profile.with_compute_scaled(factor), hw, knobs, tables)[0]
-
-    base = predicted(1.0)
-    if predicted(1.1) - base < COMPUTE_ELASTICITY_MIN * 0.1 * base:
-        return None
-    low, high = COMPUTE_SCALE_RANGE
-    if predicted(high) < measured_step_s:
-        low = high
-    elif predicted(low) < measured_step_s:
-        for _ in range(_BISECTIONS):
-            middle = (low * high) ** 0.5
-            if predicted(middle) < measured_step_s:
-                low = middle
-            else:
-                high = middle
-        low = high
-    fitted = predicted(low)
-    if abs(fitted / measured_step_s - 1) > COMPUTE_SCALE_FIT:
-        return None
-    # The same test over the whole change: the step must move by at least
-    # COMPUTE_ELASTICITY_MIN of the compute's relative change. A step elastic at f = 1 can
-    # flatten onto a floor that compute does not set (the CPU update, the copies) further down:
-    # 3.6B at 24 GiB measured 15% below its prediction was "explained" by compute x0.25, and the
-    # re-plan on that profile predicted 153 ms for a plan that ran 273.
-    if abs(fitted - base) < COMPUTE_ELASTICITY_MIN * abs(low - 1.0) * base:
-        return None
-    return low
