@@ -16,15 +16,23 @@ STEPS = 3
 
 
 def _train(
-    attach: dict | None, *, clip: float | None = None, accumulate: int = 1, fused: bool = True
+    attach: dict | None,
+    *,
+    clip: float | None = None,
+    accumulate: int = 1,
+    fused: bool = True,
+    device: str = "cpu",
 ) -> tuple[list[float], dict[str, torch.Tensor], dict]:
     """An ordinary loop (backward, optional clipping, step, zero_grad) on the tiny Llama."""
     model = tiny_llama()
+    if attach is None:
+        model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     if attach is not None:
-        autooffload.attach(model, optimizer, device="cpu", chunk_size=CHUNK_SIZE, **attach)
+        autooffload.attach(model, optimizer, device=device, chunk_size=CHUNK_SIZE, **attach)
     losses = []
     for step, ids in enumerate(batches(STEPS * accumulate)):
+        ids = ids.to(device)
         loss = model(input_ids=ids, labels=ids).loss / accumulate
         loss.backward()
         losses.append(loss.item())
@@ -37,7 +45,7 @@ def _train(
     state = optimizer.state_dict()
     if attach is not None:
         rt.detach(model)
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return losses, weights, state
 
 
@@ -127,3 +135,15 @@ def test_converting_an_explicitly_attached_model_is_refused():
     rt.detach(model)
     assert not _registry.records()
     assert model.half() is model  # an ordinary module again
+
+
+@pytest.mark.gpu
+def test_attach_without_enable_on_cuda_trains_like_plain():
+    """On a GPU the offloaded chunks' update runs on the CPU (fused AdamW there, fused CUDA AdamW
+    in the plain run): equal up to the two kernels' rounding."""
+    plain_losses, plain_weights, _ = _train(None, device="cuda", clip=0.05)
+    losses, weights, state = _train({"n_persist": 0}, device="cuda", clip=0.05)
+    assert len(state["state"]) == sum(1 for _ in tiny_llama().parameters())
+    torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-5)
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
