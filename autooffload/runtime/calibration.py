@@ -13,7 +13,11 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger, warn_once
-from autooffload.plan.calibration_model import calibrate, calibrate_compute
+from autooffload.plan.calibration_model import (
+    COMPUTE_OUTLIER_BAND,
+    calibrate,
+    calibrate_compute,
+)
 from autooffload.plan.configuration import with_accumulation_of, with_checkpoint_inputs_on_cpu
 from autooffload.plan.cost_time import predict_step_time
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile, need_from_peaks
@@ -509,9 +513,11 @@ def _step_calibration(
     factor = calibrate_compute(variant, hw, plan.knobs, measured_step_s)
     if factor is None:
         return None
+    low, high = COMPUTE_OUTLIER_BAND
+    outlier = "; the profiled compute times were an outlier" if not low <= factor <= high else ""
     return profile.with_compute_scaled(factor), (
         f"measured step {measured_step_s * 1e3:.0f} ms vs predicted {predicted * 1e3:.0f} ms"
-        f" (compute x{factor:.2f})"
+        f" (compute x{factor:.2f}{outlier})"
     )
 
 

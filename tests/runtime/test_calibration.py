@@ -420,6 +420,31 @@ def test_copy_rates_need_a_gigabyte_each_way_and_a_cuda_device():
     assert calibration.copy_rates(mark, runtime) is None
 
 
+def test_a_profile_far_slower_than_the_steps_is_corrected_at_the_first_check(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    """A probe disturbed by other work timed the blocks several times slower than they run (a
+    3.6B plan predicted 1,858 ms and ran 412): the first check scales the compute down to the
+    measured step and says, in its one line, that the profile was an outlier."""
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    plan = runtime.plan
+    peak, predicted = plan.predicted_peak_bytes, plan.predicted_step_s
+    fwd_s = runtime.profile.blocks[0].fwd_s
+    logger, records = logging.getLogger("autooffload"), _Records()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(records)
+    try:
+        calibrate_after_steps(runtime, peak, PLANNED_RATE, predicted / 4.5)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert len(records.lines) == 1 and "outlier" in records.lines[0], records.lines
+    factor = runtime.profile.blocks[0].fwd_s / fwd_s
+    assert factor < 0.25, factor
+    assert rt.last_plan().predicted_step_s <= predicted / 4.5 * 1.02
+
+
 def test_the_optimizer_step_temporaries_follow_the_optimizer_implementation():
     """foreach (torch's CUDA default) builds whole-group temporaries; fused and per-tensor
     kernels, the CPU, and bitsandbytes optimizers count none."""
