@@ -49,10 +49,14 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _vanilla_reference(results: list[dict[str, Any]], workload: str, cap: str) -> dict | None:
-    """Median vanilla numbers for ``workload``: same cap if vanilla ran ok there, else best cap."""
+def _vanilla_reference(
+    results: list[dict[str, Any]], workload: str, cap: str, nproc: int = 1
+) -> dict | None:
+    """Median vanilla numbers for ``workload`` on ``nproc`` GPUs (vanilla DDP beside a
+    multi-GPU peer, never the mean over GPU counts): same cap if vanilla ran ok there, else its
+    best cap."""
     ok = [r for r in results if r["workload"] == workload and r["peer"] == "vanilla"]
-    ok = [r for r in ok if r.get("status") == "ok"]
+    ok = [r for r in ok if r.get("status") == "ok" and (r.get("nproc") or 1) == nproc]
     if not ok:
         return None
     same_cap = [r for r in ok if r["cap"] == cap]
@@ -106,7 +110,8 @@ def loss_check(result: dict[str, Any], ref: dict[str, Any] | None) -> str:
 def annotate(results: list[dict[str, Any]]) -> None:
     """Add ratios vs vanilla, ``loss_vs_vanilla`` and ``loss_check`` to each result, in place."""
     for result in results:
-        ref = _vanilla_reference(results, result["workload"], result["cap"])
+        nproc = result.get("nproc") or 1
+        ref = _vanilla_reference(results, result["workload"], result["cap"], nproc)
         result["ref_cap"] = ref["cap"] if ref else None
         ok = result.get("status") == "ok" and ref is not None
         tput, ref_tput = result.get("tokens_per_s"), (ref or {}).get("tokens_per_s")
@@ -567,10 +572,54 @@ def write_plots(payload: dict[str, Any], path: Path, title: str = "") -> list[Pa
     """The throughput plot at ``path`` and, when runs recorded the planner's candidates, the
     throughput-vs-memory frontier plot beside it (``NAME.frontier.png``); the paths written."""
     plot(payload["summary"], path, title)
+    written = [Path(path)]
     frontier_path = Path(path).with_suffix(".frontier.png")
     if plot_frontier(payload["runs"], payload["summary"], frontier_path, title):
-        return [Path(path), frontier_path]
-    return [Path(path)]
+        written.append(frontier_path)
+    scaling_path = Path(path).with_suffix(".scaling.png")
+    if plot_scaling(payload["summary"], scaling_path, title):
+        written.append(scaling_path)
+    return written
+
+
+def plot_scaling(rows: list[dict[str, Any]], path: Path, title: str = "") -> bool:
+    """PNG: tokens/s against the number of GPUs, one line per peer and cap, one panel per
+    workload run on more than one GPU count (the dotted line: perfect scaling from one GPU).
+    False (nothing written) when no workload ran on several GPU counts."""
+    rows = [r for r in rows if not is_sweep_configuration(r) and r.get("tokens_per_s")]
+    counts: dict[str, set[int]] = defaultdict(set)
+    for row in rows:
+        counts[row["workload"]].add(row.get("nproc") or 1)
+    workloads = [w for w, n in counts.items() if len(n) > 1]
+    if not workloads:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.5), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        lines: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
+        for row in rows:
+            if row["workload"] == workload:
+                n = row.get("nproc") or 1
+                label = row["peer_label"].removesuffix(f" x{n}")
+                lines[(label, row["cap"])].append((n, row["tokens_per_s"]))
+        for (label, cap), points in lines.items():
+            points.sort()
+            xs, ys = zip(*points)
+            (line,) = ax.plot(xs, ys, "o-", label=f"{label} (cap {cap})")
+            if xs[0] == 1:
+                ax.plot(xs, [ys[0] * n for n in xs], ":", color=line.get_color())
+        ax.set_title(workload)
+        ax.set_xlabel("GPUs")
+        ax.set_xticks(sorted(counts[workload]))
+        ax.set_ylabel("tokens/s (median; dotted: linear from 1 GPU)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save_figure(fig, path, title, 110)
+    return True
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -182,3 +182,29 @@ def test_a_lost_or_wrong_update_is_flagged_at_its_step() -> None:
     assert _check(VANILLA_1B, drifting) == "DIFF step 10"
     assert _check(VANILLA_1B, [loss + 0.05 for loss in VANILLA_1B]) == "DIFF first"
     assert _check(VANILLA_1B, [VANILLA_1B[0], *(loss + 0.04 for loss in VANILLA_1B[1:])]) == "ok"
+
+
+def test_multi_gpu_rows_are_compared_with_vanilla_on_as_many_gpus(tmp_path: Path) -> None:
+    """x vanilla divides by vanilla (DDP) at the same GPU count, never by a mean over counts;
+    the scaling plot draws tok/s against GPUs."""
+    rows = [
+        {**_ok("vanilla", "none", 1000.0, 20.0, 10.0, 8.0), "nproc": 1},
+        {**_ok("vanilla", "none", 3600.0, 20.0, 10.0, 8.0), "nproc": 4, "peer_label": "vanilla x4"},
+        {**_ok("autooffload", "24GiB", 900.0, 20.0, 10.0, 8.0), "nproc": 1},
+        {
+            **_ok("autooffload", "24GiB", 3000.0, 20.0, 10.0, 8.0),
+            "nproc": 4,
+            "peer_label": "autooffload x4",
+        },
+    ]
+    report.annotate(rows)
+    assert rows[2]["tput_ratio"] == pytest.approx(0.9)
+    assert rows[3]["tput_ratio"] == pytest.approx(3000 / 3600)
+    summary = report.summarise(rows)
+    scaled = next(r for r in summary if r["peer_label"] == "autooffload x4")
+    assert scaled["scaling"] == pytest.approx(3000 / (4 * 900))
+    path = tmp_path / "bench.png"
+    written = report.write_plots({"summary": summary, "runs": rows}, path)
+    assert tmp_path / "bench.scaling.png" in written
+    assert (tmp_path / "bench.scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not report.plot_scaling([r for r in summary if r.get("nproc") == 1], path)
