@@ -552,6 +552,27 @@ def case_resume(device, dtype, rank, world, out: Path):
     return result
 
 
+def resume_in_one_process(checkpoint_path: Path, world: int) -> dict[str, torch.Tensor]:
+    """Resume a checkpoint of ``world`` ranks (``case_resume``) in this process, attached on the
+    CPU, each global batch's ``world`` parts as gradient accumulation; the trained weights."""
+    checkpoint = torch.load(checkpoint_path, weights_only=True)
+    autooffload.enable(device="cpu", force_attach=True, chunk_size=CHUNK_SIZE, mask=False)
+    try:
+        model = tiny_llama(seed=3).to("cpu")
+        model.load_state_dict(checkpoint["model"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        for ids in global_batches(STEPS)[RESUME_AT:]:
+            for rank in range(world):
+                part = local_part(ids, rank, world)
+                (model(input_ids=part, labels=part).loss / world).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return weights(model)
+    finally:
+        autooffload.disable()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)

@@ -3,11 +3,13 @@ fragmentation factor and re-plans, keeping the persistent chunks."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -75,6 +77,20 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+@contextlib.contextmanager
+def _info_lines() -> Iterator[_Records]:
+    """What the ``autooffload`` logger says at INFO and above inside the block."""
+    logger, records = logging.getLogger("autooffload"), _Records()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(records)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+
+
 def test_a_peak_over_the_prediction_recalibrates_and_replans(
     make_llama, offload_cpu, make_batches, monkeypatch
 ):
@@ -93,15 +109,8 @@ def test_a_peak_over_the_prediction_recalibrates_and_replans(
     k = (budget / predicted + budget / smallest) / 2
 
     old_factor = runtime.profile.fragmentation_factor
-    logger, records = logging.getLogger("autooffload"), _Records()
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(records)
-    try:
+    with _info_lines() as records:
         new_plan = calibrate_after_steps(runtime, int(predicted * k))
-    finally:
-        logger.removeHandler(records)
-        logger.setLevel(level)
     text = "\n".join(records.lines)
     factor = runtime.profile.fragmentation_factor
     assert factor == pytest.approx(old_factor * k, rel=0.02)
@@ -308,15 +317,8 @@ def test_a_slower_step_than_predicted_scales_the_compute(
     assert calibrate_after_steps(runtime, peak, PLANNED_RATE, near) is None
     assert runtime.plan is plan
     fwd_s = runtime.profile.blocks[0].fwd_s
-    logger, records = logging.getLogger("autooffload"), _Records()
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(records)
-    try:
+    with _info_lines() as records:
         calibrate_after_steps(runtime, peak, PLANNED_RATE, 1.5 * predicted)
-    finally:
-        logger.removeHandler(records)
-        logger.setLevel(level)
     assert len(records.lines) == 1 and "measured step" in records.lines[0], records.lines
     factor = runtime.profile.blocks[0].fwd_s / fwd_s
     assert factor > 1.05, factor
@@ -366,17 +368,10 @@ def test_copies_faster_than_the_probe_raise_its_rates_and_slower_ones_do_not(
     near = (probed.h2d_bps * (1 + COPY_RATE_MARGIN / 2), probed.d2h_bps / 2)
     assert calibrate_after_steps(runtime, peak, PLANNED_RATE, measured_copy_bps=near) is None
     assert runtime.search_request.hw is probed and runtime.plan is plan
-    logger, records = logging.getLogger("autooffload"), _Records()
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(records)
-    try:
+    with _info_lines() as records:
         calibrate_after_steps(
             runtime, peak, PLANNED_RATE, measured_copy_bps=(2 * probed.h2d_bps, None)
         )
-    finally:
-        logger.removeHandler(records)
-        logger.setLevel(level)
     hw = runtime.search_request.hw
     assert hw.h2d_bps == 2 * probed.h2d_bps and hw.d2h_bps == probed.d2h_bps
     assert hw.duplex_bps == min(2 * probed.duplex_bps, hw.h2d_bps + hw.d2h_bps)
@@ -430,15 +425,8 @@ def test_a_profile_far_slower_than_the_steps_is_corrected_at_the_first_check(
     plan = runtime.plan
     peak, predicted = plan.predicted_peak_bytes, plan.predicted_step_s
     fwd_s = runtime.profile.blocks[0].fwd_s
-    logger, records = logging.getLogger("autooffload"), _Records()
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(records)
-    try:
+    with _info_lines() as records:
         calibrate_after_steps(runtime, peak, PLANNED_RATE, predicted / 4.5)
-    finally:
-        logger.removeHandler(records)
-        logger.setLevel(level)
     assert len(records.lines) == 1 and "outlier" in records.lines[0], records.lines
     factor = runtime.profile.blocks[0].fwd_s / fwd_s
     assert factor < 0.25, factor
@@ -559,15 +547,8 @@ def test_a_drift_check_acts_only_beyond_its_margin_and_keeps_the_plan_quietly(
     inside = predicted * (1 + (STEP_MARGIN + DRIFT_MARGIN) / 2)  # a first check would act
     assert calibrate_after_steps(runtime, peak, PLANNED_RATE / 2, inside, drift=True) is None
     assert runtime.profile is profile and runtime.plan is plan
-    logger, records = logging.getLogger("autooffload"), _Records()
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(records)
-    try:
+    with _info_lines() as records:
         new_plan = calibrate_after_steps(runtime, peak, PLANNED_RATE, 1.5 * predicted, drift=True)
-    finally:
-        logger.removeHandler(records)
-        logger.setLevel(level)
     assert runtime.profile.blocks[0].fwd_s > profile.blocks[0].fwd_s * 1.05, "not calibrated"
     if new_plan is None:
         assert records.lines == [], "a drift check that kept the plan logged at info"

@@ -12,11 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from dp_fault_worker import TIMEOUT_S as FAULT_TIMEOUT_S
-from dp_worker import LR, RESUME_AT, STEPS, global_batches, local_part, weights
-from runtime_models import CHUNK_SIZE, tiny_llama
+from dp_worker import STEPS, resume_in_one_process
 from torchrun import launch as launch_worker
-
-import autooffload
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 # fp32, same kernels and the same summation order as the averaged reference: last-bit noise
@@ -300,22 +297,7 @@ def test_checkpoint_of_two_ranks_resumes_at_two_and_at_one(cpu_run):
     for report in reports:
         assert report["resume2_vs_averaged"] < TOL
     # World size 1: this process, attached, the two halves as gradient accumulation.
-    checkpoint = torch.load(out / "world2.pt", weights_only=True)
-    autooffload.enable(device="cpu", force_attach=True, chunk_size=CHUNK_SIZE, mask=False)
-    try:
-        model = tiny_llama(seed=3).to("cpu")
-        model.load_state_dict(checkpoint["model"])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        for ids in global_batches(STEPS)[RESUME_AT:]:
-            for rank in range(2):
-                half = local_part(ids, rank, 2)
-                (model(input_ids=half, labels=half).loss / 2).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        resumed = weights(model)
-    finally:
-        autooffload.disable()
+    resumed = resume_in_one_process(out / "world2.pt", 2)
     expected = torch.load(out / "averaged.pt", weights_only=True)
     for name, weight in expected.items():
         torch.testing.assert_close(resumed[name], weight, rtol=TOL, atol=TOL, msg=name)

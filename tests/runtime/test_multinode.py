@@ -13,12 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dp_worker import LR, RESUME_AT, STEPS, global_batches, local_part, weights
-from runtime_models import CHUNK_SIZE, tiny_llama
+from dp_worker import resume_in_one_process
 from torchrun import free_port
 from torchrun import launch as launch_worker
-
-import autooffload
 
 WORKER = Path(__file__).with_name("multinode_worker.py")
 # fp32 against the averaged reference: four ranks' all-reduce sums in another order than the
@@ -87,22 +84,7 @@ def test_two_nodes_train_like_one_node_of_four_ranks(runs):
 
 def test_a_checkpoint_of_two_nodes_resumes_in_one_process(runs):
     *_, multi_out = runs
-    checkpoint = torch.load(multi_out / "world2.pt", weights_only=True)
-    autooffload.enable(device="cpu", force_attach=True, chunk_size=CHUNK_SIZE, mask=False)
-    try:
-        model = tiny_llama(seed=3).to("cpu")
-        model.load_state_dict(checkpoint["model"])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        for ids in global_batches(STEPS)[RESUME_AT:]:
-            for rank in range(WORLD):
-                part = local_part(ids, rank, WORLD)
-                (model(input_ids=part, labels=part).loss / WORLD).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        resumed = weights(model)
-    finally:
-        autooffload.disable()
+    resumed = resume_in_one_process(multi_out / "world2.pt", WORLD)
     expected = torch.load(multi_out / "trained.pt", weights_only=True)["averaged"]
     for name, weight in expected.items():
         torch.testing.assert_close(resumed[name], weight, rtol=TOL, atol=TOL, msg=name)
