@@ -76,9 +76,10 @@ def _bound_runtimes(optimizer: torch.optim.Optimizer) -> list:
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     # A forward or backward cut short since the last step may have left offloaded gradients
-    # on the device (the user's optimizer would update them there) and stale chunks resident.
+    # on the device (the user's optimizer would update them there) and stale chunks resident;
+    # before the first update, a budget no plan fits stops the run.
     for runtime in _bound_runtimes(optimizer):
-        runtime.recover_interrupted()
+        runtime.before_step(optimizer)
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

@@ -381,6 +381,33 @@ def hardware_profile(runtime: Runtime) -> HardwareProfile:
     )
 
 
+def check_first_update_fits(runtime: Runtime, optimizer: torch.optim.Optimizer) -> None:
+    """Before the first update of a searched plan's run (the first profiling step's optimizer
+    step, its backward done): search the profile of that step, memory first, and raise the
+    search's ``PlanError`` when no plan fits the budget, so a budget that cannot work stops
+    before any weight changed. The first step's times are not used (they pay one-time costs);
+    its sizes are the batch's. One process only: under data parallelism the ranks would have to
+    agree on the outcome first, so their profiling steps' search decides, as it always did."""
+    profiler = runtime.profiler
+    if (
+        not isinstance(profiler, StepProfiler)
+        or profiler.warm
+        or not runtime._backwards_this_step
+        or runtime.plan.budget_bytes is None
+        or runtime.data_parallel is not None
+    ):
+        return
+    profile = profiler.build(
+        optim_bytes_per_param=optim_state_bytes(optimizer, runtime.weight_dtype()),
+        micro_batches=runtime._backwards_this_step,
+        optim_step_bytes=optim_step_bytes(optimizer, runtime.weight_dtype(), runtime.device),
+    )
+    try:
+        search_request(runtime, profile).plan()
+    except PlanError as error:
+        raise PlanError(f"before the first update: {error}") from None
+
+
 def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> ModelProfile | None:
     """At an optimizer step of the conservative profiling phase: after the first (which pays
     one-time costs) the second is measured; after the second, its measurements become the

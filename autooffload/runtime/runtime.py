@@ -37,6 +37,7 @@ from autooffload.runtime.oom import OomRetry
 from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
     accumulate_mode,
+    check_first_update_fits,
     check_host_memory,
     host_memory_now,
     initial_plan,
@@ -357,6 +358,12 @@ class Runtime(GroupHooks):
         self.cpu_optim.bind(optimizer)
         load_offloaded_state(self, optimizer, states, replace=False)
         adopt_existing_state(self, optimizer)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The user's optimizer is about to step: clean up after an interrupted forward or
+        backward, and before the run's first update check that a plan fits the budget."""
+        self.recover_interrupted()
+        check_first_update_fits(self, optimizer)
 
     def after_step(self, optimizer: torch.optim.Optimizer, apply_update: bool = True) -> None:
         """The user's optimizer stepped the GPU params; queue the CPU update of the rest

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from runtime.runtime_models import batches, enable_cpu, tiny_llama
 
+import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import PlanError
 
@@ -27,13 +30,34 @@ def test_a_budget_below_the_weights_alone_is_refused_at_attach_before_any_update
     )
 
 
-def test_a_budget_above_the_weights_but_below_the_batch_names_the_size_it_needs():
+def test_a_budget_above_the_weights_but_below_the_batch_stops_before_the_first_update():
+    """The weights fit, the batch's activations do not: the first step's optimizer.step()
+    searches that step's profile and raises before any weight or optimizer state changed."""
     enable_cpu(n_persist=None, budget="200KiB")
     model = tiny_llama()
     model.to("cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    with pytest.raises(PlanError, match=r"budget of 200 KiB.*AUTOOFFLOAD_BUDGET >= \d+MiB"):
-        for ids in batches(4):
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    (ids,) = batches(1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(PlanError) as info:
+        optimizer.step()
+    message = str(info.value)
+    assert message.startswith("before the first update: no configuration fits the budget of 200")
+    assert re.search(r"AUTOOFFLOAD_BUDGET >= \d+MiB", message), message
+    assert not optimizer.state
+    autooffload.disable()
+    fresh = tiny_llama()
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_budget_the_batch_fits_trains_past_the_first_update_check():
+    enable_cpu(n_persist=None, budget="8MiB")
+    model = tiny_llama()
+    model.to("cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for ids in batches(4):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert rt.last_plan().source.startswith("search")
