@@ -266,7 +266,7 @@ class OomRetry:
             "device out of memory in %s (step %d); retrying it once under a smaller plan: %s"
             " (was %s)",
             where,
-            runtime._steps,
+            runtime.steps_taken,
             _describe(plan),
             _describe(old),
         )

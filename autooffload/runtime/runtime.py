@@ -153,9 +153,6 @@ class Runtime(GroupHooks):
         self.backward_update = BackwardUpdateMode(self)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.init_hooks()
-        self._steps = 0
-        # zero_grad() since the last optimizer step (a backward without one is warned once).
-        self.cleared_since_step = True
         # The step after which the searched plan's measured peak and step are next checked
         # (CUDA only; ``calibration.check_planned_steps``), whether the plan has settled (its
         # first checks are over: the next is a drift check) and the switches in a row so far.
@@ -361,7 +358,7 @@ class Runtime(GroupHooks):
     def after_step(self, optimizer: torch.optim.Optimizer, apply_update: bool = True) -> None:
         """The user's optimizer stepped the GPU params; queue the CPU update of the rest
         (none when ``apply_update`` is False: a step skipped for non-finite gradients)."""
-        self.backward_update.observe(optimizer, self._backwards_this_step)
+        self.backward_update.observe(optimizer, self.step_state.backwards_this_step)
         self.cpu_optim.settle_persistent(optimizer)
         profile = profile_after_step(self, optimizer)
         measured_rate = accumulate = None
@@ -380,8 +377,7 @@ class Runtime(GroupHooks):
                 # step and made the plan vary from run to run).
                 self.cpu_optim.wait()
                 self.cpu_mark = self.cpu_optim.mark()
-        self._steps += 1
-        self.cleared_since_step = False
+        backwards = self.step_state.end_step()
         sharding = self.manager.sharding
         if apply_update and sharding is not None:
             sharding.weights = {}  # consolidated copies of other ranks' chunks are stale now
@@ -390,9 +386,8 @@ class Runtime(GroupHooks):
             # Switched at the next forward: other optimizers of this model step after this one.
             self._pending_profile = (profile, measured_rate, accumulate)
         if self.step_timer is not None:
-            self.step_timer.mark(self._backwards_this_step)
-        self._backwards_this_step = 0
-        if self._steps == self.calibrate_at_step:
+            self.step_timer.mark(backwards)
+        if self.step_state.steps == self.calibrate_at_step:
             check_planned_steps(self)
         self.backward_update.end_step(self.oom.input_numel if self.oom is not None else 0)
 
@@ -415,7 +410,7 @@ class Runtime(GroupHooks):
     @property
     def steps_taken(self) -> int:
         """Optimizer steps seen since attach (a consolidated state is valid until the next)."""
-        return self._steps
+        return self.step_state.steps
 
     def candidates(self) -> Candidates | None:
         """Every feasible configuration of the search the profiled plan came from (this rank's
@@ -426,7 +421,7 @@ class Runtime(GroupHooks):
         """Clear the host gradients of ``param_ids`` (None: every offloaded param)."""
         self.recover_interrupted()
         self.cpu_optim.zero_grad(set_to_none, param_ids)
-        self.cleared_since_step = True
+        self.step_state.cleared()
 
     def host_grads(self) -> list[torch.Tensor]:
         self.cpu_optim.wait()
@@ -445,7 +440,7 @@ class Runtime(GroupHooks):
             else 0
         )
         return {
-            "steps": self._steps,
+            "steps": self.step_state.steps,
             "h2d_bytes": self.manager.stats["h2d_bytes"],
             "d2h_bytes": self.manager.stats["d2h_bytes"],
             "h2d_s": self.manager.stats["h2d_s"],
