@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from autooffload.runtime import registry
-from autooffload.runtime.chunks import Chunk, ParamSlot
-from autooffload.runtime.manager import Residency
+from autooffload.runtime.chunks.layout import Chunk, ParamSlot
+from autooffload.runtime.chunks.store import Residency
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime

@@ -26,21 +26,21 @@ from autooffload.log import logger, warn_once
 from autooffload.runtime.activations import take_over_hf_gradient_checkpointing
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
+from autooffload.runtime.chunks.store import Residency
 from autooffload.runtime.lockstep import (
     BACKWARD,
     BACKWARD_END,
     FORWARD_NO_GRAD,
     FORWARD_WITH_GRAD,
 )
-from autooffload.runtime.manager import Residency
 from autooffload.runtime.profiler import StepProfiler
 from autooffload.runtime.step_state import StepState
 
 if TYPE_CHECKING:
     from autooffload.runtime.activations import ActivationSwapper
-    from autooffload.runtime.chunks import ChunkLayout
+    from autooffload.runtime.chunks.layout import ChunkLayout
+    from autooffload.runtime.chunks.store import ChunkManager
     from autooffload.runtime.distributed import DataParallel
-    from autooffload.runtime.manager import ChunkManager
     from autooffload.runtime.optimizer import CpuOptimizer
     from autooffload.settings import Settings
 

@@ -22,10 +22,10 @@ import torch
 
 from autooffload import openmp
 from autooffload.errors import AttachError, UpdateInBackwardError
-from autooffload.runtime.chunks import Chunk, ParamSlot
+from autooffload.runtime.chunks.layout import Chunk, ParamSlot
+from autooffload.runtime.chunks.store import ChunkManager, Residency
 from autooffload.runtime.gpu_update import GpuUpdater
 from autooffload.runtime.host_grads import HostGradNorms
-from autooffload.runtime.manager import ChunkManager, Residency
 from autooffload.runtime.persistent_update import step_params
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ class CpuOptimizer(HostGradNorms):
         self.device_norms: dict[int, torch.Tensor] = {}
         # Gradient accumulation on the GPU (the plan's ``accumulate_on_gpu``): a chunk whose
         # host gradients are its staging (``aliased``) gets the next backward's gradients added
-        # to them on the device (``ChunkManager._sum_on_device``), so the worker adds nothing.
+        # to them on the device (``GradientOffload._sum_on_device``), so the worker adds nothing.
         self.accumulate_on_gpu = False
         # Params whose ``device_norms`` entry is the norm of their whole host sum (taken after
         # the device added it), which clipping can use whatever the backward count.

@@ -19,8 +19,8 @@ from autooffload.plan.types import Plan, format_bytes
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 from autooffload.runtime import registry
 from autooffload.runtime.calibration import arm_calibration
-from autooffload.runtime.chunks import ALIGN, ChunkLayout
-from autooffload.runtime.host import HostMemory, host_memory
+from autooffload.runtime.chunks.host import HostMemory, host_memory
+from autooffload.runtime.chunks.layout import ALIGN, ChunkLayout
 from autooffload.runtime.profiler import StepProfiler
 from autooffload.settings import Settings
 

@@ -29,10 +29,10 @@ from autooffload.runtime.calibration import (
     check_planned_steps,
     worker_rate,
 )
-from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
+from autooffload.runtime.chunks.layout import aligned_bytes, build_layout, default_chunk_size
+from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.distributed import DataParallel, attach_data_parallel, local_world_size
 from autooffload.runtime.hooks import GroupHooks
-from autooffload.runtime.manager import ChunkManager
 from autooffload.runtime.oom import OomRetry
 from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
