@@ -139,7 +139,7 @@ def optimizer_step_bytes(
 ) -> int | np.ndarray:
     """Bytes above ``static`` while the user's optimizer steps the persistent chunks (see
     ``peak_breakdown``); ``p`` an n_persist or an array of them. None where the update in the
-    backward stepped them in the backward (``runtime/persistent_update.py``)."""
+    backward stepped them in the backward (``runtime/update/persistent_update.py``)."""
     if profile.persistent_in_backward and not profile.grad_accumulation:
         return 0 * tables.persist_numel[p]
     grads = 0 if profile.grad_accumulation else tables.persist_grad_total[p]

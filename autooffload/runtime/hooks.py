@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from autooffload.runtime.chunks.layout import ChunkLayout
     from autooffload.runtime.chunks.store import ChunkManager
     from autooffload.runtime.distributed import DataParallel
-    from autooffload.runtime.optimizer import CpuOptimizer
+    from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
     from autooffload.settings import Settings
 
 
@@ -318,7 +318,7 @@ class GroupHooks:
                 self._chunk_backward_done(index)
         if self.data_parallel is not None or self.cpu_optim.persistent_in_backward:
             # Persistent chunks whose backward is complete start their gradient average now,
-            # or are stepped now, their gradients dropped (runtime/persistent_update.py).
+            # or are stepped now, their gradients dropped (runtime/update/persistent_update.py).
             for index in self.manager.persistent:
                 users = self.layout.chunks[index].groups
                 if not all(self._position.get(u, -1) > position for u in users):

@@ -34,7 +34,6 @@ from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.distributed import DataParallel, attach_data_parallel, local_world_size
 from autooffload.runtime.hooks import GroupHooks
 from autooffload.runtime.oom import OomRetry
-from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
     accumulate_mode,
     check_host_memory,
@@ -52,7 +51,8 @@ from autooffload.runtime.state import (
     load_offloaded_state,
     twin_states,
 )
-from autooffload.runtime.update_mode import BackwardUpdateMode
+from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
+from autooffload.runtime.update.update_mode import BackwardUpdateMode
 from autooffload.settings import Settings
 
 # Below this share of the model's bytes, trainable params stay resident (see Runtime).
@@ -455,7 +455,7 @@ class Runtime(GroupHooks):
                 if self.cpu_optim.update_s
                 else 0.0
             ),
-            # The GPU update path (runtime/gpu_update.py): host seconds issuing it, elements.
+            # The GPU update path (runtime/update/gpu_update.py): host seconds issuing it, elements.
             "gpu_update_s": self.cpu_optim.gpu.busy_s,
             "gpu_update_params": self.cpu_optim.gpu.updated_params,
         }

@@ -24,9 +24,9 @@ from autooffload import openmp
 from autooffload.errors import AttachError, UpdateInBackwardError
 from autooffload.runtime.chunks.layout import Chunk, ParamSlot
 from autooffload.runtime.chunks.store import ChunkManager, Residency
-from autooffload.runtime.gpu_update import GpuUpdater
-from autooffload.runtime.host_grads import HostGradNorms
-from autooffload.runtime.persistent_update import step_params
+from autooffload.runtime.update.gpu_update import GpuUpdater
+from autooffload.runtime.update.host_grads import HostGradNorms
+from autooffload.runtime.update.persistent_update import step_params
 
 if TYPE_CHECKING:
     from autooffload.runtime.distributed import Reduction
@@ -106,13 +106,14 @@ class CpuOptimizer(HostGradNorms):
         # turned it on (named in the errors).
         self.update_in_backward = False
         self.early: dict[int, tuple[torch.optim.Optimizer, list[dict]]] = {}
-        # The persistent chunks stepped on the GPU in this backward (runtime/persistent_update.py),
-        # per chunk: each owner, the indices of its groups stepped and their hyperparameters.
+        # The persistent chunks stepped on the GPU in this backward
+        # (runtime/update/persistent_update.py), per chunk: each owner, the indices of its
+        # groups stepped and their hyperparameters.
         self.persistent_in_backward = False
         self.persistent_early: dict[int, list[tuple[torch.optim.Optimizer, list[int], list[dict]]]]
         self.persistent_early = {}
         self.update_in_backward_origin = "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1"
-        # The loop as the auto mode observes it (runtime/update_mode.py): a backward since
+        # The loop as the auto mode observes it (runtime/update/update_mode.py): a backward since
         # the last step, what the loop did between a backward and its step that an update in
         # the backward could not honour, and (while ``observing``) the hyperparameters of every
         # bound optimizer when the step's first gradients arrived.
@@ -174,7 +175,7 @@ class CpuOptimizer(HostGradNorms):
         self.updates = 0
         # Of them, those queued in a backward (``_update_now``).
         self.updates_in_backward = 0
-        # The GPU update path (runtime/gpu_update.py) and the chunks the plan gives it.
+        # The GPU update path (runtime/update/gpu_update.py) and the chunks the plan gives it.
         self.gpu = GpuUpdater(manager)
         self.gpu_chunks: set[int] = set()
         # Under the update in the backward, the chunks the GPU updates at the end of their
@@ -432,7 +433,7 @@ class CpuOptimizer(HostGradNorms):
 
     def update_persistent(self, chunk: Chunk) -> None:
         """Persistent ``chunk``'s backward is complete: step its params that have a gradient
-        with their optimizers now and drop the gradients (runtime/persistent_update.py)."""
+        with their optimizers now and drop the gradients (runtime/update/persistent_update.py)."""
         with_grad = [s.param for s in chunk.trainable_slots if s.param.grad is not None]
         if not with_grad:
             return
