@@ -11,8 +11,8 @@ from torch import nn
 import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import AttachError
-from autooffload.runtime.update import cpu_optimizer
-from autooffload.runtime.update.cpu_optimizer import CPU_OPTIMIZERS
+from autooffload.runtime.update import grad_staging
+from autooffload.runtime.update.twins import CPU_OPTIMIZERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -427,7 +427,7 @@ def test_mixed_dtype_adds_in_views_equal_the_whole_tensor_add(make_llama, offloa
     (the cost model's accumulation rate)."""
     whole, stats_whole = _bf16_grads_after(make_llama, offload_cpu, micro_batches=3)
     assert stats_whole["split"] == 0, "no param exceeds the default block: nothing split"
-    monkeypatch.setattr(cpu_optimizer, "ACCUMULATE_BLOCK", 100)
+    monkeypatch.setattr(grad_staging, "ACCUMULATE_BLOCK", 100)
     split, stats = _bf16_grads_after(make_llama, offload_cpu, micro_batches=3)
     assert stats["split"] > 0, "the small block split no param"
     assert whole.keys() == split.keys() and whole
