@@ -111,6 +111,22 @@ class GroupHooks:
             )
         self._handles.append(self.model.register_forward_hook(self._end_forward, always_call=True))
 
+    def hook_ids(self) -> set[int]:
+        """The ids of the module hooks installed on the model (their handles' ``id``)."""
+        return {handle.id for handle in self._handles}
+
+    def drop_partial_trace(self) -> None:
+        """A failed forward's group order is partial: the next backward must not follow it."""
+        self._trace = []
+
+    def drop_active_groups(self) -> None:
+        """No group's forward is running any more (a failed pass unwound them)."""
+        self._active.clear()
+
+    def resume_group(self, group: Group, args: tuple, kwargs: dict) -> None:
+        """Run ``group``'s forward pre-hook again (a forward re-run after the hook ran)."""
+        self._pre_forward(group, args, kwargs)
+
     def _begin_forward(self, module: nn.Module, args: tuple) -> None:
         if in_backward():
             return
@@ -341,7 +357,7 @@ class GroupHooks:
                 if max(self._position.get(u, -1) for u in users) >= position - 1:
                     self.cpu_optim.load_state(self.layout.chunks[index])
         if self.swapper is not None and group.is_block:
-            order = [g.index for g in self._blocks_in_order()]
+            order = [g.index for g in self.blocks_in_order()]
             if group.index in order and order.index(group.index) > 0:
                 self.swapper.prefetch(order.index(group.index) - 1)
         self._prefetch_after(group.index, forward=False)

@@ -225,7 +225,8 @@ class Runtime(GroupHooks):
 
     # ---- activations and plan switches -----------------------------------------------------
 
-    def _blocks_in_order(self) -> list[Group]:
+    def blocks_in_order(self) -> list[Group]:
+        """The blocks in the order the last forward ran them."""
         blocks = [g for g in self.groups if g.is_block]
         return sorted(blocks, key=lambda g: self.position(g.index))
 
@@ -240,14 +241,14 @@ class Runtime(GroupHooks):
         if self.hf_checkpointing_taken:
             logger.info("activation management takes over HF gradient checkpointing per block")
         policy = "checkpoint" if mode == "auto" else mode
-        for group in self._blocks_in_order():
+        for group in self.blocks_in_order():
             self.apply_block_policy(group.module, policy)
 
     def apply_block_policy(self, block: nn.Module, policy: str) -> None:
         if policy in ("swap", "checkpoint_cpu") and self.swapper is None:
             self.swapper = ActivationSwapper(self.device)
         index = next(g.block_index for g in self.groups if g.module is block)
-        order = [g.module for g in self._blocks_in_order()]
+        order = [g.module for g in self.blocks_in_order()]
         apply_policy(
             block,
             policy,  # type: ignore[arg-type]
@@ -270,7 +271,7 @@ class Runtime(GroupHooks):
             self._demote(demoted)
         self._assign_gpu_updates(plan)
         if plan.block_policies and self.settings.activation_mode != "off":
-            for group, policy in zip(self._blocks_in_order(), plan.block_policies, strict=False):
+            for group, policy in zip(self.blocks_in_order(), plan.block_policies, strict=False):
                 self.apply_block_policy(group.module, policy)
         self.plan = plan
 
@@ -322,14 +323,15 @@ class Runtime(GroupHooks):
 
     def owns(self, param: torch.Tensor) -> bool:
         """Whether ``param`` lives in one of this runtime's chunks."""
-        return id(param) in self._slot_index
+        return id(param) in self.slot_index
 
     def manages(self, param: torch.Tensor) -> bool:
         """Whether this runtime placed ``param`` (chunked or resident)."""
         return self.owns(param) or any(p is param for p in self.resident_params)
 
     @property
-    def _slot_index(self) -> dict:
+    def slot_index(self) -> dict:
+        """Per chunked param's id: its chunk and slot (``ChunkLayout.slot_of``), made once."""
         cached = getattr(self, "_slot_cache", None)
         if cached is None:
             cached = self.layout.slot_of()
@@ -337,7 +339,7 @@ class Runtime(GroupHooks):
         return cached
 
     def is_offloaded(self, param: torch.Tensor) -> bool:
-        entry = self._slot_index.get(id(param))
+        entry = self.slot_index.get(id(param))
         return entry is not None and entry[0].index not in self.manager.persistent
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
