@@ -1,8 +1,8 @@
 """Host gradient accumulation rates: fp32 host gradients += bf16 staged gradients, several ways.
 
-The CPU side of gradient accumulation (runtime/optimizer.py ``_accumulate``) adds each offloaded
-chunk's staged low-precision gradients onto fp32 host gradients at every micro-batch after the
-first. This times the candidate kernels on this host's threads, beside the fused AdamW step, so
+The CPU side of gradient accumulation (runtime/update/grad_staging.py ``_accumulate``) adds each
+offloaded chunk's staged low-precision gradients onto fp32 host gradients at every micro-batch after
+the first. This times the candidate kernels on this host's threads, beside the fused AdamW step, so
 the accumulation's cost can be judged against the update's.
 
     python devtools/host_accumulate_rate.py [numel_millions=512] [tensors=8]

@@ -42,7 +42,7 @@ def _isolated_autooffload(monkeypatch: pytest.MonkeyPatch):
 def gpu_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Chunk indices the GPU path updated, one entry per chunk update."""
     seen: list[int] = []
-    from autooffload.runtime.gpu_update import GpuUpdater
+    from autooffload.runtime.update.gpu_update import GpuUpdater
 
     issue = GpuUpdater._issue
 
@@ -58,7 +58,7 @@ def gpu_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def resident_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Chunk indices the GPU updated in the backward (``update_resident``), one per update."""
     seen: list[int] = []
-    from autooffload.runtime.gpu_update import GpuUpdater
+    from autooffload.runtime.update.gpu_update import GpuUpdater
 
     update = GpuUpdater.update_resident
 

@@ -114,7 +114,7 @@ def _inject_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 def _without_runtime_hooks(module: nn.Module, runtime: Any) -> Iterator[None]:
     """Take the runtime's hooks off ``module`` for the block. A deepcopy would carry them to
     the copy, and copy what their bound methods hold: the runtime with its released chunks."""
-    hook_ids = {handle.id for handle in runtime._handles}
+    hook_ids = runtime.hook_ids()
     saved: list[tuple[dict, dict]] = []
     for sub in module.modules():
         for name, hooks in vars(sub).items():

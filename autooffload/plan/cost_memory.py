@@ -16,7 +16,7 @@ from autooffload.plan.types import Knobs
 from autooffload.plan.update_split import backward_split, gpu_update_chunks, scratch_bytes_of
 
 # Gradient accumulation on the GPU: the running sum comes back through a scratch of this many
-# bytes (``runtime/manager.py``, piece by piece), on the device for the rest of the run.
+# bytes (``runtime/chunks/grad_offload.py``, piece by piece), on the device for the rest of the run.
 ACCUMULATE_SCRATCH_BYTES = 32 << 20
 
 
@@ -76,7 +76,7 @@ def peak_breakdown(
 
     ``pooled`` adds the chunk buffers' own peak to the rest's, as reserved memory was when chunk
     buffers had the copy stream's allocator pool (reserved 0.7 GiB over the simultaneous peak,
-    8B LoRA at 12 GiB). They share the compute stream's pool now (``runtime/manager.py``), and
+    8B LoRA at 12 GiB). They share the compute stream's pool now (``runtime/chunks/store.py``), and
     ``pooled`` still met max reserved within 0.4% at 8B LoRA and QLoRA under caps: it stays, a
     bound a little above the simultaneous peak (docs/planner.md, "Pools").
     """
@@ -139,7 +139,7 @@ def optimizer_step_bytes(
 ) -> int | np.ndarray:
     """Bytes above ``static`` while the user's optimizer steps the persistent chunks (see
     ``peak_breakdown``); ``p`` an n_persist or an array of them. None where the update in the
-    backward stepped them in the backward (``runtime/persistent_update.py``)."""
+    backward stepped them in the backward (``runtime/update/persistent_update.py``)."""
     if profile.persistent_in_backward and not profile.grad_accumulation:
         return 0 * tables.persist_numel[p]
     grads = 0 if profile.grad_accumulation else tables.persist_grad_total[p]

@@ -206,11 +206,11 @@ class ModelProfile:
     """Under ``update_in_backward``, True where the persistent chunks are still stepped at
     ``optimizer.step()`` (data parallelism: their gradients are averaged in place across ranks
     first, and held until the step), False where they are stepped in the backward as their
-    gradients complete (``runtime/persistent_update.py``)."""
+    gradients complete (``runtime/update/persistent_update.py``)."""
     gpu_update: int = 0
     """Offloaded chunks whose update at ``step()`` runs on the GPU, optimizer state streamed from
     pinned memory (``plan/update_split.py``): 0 none, -1 as many as the cost model finds best,
-    n > 0 the last n. 0 where the runtime has no GPU path (see ``runtime/gpu_update.py``)."""
+    n > 0 the last n. 0 where the runtime has no GPU path (see ``runtime/update/gpu_update.py``)."""
     gpu_update_in_backward: int = 0
     """Under ``update_in_backward``: the lowest offloaded chunks updated on the GPU at the end
     of their backward (``plan/update_split.backward_split``): 0 none, -1 as many as leave the

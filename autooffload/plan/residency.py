@@ -121,7 +121,7 @@ class ChunkTables:
     persist_grad_live: np.ndarray
     """Persistent grads live during u's backward under the update in the backward, which steps a
     persistent chunk and drops its grads once the backward is past its lowest unit
-    (``runtime/persistent_update.py``): persistent chunks live at u."""
+    (``runtime/update/persistent_update.py``): persistent chunks live at u."""
     cpu_ready_numel: np.ndarray
     """Elements the CPU optimizer updates before u's forward gathers may start; -1: no gather."""
     persist_bytes: np.ndarray

@@ -3,7 +3,7 @@
 The CPU optimizer updates offloaded chunks in forward order from ``optimizer.step()`` on, at
 ``cpu_optim_params_per_s``; the next forward's gathers wait for them. When the step is bound by
 that update, the PCIe link is mostly idle: a chunk can instead be updated on the GPU with its
-optimizer state streamed from pinned memory (``runtime/gpu_update.py``):
+optimizer state streamed from pinned memory (``runtime/update/gpu_update.py``):
 
     h2d[c] = bytes[c] + grad_bytes[c] + state_bytes_per_param * numel[c]    (weights, grads, state)
     d2h[c] = bytes[c] + state_bytes_per_param * numel[c]                    (weights, state back)

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from autooffload.runtime import registry
-from autooffload.runtime.chunks import Chunk, ParamSlot
-from autooffload.runtime.manager import Residency
+from autooffload.runtime.chunks.layout import Chunk, ParamSlot
+from autooffload.runtime.chunks.store import Residency
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
@@ -64,7 +64,7 @@ def params_on_device(
     Params in ``written`` may be changed on the device inside the block (in place, or by
     replacing ``.data``); their bytes are stored back at exit, so the change survives the
     release. Nested use is cheap: chunks already resident are left where they are."""
-    slot_of = runtime._slot_index
+    slot_of = runtime.slot_index
     manager = runtime.manager
     indices = sorted({slot_of[id(p)][0].index for p in params if id(p) in slot_of})
     fetched = [i for i in indices if manager.state[i] != Residency.RESIDENT]

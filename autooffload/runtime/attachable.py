@@ -56,7 +56,7 @@ def check_params_after_attach(runtime: Runtime) -> None:
     attach (it has no host gradient buffer) and now requires grad. A parameter added on the
     compute device trains like a resident one (the user's optimizer updates it there)."""
     for name, param in runtime.model.named_parameters():
-        entry = runtime._slot_index.get(id(param))
+        entry = runtime.slot_index.get(id(param))
         if entry is None:
             if param.device != runtime.device and not any(
                 p is param for p in runtime.resident_params

@@ -27,8 +27,8 @@ from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 from autooffload.runtime import registry
 
 if TYPE_CHECKING:
-    from autooffload.runtime.optimizer import CpuOptimizer
     from autooffload.runtime.runtime import Runtime
+    from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
 
 # Steps run under the searched plan before its measured peak and CPU update rate are compared
 # with what the plan assumed; how far above the predicted peak the measured one may be, and how

@@ -41,7 +41,7 @@ from autooffload.runtime import registry
 if TYPE_CHECKING:
     from autooffload.plan.profile_types import HardwareProfile
     from autooffload.plan.types import Plan
-    from autooffload.runtime.chunks import ChunkLayout
+    from autooffload.runtime.chunks.layout import ChunkLayout
     from autooffload.runtime.runtime import Runtime
     from autooffload.settings import Settings
 

@@ -26,21 +26,22 @@ from autooffload.log import logger, warn_once
 from autooffload.runtime.activations import take_over_hf_gradient_checkpointing
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
+from autooffload.runtime.chunks.store import Residency
 from autooffload.runtime.lockstep import (
     BACKWARD,
     BACKWARD_END,
     FORWARD_NO_GRAD,
     FORWARD_WITH_GRAD,
 )
-from autooffload.runtime.manager import Residency
 from autooffload.runtime.profiler import StepProfiler
+from autooffload.runtime.step_state import StepState
 
 if TYPE_CHECKING:
     from autooffload.runtime.activations import ActivationSwapper
-    from autooffload.runtime.chunks import ChunkLayout
+    from autooffload.runtime.chunks.layout import ChunkLayout
+    from autooffload.runtime.chunks.store import ChunkManager
     from autooffload.runtime.distributed import DataParallel
-    from autooffload.runtime.manager import ChunkManager
-    from autooffload.runtime.optimizer import CpuOptimizer
+    from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
     from autooffload.settings import Settings
 
 
@@ -75,7 +76,6 @@ class GroupHooks:
     data_parallel: DataParallel | None
     settings: Settings
     hf_checkpointing_taken: bool
-    cleared_since_step: bool
 
     def init_hooks(self) -> None:
         """The trace state; the hooks themselves are installed by ``_install_hooks``."""
@@ -91,12 +91,7 @@ class GroupHooks:
         self._kept: set[int] = set()
         # Groups whose backward reads no weights: no backward gather, no backward prefetch.
         self.backward_free: set[int] = set()
-        self._backward_task: int | None = None
-        self._backward_count = 0
-        self._backwards_this_step = 0
-        # While the profiler runs a block through its ``__call__`` on its own (the probes),
-        # the groups' hooks step aside: the probe gathers the chunks and keeps no trace.
-        self.hooks_muted = False
+        self.step_state = StepState()
 
     def _install_hooks(self) -> None:
         # Around the whole model: registered first and last so they run before and after the
@@ -116,6 +111,22 @@ class GroupHooks:
             )
         self._handles.append(self.model.register_forward_hook(self._end_forward, always_call=True))
 
+    def hook_ids(self) -> set[int]:
+        """The ids of the module hooks installed on the model (their handles' ``id``)."""
+        return {handle.id for handle in self._handles}
+
+    def drop_partial_trace(self) -> None:
+        """A failed forward's group order is partial: the next backward must not follow it."""
+        self._trace = []
+
+    def drop_active_groups(self) -> None:
+        """No group's forward is running any more (a failed pass unwound them)."""
+        self._active.clear()
+
+    def resume_group(self, group: Group, args: tuple, kwargs: dict) -> None:
+        """Run ``group``'s forward pre-hook again (a forward re-run after the hook ran)."""
+        self._pre_forward(group, args, kwargs)
+
     def _begin_forward(self, module: nn.Module, args: tuple) -> None:
         if in_backward():
             return
@@ -126,7 +137,7 @@ class GroupHooks:
         if torch.is_grad_enabled():
             check_params_after_attach(self)
             self._take_over_late_hf_checkpointing()
-            if self._backwards_this_step:
+            if self.step_state.backwards_this_step:
                 self.cpu_optim.release_staging()  # gradient accumulation: the next micro-batch
 
     def _take_over_late_hf_checkpointing(self) -> None:
@@ -174,7 +185,7 @@ class GroupHooks:
             for index in self._kept:
                 self.manager.release(index)
             self._kept.clear()
-        stale_backward = self._backward_task is not None and not in_backward()
+        stale_backward = self.step_state.interrupted_backward(running=in_backward())
         persistent = self.manager.persistent
         stray = any(
             state != Residency.HOST and index not in persistent and index not in keep
@@ -191,7 +202,7 @@ class GroupHooks:
             logger.debug("a backward pass was interrupted; offloading its partial gradients")
             for index in range(len(self.layout.chunks)):
                 self.manager.offload_grads(index)
-            self._backward_task = None
+            self.step_state.abandon_backward()
             self._trace = []
         self._active.clear()
         self.manager.release_all()
@@ -205,7 +216,7 @@ class GroupHooks:
         return self.layout.chunks_of_group[group.index]
 
     def _pre_forward(self, group: Group, args: tuple = (), kwargs: dict | None = None) -> None:
-        if self.hooks_muted:
+        if self.step_state.hooks_muted:
             return
         if in_backward():
             self._ensure_end_callback()
@@ -230,7 +241,7 @@ class GroupHooks:
             self.profiler.on_pre_forward(group, args, kwargs or {})
 
     def _post_forward(self, group: Group, output: object) -> None:
-        if self.hooks_muted or in_backward():
+        if self.step_state.hooks_muted or in_backward():
             return
         backward = False
         if torch.is_grad_enabled():
@@ -323,7 +334,7 @@ class GroupHooks:
                 self._chunk_backward_done(index)
         if self.data_parallel is not None or self.cpu_optim.persistent_in_backward:
             # Persistent chunks whose backward is complete start their gradient average now,
-            # or are stepped now, their gradients dropped (runtime/persistent_update.py).
+            # or are stepped now, their gradients dropped (runtime/update/persistent_update.py).
             for index in self.manager.persistent:
                 users = self.layout.chunks[index].groups
                 if not all(self._position.get(u, -1) > position for u in users):
@@ -346,7 +357,7 @@ class GroupHooks:
                 if max(self._position.get(u, -1) for u in users) >= position - 1:
                     self.cpu_optim.load_state(self.layout.chunks[index])
         if self.swapper is not None and group.is_block:
-            order = [g.index for g in self._blocks_in_order()]
+            order = [g.index for g in self.blocks_in_order()]
             if group.index in order and order.index(group.index) > 0:
                 self.swapper.prefetch(order.index(group.index) - 1)
         self._prefetch_after(group.index, forward=False)
@@ -381,11 +392,11 @@ class GroupHooks:
 
     def _ensure_end_callback(self) -> None:
         task = torch._C._current_graph_task_id()
-        if task != self._backward_task:
+        if self.step_state.is_new_backward(task):
             if self.manager.sharding is not None:
                 self.manager.sharding.check_in_step(BACKWARD, self.manager.persistent)
-            self._backward_task = task
-            if not self.cleared_since_step:
+            backward_id = self.step_state.begin_backward(task)
+            if not self.step_state.cleared_since_step:
                 warn_once(
                     "backward-without-zero-grad",
                     "autooffload: a backward after optimizer.step() with no zero_grad() since:"
@@ -394,8 +405,7 @@ class GroupHooks:
                     " not by setting p.grad = None",
                 )
             self._kept.clear()  # this backward takes them over
-            self._backward_count += 1
-            self.manager.begin_backward(self._backward_count)
+            self.manager.begin_backward(backward_id)
             if self.data_parallel is not None and self.manager.reduce_order is None:
                 # Rank 0's forward order fixes every rank's reduction order (collectives must
                 # pair up even where a module ran on one rank only).
@@ -423,8 +433,7 @@ class GroupHooks:
             self.manager.drop_grads_unused_everywhere()
         if self.manager.sharding is not None:
             self.manager.sharding.check_in_step(BACKWARD_END, self.manager.persistent)
-        self._backward_task = None
-        self._backwards_this_step += 1
+        self.step_state.end_backward()
         self._trace_end()
 
     def _trace_end(self) -> None:

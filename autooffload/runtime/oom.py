@@ -222,7 +222,7 @@ class OomRetry:
         runtime = self.runtime
         for group in runtime.groups:
             if group.module is runtime.model:
-                runtime._pre_forward(group, args, kwargs)
+                runtime.resume_group(group, args, kwargs)
 
     # ---- recovery and re-plan -----------------------------------------------------------------
 
@@ -233,7 +233,7 @@ class OomRetry:
             runtime.recover_interrupted()
             self._restart_profiler()
             raise self._error("again after the retry", message)
-        runtime._trace = []
+        runtime.drop_partial_trace()
         runtime.recover_interrupted()
         if runtime.swapper is not None:
             # Even when no chunk was left resident (an OOM in the loss, after the last block).
@@ -245,7 +245,7 @@ class OomRetry:
                 " (no retry under data parallelism: every rank must keep the same plan)",
                 message,
             )
-        runtime._active.clear()
+        runtime.drop_active_groups()
         runtime.manager.release_all()
         self._restart_profiler()
         self._free_cached_memory()
@@ -266,7 +266,7 @@ class OomRetry:
             "device out of memory in %s (step %d); retrying it once under a smaller plan: %s"
             " (was %s)",
             where,
-            runtime._steps,
+            runtime.steps_taken,
             _describe(plan),
             _describe(old),
         )
@@ -345,7 +345,7 @@ class OomRetry:
         widest = max((len(v) for v in runtime.layout.chunks_of_group.values()), default=1)
         policies = current.block_policies
         if runtime.settings.activation_mode == "auto":
-            policies = ("checkpoint",) * len(runtime._blocks_in_order())
+            policies = ("checkpoint",) * len(runtime.blocks_in_order())
         return replace(
             current,
             n_buffer=max(widest, min(current.n_buffer, 2 * widest)),

@@ -19,8 +19,8 @@ from autooffload.plan.types import Plan, format_bytes
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 from autooffload.runtime import registry
 from autooffload.runtime.calibration import arm_calibration
-from autooffload.runtime.chunks import ALIGN, ChunkLayout
-from autooffload.runtime.host import HostMemory, host_memory
+from autooffload.runtime.chunks.host import HostMemory, host_memory
+from autooffload.runtime.chunks.layout import ALIGN, ChunkLayout
 from autooffload.runtime.profiler import StepProfiler
 from autooffload.settings import Settings
 
@@ -413,7 +413,7 @@ def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> Mo
     one-time costs) the second is measured; after the second, its measurements become the
     model's profile, returned (None at every other step)."""
     profiler = runtime.profiler if isinstance(runtime.profiler, StepProfiler) else None
-    if profiler is None or not runtime._backwards_this_step:
+    if profiler is None or not runtime.step_state.backwards_this_step:
         return None
     if not profiler.warm:
         runtime.profiler = StepProfiler(runtime, warm=True)
@@ -425,7 +425,7 @@ def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> Mo
     runtime.backward_update.decide()
     profile = profiler.build(
         optim_bytes_per_param=optim_state_bytes(optimizer, runtime.weight_dtype()),
-        micro_batches=runtime._backwards_this_step,
+        micro_batches=runtime.step_state.backwards_this_step,
         optim_step_bytes=optim_step_bytes(optimizer, runtime.weight_dtype(), runtime.device),
     )
     return replace(

@@ -247,19 +247,18 @@ class StepProfiler:
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
         saved = [0]
-        runtime.hooks_muted = True
         try:
-            # The first run pays one-time costs (allocator growth, kernel selection); the
-            # timings are the best of PROBE_RUNS, the memory figures those of the last run.
-            best = (float("inf"), float("inf"))
-            for _ in range(PROBE_RUNS):
-                saved[0] = 0
-                measured = self._probe_once(block, self._inputs(args), kwargs, params, saved)
-                fwd_s, bwd_s, kept, fwd_peak, bwd_peak = measured
-                best = (min(best[0], fwd_s), min(best[1], bwd_s))
-            fwd_s, bwd_s = best
+            with runtime.step_state.probe():
+                # The first run pays one-time costs (allocator growth, kernel selection); the
+                # timings are the best of PROBE_RUNS, the memory figures those of the last run.
+                best = (float("inf"), float("inf"))
+                for _ in range(PROBE_RUNS):
+                    saved[0] = 0
+                    measured = self._probe_once(block, self._inputs(args), kwargs, params, saved)
+                    fwd_s, bwd_s, kept, fwd_peak, bwd_peak = measured
+                    best = (min(best[0], fwd_s), min(best[1], bwd_s))
+                fwd_s, bwd_s = best
         finally:
-            runtime.hooks_muted = False
             for index in chunks:
                 runtime.manager.release(index)
             if policy != "keep":

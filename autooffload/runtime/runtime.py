@@ -29,12 +29,11 @@ from autooffload.runtime.calibration import (
     check_planned_steps,
     worker_rate,
 )
-from autooffload.runtime.chunks import aligned_bytes, build_layout, default_chunk_size
+from autooffload.runtime.chunks.layout import aligned_bytes, build_layout, default_chunk_size
+from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.distributed import DataParallel, attach_data_parallel, local_world_size
 from autooffload.runtime.hooks import GroupHooks
-from autooffload.runtime.manager import ChunkManager
 from autooffload.runtime.oom import OomRetry
-from autooffload.runtime.optimizer import CpuOptimizer
 from autooffload.runtime.planning import (
     accumulate_mode,
     check_first_update_fits,
@@ -53,7 +52,8 @@ from autooffload.runtime.state import (
     load_offloaded_state,
     twin_states,
 )
-from autooffload.runtime.update_mode import BackwardUpdateMode
+from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
+from autooffload.runtime.update.update_mode import BackwardUpdateMode
 from autooffload.settings import Settings
 
 # Below this share of the model's bytes, trainable params stay resident (see Runtime).
@@ -154,9 +154,6 @@ class Runtime(GroupHooks):
         self.backward_update = BackwardUpdateMode(self)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.init_hooks()
-        self._steps = 0
-        # zero_grad() since the last optimizer step (a backward without one is warned once).
-        self.cleared_since_step = True
         # The step after which the searched plan's measured peak and step are next checked
         # (CUDA only; ``calibration.check_planned_steps``), whether the plan has settled (its
         # first checks are over: the next is a drift check) and the switches in a row so far.
@@ -229,7 +226,8 @@ class Runtime(GroupHooks):
 
     # ---- activations and plan switches -----------------------------------------------------
 
-    def _blocks_in_order(self) -> list[Group]:
+    def blocks_in_order(self) -> list[Group]:
+        """The blocks in the order the last forward ran them."""
         blocks = [g for g in self.groups if g.is_block]
         return sorted(blocks, key=lambda g: self.position(g.index))
 
@@ -244,14 +242,14 @@ class Runtime(GroupHooks):
         if self.hf_checkpointing_taken:
             logger.info("activation management takes over HF gradient checkpointing per block")
         policy = "checkpoint" if mode == "auto" else mode
-        for group in self._blocks_in_order():
+        for group in self.blocks_in_order():
             self.apply_block_policy(group.module, policy)
 
     def apply_block_policy(self, block: nn.Module, policy: str) -> None:
         if policy in ("swap", "checkpoint_cpu") and self.swapper is None:
             self.swapper = ActivationSwapper(self.device)
         index = next(g.block_index for g in self.groups if g.module is block)
-        order = [g.module for g in self._blocks_in_order()]
+        order = [g.module for g in self.blocks_in_order()]
         apply_policy(
             block,
             policy,  # type: ignore[arg-type]
@@ -274,7 +272,7 @@ class Runtime(GroupHooks):
             self._demote(demoted)
         self._assign_gpu_updates(plan)
         if plan.block_policies and self.settings.activation_mode != "off":
-            for group, policy in zip(self._blocks_in_order(), plan.block_policies, strict=False):
+            for group, policy in zip(self.blocks_in_order(), plan.block_policies, strict=False):
                 self.apply_block_policy(group.module, policy)
         self.plan = plan
 
@@ -326,14 +324,15 @@ class Runtime(GroupHooks):
 
     def owns(self, param: torch.Tensor) -> bool:
         """Whether ``param`` lives in one of this runtime's chunks."""
-        return id(param) in self._slot_index
+        return id(param) in self.slot_index
 
     def manages(self, param: torch.Tensor) -> bool:
         """Whether this runtime placed ``param`` (chunked or resident)."""
         return self.owns(param) or any(p is param for p in self.resident_params)
 
     @property
-    def _slot_index(self) -> dict:
+    def slot_index(self) -> dict:
+        """Per chunked param's id: its chunk and slot (``ChunkLayout.slot_of``), made once."""
         cached = getattr(self, "_slot_cache", None)
         if cached is None:
             cached = self.layout.slot_of()
@@ -341,7 +340,7 @@ class Runtime(GroupHooks):
         return cached
 
     def is_offloaded(self, param: torch.Tensor) -> bool:
-        entry = self._slot_index.get(id(param))
+        entry = self.slot_index.get(id(param))
         return entry is not None and entry[0].index not in self.manager.persistent
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -368,7 +367,7 @@ class Runtime(GroupHooks):
     def after_step(self, optimizer: torch.optim.Optimizer, apply_update: bool = True) -> None:
         """The user's optimizer stepped the GPU params; queue the CPU update of the rest
         (none when ``apply_update`` is False: a step skipped for non-finite gradients)."""
-        self.backward_update.observe(optimizer, self._backwards_this_step)
+        self.backward_update.observe(optimizer, self.step_state.backwards_this_step)
         self.cpu_optim.settle_persistent(optimizer)
         profile = profile_after_step(self, optimizer)
         measured_rate = accumulate = None
@@ -387,8 +386,7 @@ class Runtime(GroupHooks):
                 # step and made the plan vary from run to run).
                 self.cpu_optim.wait()
                 self.cpu_mark = self.cpu_optim.mark()
-        self._steps += 1
-        self.cleared_since_step = False
+        backwards = self.step_state.end_step()
         sharding = self.manager.sharding
         if apply_update and sharding is not None:
             sharding.weights = {}  # consolidated copies of other ranks' chunks are stale now
@@ -397,9 +395,8 @@ class Runtime(GroupHooks):
             # Switched at the next forward: other optimizers of this model step after this one.
             self._pending_profile = (profile, measured_rate, accumulate)
         if self.step_timer is not None:
-            self.step_timer.mark(self._backwards_this_step)
-        self._backwards_this_step = 0
-        if self._steps == self.calibrate_at_step:
+            self.step_timer.mark(backwards)
+        if self.step_state.steps == self.calibrate_at_step:
             check_planned_steps(self)
         self.backward_update.end_step(self.oom.input_numel if self.oom is not None else 0)
 
@@ -422,7 +419,7 @@ class Runtime(GroupHooks):
     @property
     def steps_taken(self) -> int:
         """Optimizer steps seen since attach (a consolidated state is valid until the next)."""
-        return self._steps
+        return self.step_state.steps
 
     def candidates(self) -> Candidates | None:
         """Every feasible configuration of the search the profiled plan came from (this rank's
@@ -433,7 +430,7 @@ class Runtime(GroupHooks):
         """Clear the host gradients of ``param_ids`` (None: every offloaded param)."""
         self.recover_interrupted()
         self.cpu_optim.zero_grad(set_to_none, param_ids)
-        self.cleared_since_step = True
+        self.step_state.cleared()
 
     def host_grads(self) -> list[torch.Tensor]:
         self.cpu_optim.wait()
@@ -452,7 +449,7 @@ class Runtime(GroupHooks):
             else 0
         )
         return {
-            "steps": self._steps,
+            "steps": self.step_state.steps,
             "h2d_bytes": self.manager.stats["h2d_bytes"],
             "d2h_bytes": self.manager.stats["d2h_bytes"],
             "h2d_s": self.manager.stats["h2d_s"],
@@ -467,7 +464,7 @@ class Runtime(GroupHooks):
                 if self.cpu_optim.update_s
                 else 0.0
             ),
-            # The GPU update path (runtime/gpu_update.py): host seconds issuing it, elements.
+            # The GPU update path (runtime/update/gpu_update.py): host seconds issuing it, elements.
             "gpu_update_s": self.cpu_optim.gpu.busy_s,
             "gpu_update_params": self.cpu_optim.gpu.updated_params,
         }

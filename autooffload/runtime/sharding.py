@@ -38,7 +38,7 @@ from autooffload.runtime.lockstep import Lockstep
 
 if TYPE_CHECKING:
     from autooffload.plan.profile_types import HardwareProfile
-    from autooffload.runtime.chunks import ChunkLayout, ParamSlot
+    from autooffload.runtime.chunks.layout import ChunkLayout, ParamSlot
     from autooffload.runtime.distributed import DataParallel
     from autooffload.runtime.runtime import Runtime
     from autooffload.settings import Settings

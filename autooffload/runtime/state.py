@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils.hooks import RemovableHandle
 
-from autooffload.runtime.chunks import Chunk, ParamSlot
-from autooffload.runtime.manager import Residency
+from autooffload.runtime.chunks.layout import Chunk, ParamSlot
+from autooffload.runtime.chunks.store import Residency
 from autooffload.runtime.sharding import consolidated_states
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from runtime.runtime_models import batches as batches
 from runtime.runtime_models import tiny_llama as tiny_llama
 
 import autooffload
-from autooffload.runtime.manager import Residency
+from autooffload.runtime.chunks.store import Residency
 from autooffload.runtime.runtime import Runtime
 
 # Both runs do the same fp32 math with the same fused optimizer kernels; see

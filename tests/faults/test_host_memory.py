@@ -16,7 +16,7 @@ import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import PlanError
 from autooffload.runtime import planning
-from autooffload.runtime.host import HostArena, HostMemory, host_memory
+from autooffload.runtime.chunks.host import HostArena, HostMemory, host_memory
 
 GIB = 1 << 30
 

@@ -26,6 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import UpdateInBackwardError
+from autooffload.runtime.step_state import StepPhase
 
 STEPS = 6
 FAIL_AT = 3
@@ -72,7 +73,7 @@ def train_through_fault(
         if failed and runtime is not None and then != "nothing":
             assert offloaded_chunks_on_host(runtime), [s.value for s in runtime.manager.state]
             assert no_offloaded_grad_on_device(runtime)
-            assert runtime._backward_task is None
+            assert runtime.step_state.phase is StepPhase.IDLE
             assert worker_idle(runtime)
     assert not fault.armed, "the fault was never injected"
     if runtime is not None:
@@ -170,7 +171,7 @@ def test_exception_leaves_chunks_released_at_once(where):
         model(input_ids=ids, labels=ids).loss.backward()
     assert offloaded_chunks_on_host(runtime)
     assert no_offloaded_grad_on_device(runtime)
-    assert runtime._backward_task is None
+    assert runtime.step_state.phase is StepPhase.IDLE
     assert worker_idle(runtime)
 
 

@@ -33,6 +33,7 @@ from autooffload.runtime.oom import (
     OutOfMemoryRetryError,
 )
 from autooffload.runtime.planning import hardware_profile, profile_for_plan
+from autooffload.runtime.step_state import StepPhase
 
 STEPS = 6
 # Long enough that activations weigh as much as the weights: a smaller plan exists.
@@ -198,7 +199,7 @@ def test_second_oom_raises_a_clear_error(where):
         assert words in message
     assert isinstance(raised.value, torch.OutOfMemoryError)
     assert offloaded_chunks_on_host(runtime) and no_offloaded_grad_on_device(runtime)
-    assert runtime._backward_task is None and worker_idle(runtime)
+    assert runtime.step_state.phase is StepPhase.IDLE and worker_idle(runtime)
     # The next pass has its own retry, but the buffers are at their minimum already and every
     # other knob is the user's: nothing smaller to retry under, said at once.
     fault.times = 1

@@ -172,10 +172,10 @@ def test_accumulation_summed_on_the_gpu_trains_like_plain_bf16(monkeypatch, clip
     (whole, or in 64 KiB pieces), are added on a side stream and go out in place of the
     gradients; clipping reads the norms of the sums taken on the device. Plain torch sums
     ``.grad`` in bf16 the same way (one rounding per add), so the bound is the bf16 one."""
-    from autooffload.runtime import manager as manager_module
+    from autooffload.runtime.chunks import grad_offload
 
     if scratch is not None:
-        monkeypatch.setattr(manager_module, "SUM_SCRATCH_BYTES", scratch)
+        monkeypatch.setattr(grad_offload, "SUM_SCRATCH_BYTES", scratch)
     base = tiny_bf16_llama()
     micro, steps = 3, 10
     generator = torch.Generator().manual_seed(1)

@@ -173,7 +173,7 @@ def test_27b_model_trains_under_a_24gib_cap(tmp_path: Path) -> None:
 
 
 def _host_total_gib() -> float | None:
-    from autooffload.runtime.host import host_memory
+    from autooffload.runtime.chunks.host import host_memory
 
     memory = host_memory()
     return memory.total_bytes / GiB if memory is not None else None

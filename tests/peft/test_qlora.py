@@ -17,8 +17,8 @@ from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
 
 import autooffload
 from autooffload.errors import AttachError
-from autooffload.runtime.chunks import ALIGN
-from autooffload.runtime.manager import Residency
+from autooffload.runtime.chunks.layout import ALIGN
+from autooffload.runtime.chunks.store import Residency
 from tests.peft.peft_runs import (
     ATOL,
     RTOL,

@@ -445,7 +445,7 @@ def test_persistent_chunks_stepped_at_step_under_data_parallelism_are_costed_as_
 
 def test_under_the_update_in_backward_persistent_grads_live_only_where_their_chunk_runs(hw):
     """The update in the backward steps a persistent chunk as soon as the backward is past its
-    first unit and drops its gradients (``runtime/persistent_update.py``): no persistent
+    first unit and drops its gradients (``runtime/update/persistent_update.py``): no persistent
     gradient and no optimizer temporaries are left for ``step()``, and in the backward only
     the chunks live at the unit (a tied embedding's, from the head to the embedding) hold
     theirs, beside one chunk's temporaries."""

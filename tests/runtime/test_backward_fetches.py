@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from runtime_models import batches, enable_cpu, tiny_llama
 
 from autooffload import runtime as rt
-from autooffload.runtime.manager import Residency
+from autooffload.runtime.chunks.store import Residency
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

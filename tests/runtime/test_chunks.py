@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autooffload.runtime.chunks import ALIGN, aligned_bytes, build_layout
+from autooffload.runtime.chunks.layout import ALIGN, aligned_bytes, build_layout
 
 
 def _params(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:

@@ -478,7 +478,7 @@ def test_the_reduce_order_follows_completion_in_the_backward():
     """By each chunk's earliest user in the forward, latest first (ties: higher index first);
     frozen chunks are left out; a chunk with a group that did not run completes only at the
     end of a backward, so it comes last."""
-    from autooffload.runtime.chunks import Chunk, ChunkLayout, ParamSlot
+    from autooffload.runtime.chunks.layout import Chunk, ChunkLayout, ParamSlot
     from autooffload.runtime.hooks import reduce_order
 
     def chunk(index: int, groups: set[int], trainable: bool = True) -> Chunk:

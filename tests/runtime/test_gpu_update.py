@@ -1,4 +1,4 @@
-"""The GPU update path (runtime/gpu_update.py) trains exactly like plain training.
+"""The GPU update path (runtime/update/gpu_update.py) trains exactly like plain training.
 
 On a CPU device the path runs its whole bookkeeping (the pinned state arena as the twin's state,
 the scratch sets, weights, gradients, state and step counts copied in and out, clipping) on CPU
@@ -15,7 +15,7 @@ import torch
 
 import autooffload
 from autooffload.errors import PlanError
-from autooffload.runtime.gpu_update import GpuUpdater
+from autooffload.runtime.update.gpu_update import GpuUpdater
 from tests.runtime.test_offload_equivalence import STEPS, assert_same_training, compare
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,8 +11,8 @@ from torch import nn
 
 import autooffload
 from autooffload import runtime as rt
-from autooffload.runtime.chunks import build_layout
-from autooffload.runtime.manager import ChunkManager, Residency
+from autooffload.runtime.chunks.layout import build_layout
+from autooffload.runtime.chunks.store import ChunkManager, Residency
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,8 +11,8 @@ from torch import nn
 import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import AttachError
-from autooffload.runtime import optimizer as optimizer_module
-from autooffload.runtime.optimizer import CPU_OPTIMIZERS
+from autooffload.runtime.update import grad_staging
+from autooffload.runtime.update.twins import CPU_OPTIMIZERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -289,7 +289,7 @@ def test_gradients_aliased_to_the_staging_survive_its_next_write(make_llama, off
 
 
 def test_cpu_updates_leave_the_launching_thread_a_core_on_a_gpu(monkeypatch):
-    from autooffload.runtime.optimizer import update_threads
+    from autooffload.runtime.update.cpu_optimizer import update_threads
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
     assert update_threads(None, on_gpu=True) == 15
@@ -313,7 +313,7 @@ def test_the_measured_profiling_step_starts_after_the_cpu_update(make_llama, off
     """The second (measured) profiling step must not overlap the first step's CPU update: its
     block timings would then measure a host busy with the update (made the predicted step 2x
     too long on an H100). After that, step() returns before the update again."""
-    from autooffload.runtime.optimizer import CpuOptimizer
+    from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
 
     model = make_llama(n_layers=2)
     offload_cpu()  # the auto plan: two conservative profiling steps, then the searched plan
@@ -427,7 +427,7 @@ def test_mixed_dtype_adds_in_views_equal_the_whole_tensor_add(make_llama, offloa
     (the cost model's accumulation rate)."""
     whole, stats_whole = _bf16_grads_after(make_llama, offload_cpu, micro_batches=3)
     assert stats_whole["split"] == 0, "no param exceeds the default block: nothing split"
-    monkeypatch.setattr(optimizer_module, "ACCUMULATE_BLOCK", 100)
+    monkeypatch.setattr(grad_staging, "ACCUMULATE_BLOCK", 100)
     split, stats = _bf16_grads_after(make_llama, offload_cpu, micro_batches=3)
     assert stats["split"] > 0, "the small block split no param"
     assert whole.keys() == split.keys() and whole

@@ -21,7 +21,9 @@ def test_the_probe_runs_blocks_through_call_with_the_runtimes_hooks_muted(
     runtime = rt.runtime_of(model)
     seen: list[bool] = []
     block = next(g.module for g in runtime.groups if g.is_block)
-    block.register_forward_pre_hook(lambda module, args: seen.append(runtime.hooks_muted))
+    block.register_forward_pre_hook(
+        lambda module, args: seen.append(runtime.step_state.hooks_muted)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for ids in make_batches(4):  # two profiling steps, then the searched plan
@@ -36,7 +38,7 @@ def test_the_probe_runs_blocks_through_call_with_the_runtimes_hooks_muted(
     from autooffload.runtime.profiler import PROBE_RUNS
 
     assert seen.count(True) == PROBE_RUNS
-    assert seen[-1] is False and not runtime.hooks_muted
+    assert seen[-1] is False and not runtime.step_state.hooks_muted
     assert runtime.plan.source.startswith("search") and losses[-1] < losses[0]
 
 

@@ -114,7 +114,7 @@ def test_shapes_only_placeholders_keep_tied_parameters_one_storage():
     two tensors, one missing from the file (a flaky failure, with the plan)."""
     from safetensors.torch import _remove_duplicate_names
 
-    from autooffload.runtime.chunks import ParamSlot
+    from autooffload.runtime.chunks.layout import ParamSlot
     from autooffload.runtime.sharding import Sharding, shapes_only
 
     weight = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))

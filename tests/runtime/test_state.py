@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM
 import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import DetachStateError
-from autooffload.runtime.optimizer import CpuOptimizer
+from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

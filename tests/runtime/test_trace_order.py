@@ -11,7 +11,7 @@ import torch
 from autooffload import runtime as rt
 from autooffload.bench.models import accepted_batch, build_model, make_batch
 from autooffload.bench.workloads import get_workload
-from autooffload.runtime.manager import Residency
+from autooffload.runtime.chunks.store import Residency
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 N_BUFFER = 5

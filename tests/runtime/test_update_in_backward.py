@@ -64,7 +64,7 @@ def test_updates_run_in_the_backward_and_training_equals_plain(
             schedule.step()
             optimizer.zero_grad()
     # The first step arms it; every later backward queued each offloaded chunk's update and
-    # stepped the persistent chunk (runtime/persistent_update.py).
+    # stepped the persistent chunk (runtime/update/persistent_update.py).
     assert early_counts[0] == [] and all(c == offloaded for c in early_counts[1:]), early_counts
     assert persistent == [[]] + [sorted(runtime.manager.persistent)] * 4, persistent
     runtime.synchronize()

@@ -14,7 +14,7 @@ from runtime_models import BATCH, SEQ, VOCAB
 
 from autooffload import runtime as rt
 from autooffload.errors import UpdateInBackwardError
-from autooffload.runtime.update_mode import CHOOSE_GAIN
+from autooffload.runtime.update.update_mode import CHOOSE_GAIN
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

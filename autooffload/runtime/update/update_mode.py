@@ -13,7 +13,7 @@ changes). For a loop that showed none, the first search is run both ways and the
 backward is taken only when it is predicted ``CHOOSE_GAIN`` faster (``choose``): it makes the
 CPU update contend with the backward's own host work, which the cost model does not see
 (3.6B @ 16 GiB on an H100 measured it 0.94x-1.47x the update at step()). Under it the
-persistent chunks are stepped in the backward too (``runtime/persistent_update.py``), so
+persistent chunks are stepped in the backward too (``runtime/update/persistent_update.py``), so
 ``decide`` also wants every trained chunk param in a bound optimizer. Two more guards keep it
 safe to have on by default:
 
@@ -42,7 +42,7 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger
-from autooffload.runtime.persistent_update import raw_step
+from autooffload.runtime.update.persistent_update import raw_step
 
 if TYPE_CHECKING:
     from autooffload.plan.profile_types import ModelProfile
@@ -116,9 +116,10 @@ class BackwardUpdateMode:
 
     def _unstepped(self) -> list[str]:
         """Why some trained chunk param could not be stepped in the backward: the update in
-        the backward steps persistent chunks with their owners (runtime/persistent_update.py),
-        and the plan counts their gradients as dropped there. Under data parallelism they are
-        stepped at ``step()``, once averaged: nothing to check."""
+        the backward steps persistent chunks with their owners
+        (runtime/update/persistent_update.py), and the plan counts their gradients as dropped
+        there. Under data parallelism they are stepped at ``step()``, once averaged: nothing to
+        check."""
         if self.runtime.data_parallel is not None:
             return []
         cpu_optim = self.runtime.cpu_optim

@@ -1,16 +1,16 @@
 """The update in the backward on the GPU side: persistent chunks stepped as their backward ends.
 
-Under the update in the backward (``runtime/update_mode.py``) the offloaded chunks are updated
-on the CPU as their gradients arrive. The persistent chunks' gradients would otherwise all live
-on the device from their backward to ``optimizer.step()``: at 3.6B under 16 GiB 3.6 GB with 15
+Under the update in the backward (``runtime/update/update_mode.py``) the offloaded chunks are
+updated on the CPU as their gradients arrive. The persistent chunks' gradients would otherwise all
+live on the device from their backward to ``optimizer.step()``: at 3.6B under 16 GiB 3.6 GB with 15
 persistent chunks, at the step. Instead, as soon as the backward is past every user of a chunk
-(``GroupHooks._pre_backward``; ``_end_backward`` for the rest), the chunk's params are stepped
-by their own optimizer, restricted to them (``step_params``: the user's optimizer object, its
-state and hyperparameters, so the update is the one ``step()`` would have made), and their
-``.grad`` is dropped: at most the gradients of the chunks the backward is in live at once, and
-``step()`` skips the params (torch optimizers skip a param whose ``.grad`` is None). The planner
-counts the persistent gradients that way under the update in the backward
-(``ChunkTables.persist_grad_live``), which leaves room for more persistent chunks.
+(``GroupHooks._pre_backward``; ``_end_backward`` for the rest), the chunk's params are stepped by
+their own optimizer, restricted to them (``step_params``: the user's optimizer object, its state and
+hyperparameters, so the update is the one ``step()`` would have made), and their ``.grad`` is
+dropped: at most the gradients of the chunks the backward is in live at once, and ``step()`` skips
+the params (torch optimizers skip a param whose ``.grad`` is None). The planner counts the
+persistent gradients that way under the update in the backward (``ChunkTables.persist_grad_live``),
+which leaves room for more persistent chunks.
 
 What the user sees: after ``backward()`` a persistent param's ``.grad`` is None, as an
 offloaded one's always is (gradient clipping and GradScaler go through autooffload's patches,

@@ -123,3 +123,9 @@ def default_chunk_size(block_bytes: Sequence[int]) -> int:
 def aligned_bytes(params: Sequence[nn.Parameter]) -> int:
     """Bytes ``params`` take in a chunk, alignment padding included."""
     return sum(_align(p.numel() * p.element_size()) for p in params)
+
+
+def slot_view(flat: torch.Tensor, slot: ParamSlot, offset: int | None = None) -> torch.Tensor:
+    """``slot``'s tensor in a chunk's bytes ``flat`` (at ``offset`` instead of its own)."""
+    start = slot.offset if offset is None else offset
+    return flat[start : start + slot.nbytes].view(slot.dtype).view(slot.shape)

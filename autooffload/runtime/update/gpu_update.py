@@ -31,8 +31,8 @@ from torch.optim.adam import adam
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from autooffload.runtime.chunks import Chunk, ParamSlot
-    from autooffload.runtime.manager import ChunkManager
+    from autooffload.runtime.chunks.layout import Chunk, ParamSlot
+    from autooffload.runtime.chunks.store import ChunkManager
 
 _ALIGN = 256
 
