@@ -392,14 +392,14 @@ def check_first_update_fits(runtime: Runtime, optimizer: torch.optim.Optimizer) 
     if (
         not isinstance(profiler, StepProfiler)
         or profiler.warm
-        or not runtime._backwards_this_step
+        or not runtime.step_state.backwards_this_step
         or runtime.plan.budget_bytes is None
         or runtime.data_parallel is not None
     ):
         return
     profile = profiler.build(
         optim_bytes_per_param=optim_state_bytes(optimizer, runtime.weight_dtype()),
-        micro_batches=runtime._backwards_this_step,
+        micro_batches=runtime.step_state.backwards_this_step,
         optim_step_bytes=optim_step_bytes(optimizer, runtime.weight_dtype(), runtime.device),
     )
     try:
