@@ -1,7 +1,7 @@
 """A configuration's knobs made concrete: their checks, block policies and profile variants.
 
-The variants are those the search tries: checkpoint inputs on the host, and where gradient
-accumulation sums.
+The variants are those the search tries: the blocks' MLPs in token tiles, checkpoint inputs on
+the host, and where gradient accumulation sums.
 
 A configuration is a chunk layout (one ``ModelProfile``, i.e. one ``chunk_size``) plus
 ``Knobs(n_persist, n_buffer, n_swap, n_checkpoint)``. Units: bytes, seconds, bytes/s. Chunks have
@@ -94,6 +94,62 @@ def with_checkpoint_inputs_on_cpu(profile: ModelProfile, hw: HardwareProfile) ->
         other_s=profile.other_s + copied_out / hw.d2h_bps,
         checkpoint_inputs_on_cpu=True,
     )
+
+
+def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
+    """The layout's variant where every block's MLP runs in tiles of ``tile_tokens`` tokens
+    (``runtime/tiled_mlp.py``): its forward saves only its input, its backward runs the forward
+    again tile by tile. Apply it before ``with_checkpoint_inputs_on_cpu``.
+
+    With T = ``batch_tokens``, r = min(1, tile_tokens / T), and per block with a tileable MLP
+    (A = ``mlp_act_bytes``, its intermediates; F, B = ``mlp_fwd/bwd_transient_bytes``, the MLP's
+    own peaks above A; X = ``act_bytes_checkpoint``, one hidden-sized tensor: the MLP's output
+    in the forward, its input's gradient in the backward, both whole-sequence buffers):
+      act_bytes_keep'  = act_bytes_keep - A                                            (bytes)
+      fwd_transient'   = X + r * (A + max(F - X, 0))   if fwd_transient <= F           (bytes)
+                       = fwd_transient + A             otherwise
+      bwd_transient'   = X + r * (A + max(B - X, 0))   if bwd_transient <= B           (bytes)
+                       = bwd_transient + A             otherwise
+      bwd_s'           = bwd_s + mlp_fwd_s             (the backward's second MLP forward, s)
+    The first case is a block whose peak lies in its MLP (its transient is no larger than the
+    MLP's own): tiled, one tile's intermediates and their gradients live there. Otherwise the
+    peak lies outside the MLP, where tiling changes no bytes: the same absolute peak, above a
+    keep that is A smaller. A checkpointed block's recompute materialises ``act_bytes_keep'``,
+    so tiling shrinks its backward too; its recompute runs the tiled forward (no extra time).
+    """
+    if tile_tokens < 1:
+        raise PlanError(f"mlp_tile_tokens={tile_tokens} is out of range; valid: >= 1 tokens")
+    if profile.checkpoint_inputs_on_cpu:
+        raise PlanError("with_mlp_tiles applies to a profile before with_checkpoint_inputs_on_cpu")
+    share = min(1.0, tile_tokens / max(1, profile.batch_tokens))
+    blocks = []
+    for unit in profile.blocks:
+        a = min(unit.mlp_act_bytes, unit.act_bytes_keep)
+        if a <= 0:
+            blocks.append(unit)
+            continue
+        x = unit.act_bytes_checkpoint
+
+        def tiled(transient: int, own: int, a: int = a, x: int = x) -> int:
+            if transient <= own:
+                return int(x + share * (a + max(own - x, 0)))
+            return transient + a
+
+        blocks.append(
+            replace(
+                unit,
+                act_bytes_keep=unit.act_bytes_keep - a,
+                fwd_transient_bytes=tiled(unit.fwd_transient_bytes, unit.mlp_fwd_transient_bytes),
+                bwd_transient_bytes=tiled(unit.bwd_transient_bytes, unit.mlp_bwd_transient_bytes),
+                bwd_s=unit.bwd_s + unit.mlp_fwd_s,
+            )
+        )
+    return replace(profile, blocks=tuple(blocks), mlp_tile_tokens=tile_tokens)
+
+
+def has_tileable_mlp(profile: ModelProfile) -> bool:
+    """Whether any block has an MLP whose tiling saves bytes (``with_mlp_tiles``)."""
+    return any(unit.mlp_act_bytes > 0 for unit in profile.blocks)
 
 
 def unit_policies(n_blocks: int, n_swap: int, n_checkpoint: int) -> tuple[str, ...]:

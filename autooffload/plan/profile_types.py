@@ -156,6 +156,18 @@ class UnitProfile:
     itself. Negative (at least ``-act_bytes_keep``) where activations are freed before the
     gradients are made."""
     name: str = ""
+    mlp_act_bytes: int = 0
+    """Bytes the unit's token-wise MLP saves for the backward beyond its input (its
+    intermediates): the part of ``act_bytes_keep`` that tiling the MLP removes. 0 where the unit
+    has no MLP that can be tiled (``configuration.with_mlp_tiles``)."""
+    mlp_fwd_transient_bytes: int = 0
+    """The MLP's forward peak above ``mlp_act_bytes`` (its output being built, temporaries)."""
+    mlp_bwd_transient_bytes: int = 0
+    """The MLP's backward peak above ``mlp_act_bytes`` (its intermediates' gradients), less its
+    parameter gradients, as for ``bwd_transient_bytes``."""
+    mlp_fwd_s: float = 0.0
+    """The MLP's forward time, seconds: what a tiled MLP's backward adds (it runs the forward
+    again, tile by tile)."""
 
 
 # ``ModelProfile.accumulate_on``.
@@ -225,6 +237,9 @@ class ModelProfile:
     checkpoint_inputs_on_cpu: bool = False
     """True for the variant where checkpointed blocks keep their input in host memory
     (``configuration.with_checkpoint_inputs_on_cpu``): its plans name them ``checkpoint_cpu``."""
+    mlp_tile_tokens: int = 0
+    """Tokens per tile of the blocks' MLPs in this variant (``configuration.with_mlp_tiles``);
+    0 for the measured, untiled profile."""
 
     @property
     def persistent_in_backward(self) -> bool:
@@ -271,7 +286,12 @@ class ModelProfile:
         ones (``calibration_model.calibrate_compute``: the step runs its blocks slower or faster
         than the probe timed them alone)."""
         return self._with_units(
-            lambda unit: replace(unit, fwd_s=unit.fwd_s * factor, bwd_s=unit.bwd_s * factor)
+            lambda unit: replace(
+                unit,
+                fwd_s=unit.fwd_s * factor,
+                bwd_s=unit.bwd_s * factor,
+                mlp_fwd_s=unit.mlp_fwd_s * factor,
+            )
         )
 
     def _with_units(
@@ -297,6 +317,9 @@ class ModelProfile:
                 act_bytes_checkpoint=int(unit.act_bytes_checkpoint * ratio),
                 fwd_transient_bytes=int(unit.fwd_transient_bytes * ratio),
                 bwd_transient_bytes=int(unit.bwd_transient_bytes * ratio),
+                mlp_act_bytes=int(unit.mlp_act_bytes * ratio),
+                mlp_fwd_transient_bytes=int(unit.mlp_fwd_transient_bytes * ratio),
+                mlp_bwd_transient_bytes=int(unit.mlp_bwd_transient_bytes * ratio),
             )
 
         return self._with_units(scaled, batch_tokens=int(self.batch_tokens * ratio))
@@ -329,8 +352,11 @@ class ModelProfile:
                 unit.act_bytes_checkpoint,
                 unit.fwd_transient_bytes,
                 unit.act_bytes_keep + unit.bwd_transient_bytes,
+                unit.mlp_act_bytes,
+                unit.mlp_fwd_transient_bytes,
+                unit.mlp_act_bytes + unit.mlp_bwd_transient_bytes,
             )
-            if min(sizes) < 0 or unit.fwd_s < 0 or unit.bwd_s < 0:
+            if min(sizes) < 0 or min(unit.fwd_s, unit.bwd_s, unit.mlp_fwd_s) < 0:
                 raise PlanError(f"unit {unit.name or '?'} has a negative time or size: {unit}")
 
     def to_dict(self) -> dict[str, Any]:

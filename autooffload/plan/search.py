@@ -24,7 +24,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autooffload.errors import PlanError
-from autooffload.plan.configuration import assign_block_policies, with_checkpoint_inputs_on_cpu
+from autooffload.plan.configuration import (
+    assign_block_policies,
+    has_tileable_mlp,
+    with_checkpoint_inputs_on_cpu,
+    with_mlp_tiles,
+)
 from autooffload.plan.cost_memory import peak_breakdown
 from autooffload.plan.cost_time import predict_step, predict_step_time
 from autooffload.plan.grid import Pick, pick_order, search_layout
@@ -38,6 +43,9 @@ KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 EXHAUSTIVE_COUNTS = 16
 COARSE_POINTS = 7
 _KNOB_ENV = {name: f"AUTOOFFLOAD_{name.upper()}" for name in KNOBS}
+# Tokens per tile the search tries for the blocks' MLPs (those below the batch's tokens): large
+# enough that a tile's matmuls stay efficient, small enough to cut a long sequence's MLP bytes.
+MLP_TILE_TOKENS = (8192, 16384, 32768)
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,8 @@ class SearchRequest:
     """Lower bound of ``n_persist`` (a re-plan may promote chunks, never demote them)."""
     checkpoint_inputs: str = "gpu"
     """Where checkpointed blocks keep their input: ``gpu``, ``cpu`` or ``auto`` (both searched)."""
+    mlp_tiles: tuple[int, ...] | None = None
+    """Tokens per MLP tile to try (``search``); None: ``MLP_TILE_TOKENS``."""
 
     def plan(self) -> Plan:
         """The fastest feasible configuration (``search``)."""
@@ -101,6 +111,7 @@ class SearchRequest:
             self.fixed,
             self.min_persist,
             self.checkpoint_inputs,
+            self.mlp_tiles,
         )
 
 
@@ -111,6 +122,7 @@ def search(
     fixed: dict[str, int] | None = None,
     min_persist: int = 0,
     checkpoint_inputs: str = "gpu",
+    mlp_tiles: tuple[int, ...] | None = None,
 ) -> Plan:
     """The fastest configuration whose predicted peak fits ``budget_bytes`` (None: unbounded).
 
@@ -120,12 +132,32 @@ def search(
     (``configuration.with_checkpoint_inputs_on_cpu``) or ``auto`` (both layouts searched). Raises
     ``PlanError`` when nothing fits, naming the fixed knob that makes it infeasible and its nearest
     feasible value, or the smallest budget that would fit.
+
+    The blocks' MLPs are tiled (``configuration.with_mlp_tiles``, tiles of ``mlp_tiles`` tokens
+    below the batch's) only where the budget binds: where the fastest untiled plan that fits is
+    slower than the fastest untiled plan unbounded, or none fits. Tiling only adds time to a
+    plan with the same knobs (the backward's second MLP forward); it wins where its smaller
+    activations let faster knobs fit, and the fastest plan over every tile size is taken.
     """
     fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
     variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs)
     best, _ = _run(variants, hw, budget_bytes, fixed, min_persist=min_persist)
+    tiles = _mlp_tile_choices(profiles_by_chunk_size, mlp_tiles)
+    if tiles and budget_bytes is not None:
+        unbounded, _ = _run(variants, hw, None, fixed, min_persist=min_persist)
+        if best is None or (unbounded is not None and best.step_s > unbounded.step_s * (1 + 1e-9)):
+            for tile in tiles:
+                tiled = _variants(profiles_by_chunk_size, hw, checkpoint_inputs, tile)
+                pick, _ = _run(tiled, hw, budget_bytes, fixed, min_persist=min_persist)
+                if pick is not None and (best is None or pick_order(pick) < pick_order(best)):
+                    best = pick
     if best is None:
-        raise _infeasible(variants, hw, budget_bytes, fixed, min_persist)
+        every = variants + [
+            v
+            for tile in tiles
+            for v in _variants(profiles_by_chunk_size, hw, checkpoint_inputs, tile)
+        ]
+        raise _infeasible(every, hw, budget_bytes, fixed, min_persist)
     source = "search" if not fixed else ("user" if len(fixed) == len(KNOBS) else "user+search")
     profile = _best_backward_split(best.profile, hw, best.knobs, budget_bytes)
     return make_plan(profile, hw, best.knobs, budget_bytes, source)
@@ -174,23 +206,45 @@ def search_all(
     fixed: dict[str, int] | None = None,
     min_persist: int = 0,
     checkpoint_inputs: str = "gpu",
+    mlp_tiles: tuple[int, ...] | None = None,
 ) -> Candidates:
     """Every feasible configuration the search evaluates, with its predicted peak and throughput
-    (``n_buffer`` values above the last useful one are not evaluated: they only add memory)."""
+    (``n_buffer`` values above the last useful one are not evaluated: they only add memory),
+    the tiled MLPs' variants included."""
     fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
     variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs)
+    for tile in _mlp_tile_choices(profiles_by_chunk_size, mlp_tiles):
+        variants += _variants(profiles_by_chunk_size, hw, checkpoint_inputs, tile)
     return _run(variants, hw, budget_bytes, fixed, True, min_persist=min_persist)[1]
 
 
+def _mlp_tile_choices(
+    profiles: dict[int, ModelProfile], mlp_tiles: tuple[int, ...] | None
+) -> tuple[int, ...]:
+    """The MLP tile sizes to search: those below the batch's tokens, where a block's MLP can be
+    tiled (none otherwise)."""
+    tiles = MLP_TILE_TOKENS if mlp_tiles is None else mlp_tiles
+    profile = next(iter(profiles.values()))
+    if not has_tileable_mlp(profile):
+        return ()
+    return tuple(sorted({int(t) for t in tiles if 0 < t < profile.batch_tokens}))
+
+
 def _variants(
-    profiles: dict[int, ModelProfile], hw: HardwareProfile, checkpoint_inputs: str
+    profiles: dict[int, ModelProfile],
+    hw: HardwareProfile,
+    checkpoint_inputs: str,
+    mlp_tile_tokens: int = 0,
 ) -> list[ModelProfile]:
-    """The layouts to search: each profile as measured and/or with checkpoint inputs on the host."""
+    """The layouts to search: each profile as measured and/or with checkpoint inputs on the host,
+    its MLPs in tiles of ``mlp_tile_tokens`` tokens (0: untiled)."""
     if checkpoint_inputs not in CHECKPOINT_INPUTS:
         raise PlanError(
             f"checkpoint_inputs={checkpoint_inputs!r} is not valid; valid: {CHECKPOINT_INPUTS}"
         )
     ordered = [profiles[size] for size in sorted(profiles)]
+    if mlp_tile_tokens:
+        ordered = [with_mlp_tiles(p, mlp_tile_tokens) for p in ordered]
     on_cpu = [with_checkpoint_inputs_on_cpu(p, hw) for p in ordered]
     variants = {"gpu": ordered, "cpu": on_cpu, "auto": ordered + on_cpu}[checkpoint_inputs]
     # Gradient accumulation on auto: the sums added on the CPU or on the GPU, the faster.
@@ -233,6 +287,7 @@ def make_plan(
         bottleneck=prediction.bottleneck,
         source=source,
         update=prediction.update,
+        mlp_tile_tokens=profile.mlp_tile_tokens,
         breakdown=breakdown,
     )
 
@@ -351,6 +406,7 @@ def _infeasible(
 __all__ = [
     "CHECKPOINT_INPUTS",
     "KNOBS",
+    "MLP_TILE_TOKENS",
     "Candidates",
     "SearchRequest",
     "make_plan",

@@ -70,6 +70,8 @@ class Plan:
     bottleneck: str = "unknown"
     source: str = "search"
     update: UpdatePlacement | None = None
+    mlp_tile_tokens: int = 0
+    """Tokens per tile of the blocks' MLPs (``runtime/tiled_mlp.py``); 0: untiled."""
     breakdown: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -106,16 +108,17 @@ class Plan:
         return Knobs(self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
 
     def configures_like(self, other: Plan) -> bool:
-        """Same knobs, block policies, GPU-updated chunks and place of the accumulation's sums:
-        switching between the two changes nothing the runtime does (a checkpoint block and a
-        checkpoint_cpu one count alike in ``knobs``). The GPU update split follows from the
-        rates, so a calibration can change it alone."""
+        """Same knobs, block policies, GPU-updated chunks, place of the accumulation's sums and
+        MLP tiles: switching between the two changes nothing the runtime does (a checkpoint
+        block and a checkpoint_cpu one count alike in ``knobs``). The GPU update split follows
+        from the rates, so a calibration can change it alone."""
         return (
             self.knobs == other.knobs
             and self.block_policies == other.block_policies
             and self.gpu_update_chunks == other.gpu_update_chunks
             and self.gpu_backward_chunks == other.gpu_backward_chunks
             and self.accumulates_on_gpu == other.accumulates_on_gpu
+            and self.mlp_tile_tokens == other.mlp_tile_tokens
         )
 
     def summary(self, device_type: str = "cuda") -> str:
@@ -163,6 +166,11 @@ class Plan:
                 f"{' (inputs on CPU)' if on_cpu else ''}"
                 f"{_block_ranges(self.block_policies, kind)}, {self.n_swap} swap"
                 f"{_block_ranges(self.block_policies, 'swap')}"
+            )
+        if self.mlp_tile_tokens:
+            lines.append(
+                f"  MLPs: tiled, {self.mlp_tile_tokens} tokens per tile (intermediates of one tile"
+                " live at once; the backward runs the MLP forward again)"
             )
         if self.predicted_peak_bytes is not None:
             budget = "unbounded" if self.budget_bytes is None else format_bytes(self.budget_bytes)

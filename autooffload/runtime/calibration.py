@@ -18,7 +18,11 @@ from autooffload.plan.calibration_model import (
     calibrate,
     calibrate_compute,
 )
-from autooffload.plan.configuration import with_accumulation_of, with_checkpoint_inputs_on_cpu
+from autooffload.plan.configuration import (
+    with_accumulation_of,
+    with_checkpoint_inputs_on_cpu,
+    with_mlp_tiles,
+)
 from autooffload.plan.cost_time import predict_step_time
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile, need_from_peaks
 from autooffload.plan.search import SearchRequest
@@ -505,6 +509,8 @@ def _step_calibration(
     # its GPU update split stays at the running count (on auto it would follow the new CPU rate
     # to another split, and the running step would be judged against that split's prediction).
     variant = with_running_split(profile, plan)
+    if plan.mlp_tile_tokens:
+        variant = with_mlp_tiles(variant, plan.mlp_tile_tokens)
     if "checkpoint_cpu" in plan.block_policies:
         variant = with_checkpoint_inputs_on_cpu(variant, hw)
     predicted = predict_step_time(variant, hw, plan.knobs)[0]

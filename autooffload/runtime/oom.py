@@ -350,6 +350,7 @@ class OomRetry:
             current,
             n_buffer=max(widest, min(current.n_buffer, 2 * widest)),
             block_policies=policies,
+            mlp_tile_tokens=0,
             predicted_peak_bytes=None,
             predicted_step_s=None,
             bottleneck="not profiled yet (re-profiling a longer batch)",

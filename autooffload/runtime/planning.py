@@ -11,7 +11,11 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger, warn_once
-from autooffload.plan.configuration import with_accumulation_of, with_checkpoint_inputs_on_cpu
+from autooffload.plan.configuration import (
+    with_accumulation_of,
+    with_checkpoint_inputs_on_cpu,
+    with_mlp_tiles,
+)
 from autooffload.plan.hardware import measure_hardware
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
@@ -348,10 +352,13 @@ def _checkpoint_inputs(runtime: Runtime) -> str:
 
 
 def profile_for_plan(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> ModelProfile:
-    """``profile`` in the variant ``plan`` was predicted on: checkpointed blocks' inputs in host
-    memory when the plan chose that (``checkpoint_cpu``), the measured profile otherwise;
+    """``profile`` in the variant ``plan`` was predicted on: its MLPs tiled as the plan tiles
+    them, checkpointed blocks' inputs in host memory when the plan chose that
+    (``checkpoint_cpu``), the measured profile otherwise;
     gradient accumulation where the plan sums it (``configuration.with_accumulation_of``)."""
     profile = with_accumulation_of(profile, plan)
+    if plan.mlp_tile_tokens:
+        profile = with_mlp_tiles(profile, plan.mlp_tile_tokens)
     if "checkpoint_cpu" in plan.block_policies:
         return with_checkpoint_inputs_on_cpu(profile, hw)
     return profile

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import inspect
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from torch import nn
 
 from autooffload.plan.profile_types import ChunkProfile, ModelProfile, UnitProfile
 from autooffload.runtime import activations
+from autooffload.runtime.tiled_mlp import find_mlp
 
 if TYPE_CHECKING:
     from autooffload.runtime.blocks import Group
@@ -95,6 +96,24 @@ def primary_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
         return args, kwargs
     rest = dict(kwargs)
     return (rest.pop(name),), rest
+
+
+@contextlib.contextmanager
+def _capture_input(mlp: nn.Module | None, inputs: list[torch.Tensor]) -> Iterator[None]:
+    """Keep the first tensor input of ``mlp``'s latest call in ``inputs`` (detached)."""
+    if mlp is None:
+        yield
+        return
+
+    def hook(_module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            inputs[:] = [args[0].detach()]
+
+    handle = mlp.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class _Clock:
@@ -247,6 +266,9 @@ class StepProfiler:
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
         saved = [0]
+        mlp = find_mlp(block)
+        mlp_inputs: list[torch.Tensor] = []
+        mlp_fields: dict[str, Any] = {}
         try:
             with runtime.step_state.probe():
                 # The first run pays one-time costs (allocator growth, kernel selection); the
@@ -254,10 +276,15 @@ class StepProfiler:
                 best = (float("inf"), float("inf"))
                 for _ in range(PROBE_RUNS):
                     saved[0] = 0
-                    measured = self._probe_once(block, self._inputs(args), kwargs, params, saved)
+                    with _capture_input(mlp, mlp_inputs):
+                        measured = self._probe_once(
+                            block, self._inputs(args), kwargs, params, saved
+                        )
                     fwd_s, bwd_s, kept, fwd_peak, bwd_peak = measured
                     best = (min(best[0], fwd_s), min(best[1], bwd_s))
                 fwd_s, bwd_s = best
+                if mlp is not None and mlp_inputs:
+                    mlp_fields = self._probe_mlp(mlp, mlp_inputs[-1])
         finally:
             for index in chunks:
                 runtime.manager.release(index)
@@ -277,7 +304,31 @@ class StepProfiler:
             fwd_transient_bytes=int(max(0, fwd_peak - kept)),
             bwd_transient_bytes=int(bwd_transient),
             name=type(block).__name__,
+            **mlp_fields,
         )
+
+    def _probe_mlp(self, mlp: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+        """Run a block's MLP on its own, on the input it had in the block: the bytes it saves
+        beyond that input, its own transients and its forward time (``UnitProfile.mlp_*``)."""
+        params = [p for p in mlp.parameters() if p.requires_grad]
+        saved = [0]
+        best_s = float("inf")
+        for _ in range(2):
+            saved[0] = 0
+            inputs = self._inputs((x,))
+            fwd_s, _, kept, fwd_peak, bwd_peak = self._probe_once(
+                mlp, inputs, {}, params, saved, skip=inputs[0]
+            )
+            best_s = min(best_s, fwd_s)
+        bwd_transient = max(0, bwd_peak)
+        if self.clock.cuda:
+            bwd_transient = max(-int(kept), bwd_peak - _grad_bytes(self._chunked_trainable(params)))
+        return {
+            "mlp_act_bytes": int(kept),
+            "mlp_fwd_transient_bytes": int(max(0, fwd_peak - kept)),
+            "mlp_bwd_transient_bytes": int(bwd_transient),
+            "mlp_fwd_s": best_s,
+        }
 
     @staticmethod
     def _inputs(args: tuple) -> tuple:
@@ -289,14 +340,24 @@ class StepProfiler:
         return args
 
     def _probe_once(
-        self, block: nn.Module, inputs: tuple, kwargs: dict, params: list, saved: list[int]
+        self,
+        block: nn.Module,
+        inputs: tuple,
+        kwargs: dict,
+        params: list,
+        saved: list[int],
+        skip: torch.Tensor | None = None,
     ) -> tuple[float, float, int, int, int]:
         """One forward and backward of ``block``: (fwd_s, bwd_s, kept, fwd_peak, bwd_peak).
-        ``saved`` counts the bytes autograd saves (CPU only: the GPU reads the allocator)."""
+        ``saved`` counts the bytes autograd saves (CPU only: the GPU reads the allocator),
+        those of ``skip``'s storage aside."""
         x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+        skipped = skip.untyped_storage().data_ptr() if skip is not None else None
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if not isinstance(t, nn.Parameter):
+            if not isinstance(t, nn.Parameter) and (
+                skipped is None or t.untyped_storage().data_ptr() != skipped
+            ):
                 saved[0] += t.numel() * t.element_size()
             return t
 

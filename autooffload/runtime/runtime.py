@@ -52,6 +52,7 @@ from autooffload.runtime.state import (
     load_offloaded_state,
     twin_states,
 )
+from autooffload.runtime.tiled_mlp import set_mlp_tiles
 from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
 from autooffload.runtime.update.update_mode import BackwardUpdateMode
 from autooffload.settings import Settings
@@ -274,6 +275,7 @@ class Runtime(GroupHooks):
         if plan.block_policies and self.settings.activation_mode != "off":
             for group, policy in zip(self.blocks_in_order(), plan.block_policies, strict=False):
                 self.apply_block_policy(group.module, policy)
+        set_mlp_tiles((g.module for g in self.blocks_in_order()), plan.mlp_tile_tokens)
         self.plan = plan
 
     def _demote(self, indices: list[int]) -> None:
@@ -494,6 +496,7 @@ class Runtime(GroupHooks):
         for group in self.groups:
             if group.is_block:
                 remove_policy(group.module)
+        set_mlp_tiles((g.module for g in self.groups if g.is_block), 0)
         if self.hf_checkpointing_taken:
             restore_hf_gradient_checkpointing(self.model)
         self.manager.materialize(target, fetched)

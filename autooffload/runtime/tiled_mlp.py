@@ -20,7 +20,9 @@ dropout inside the MLP the masks are drawn per tile, so they differ from the unt
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,11 @@ from autooffload.runtime.activations import recomputing
 from autooffload.runtime.forward_wrap import install_forward, remove_forward
 
 _TILED_ATTR = "_autooffload_tiled_mlp"
+# Attributes of mixture-of-experts MLPs: their routing (capacity, load balancing) sees every
+# token of the batch at once, so a tile would route differently.
+_ROUTED_ATTRS = ("experts", "router", "gate_network", "num_experts")
+
+logger = logging.getLogger("autooffload")
 
 
 @dataclass(eq=False)
@@ -74,6 +81,54 @@ def untile_mlp(mlp: nn.Module) -> None:
 def is_tiled(mlp: nn.Module) -> bool:
     """Whether :func:`tile_mlp` is installed on ``mlp``."""
     return _TILED_ATTR in mlp.__dict__
+
+
+def find_mlp(block: nn.Module) -> nn.Module | None:
+    """The token-wise MLP of a decoder block, or None: the block's ``mlp`` attribute (Hugging
+    Face decoder layers) whose ``forward`` takes one required input; routed (mixture-of-experts)
+    MLPs are skipped, with a DEBUG line."""
+    mlp = getattr(block, "mlp", None)
+    if not isinstance(mlp, nn.Module):
+        return None
+    if any(hasattr(mlp, name) for name in _ROUTED_ATTRS):
+        logger.debug("%s.mlp is routed (mixture of experts): not tiled", type(block).__name__)
+        return None
+    try:
+        params = list(inspect.signature(mlp.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    required = [
+        p
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if len(required) != 1:
+        logger.debug(
+            "%s.mlp.forward takes %d required inputs: not tiled",
+            type(block).__name__,
+            len(required),
+        )
+        return None
+    return mlp
+
+
+def set_mlp_tiles(blocks: Iterable[nn.Module], tile_tokens: int) -> int:
+    """Tile the MLP of every block (``find_mlp``) in tiles of ``tile_tokens`` tokens, or untile
+    them all with 0; returns how many MLPs are tiled."""
+    tiled = 0
+    for block in blocks:
+        mlp = find_mlp(block)
+        if mlp is None:
+            continue
+        if tile_tokens <= 0:
+            untile_mlp(mlp)
+            continue
+        state = mlp.__dict__.get(_TILED_ATTR)
+        if state is None or state.tile_tokens != tile_tokens:
+            tile_mlp(mlp, tile_tokens)
+        tiled += 1
+    return tiled
 
 
 def _run_mlp(state: TiledMLP, args: tuple, kwargs: dict) -> Any:
