@@ -1,0 +1,113 @@
+"""The planned long-sequence path: tiled MLPs chosen by the search, the chunked loss and
+checkpointed blocks with host-kept inputs train like plain autograd; untiled plans install
+nothing."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers.models.mixtral.configuration_mixtral import MixtralConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+import autooffload
+from autooffload import runtime as rt
+from autooffload.plan import search as plan_search
+from autooffload.runtime.tiled_mlp import find_mlp, is_tiled, set_mlp_tiles
+from tests.runtime.runtime_models import BATCH, SEQ, enable_cpu
+from tests.runtime.test_offload_equivalence import ATOL, RTOL, adamw, assert_same_training, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 6
+TILE = BATCH * SEQ // 4  # four tiles per batch
+
+
+def decoder_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [layer.mlp for layer in model.model.layers]
+
+
+def profiled_budget(model: torch.nn.Module, data: list[torch.Tensor]) -> int:
+    """A budget between the smallest peak of the tiled plans and that of the untiled ones, from
+    the profile of one attached step (byte figures on the CPU simulation are deterministic)."""
+    probe = copy.deepcopy(model)
+    enable_cpu(checkpoint_inputs="cpu")
+    probe.to("cpu")
+    optimizer = adamw(probe.parameters())
+    for ids in data[:3]:  # through the profiling steps to the searched plan
+        probe(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    request = rt.runtime_of(probe).search_request
+    untiled = replace(request, mlp_tiles=()).candidates().peak_bytes.min()
+    tiled = replace(request, mlp_tiles=(TILE,)).candidates().peak_bytes.min()
+    autooffload.disable()
+    assert tiled < untiled
+    return int((tiled + untiled) // 2)
+
+
+def test_planned_long_sequence_path_trains_like_plain_autograd(
+    make_llama, make_batches, offload_cpu, monkeypatch
+) -> None:
+    monkeypatch.setattr(plan_search, "MLP_TILE_TOKENS", (TILE,))
+    base = make_llama(tied=False)
+    data = make_batches(STEPS)
+    budget = profiled_budget(base, data)
+    seen = []
+
+    def check(runtime) -> None:
+        seen.append(runtime.plan)
+        assert all(is_tiled(mlp) for mlp in decoder_mlps(runtime.model))
+
+    plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu)
+    model = copy.deepcopy(base)
+    planned = train(
+        model,
+        data,
+        attach={"budget": budget, "checkpoint_inputs": "cpu", "chunked_loss": True},
+        offload_cpu=offload_cpu,
+        before_detach=check,
+    )
+    (plan,) = seen
+    assert plan.mlp_tile_tokens == TILE
+    assert plan.predicted_peak_bytes <= budget
+    assert "checkpoint_cpu" in plan.block_policies
+    # Tiles sum the MLP's weight gradients in another order and the chunked loss its rows:
+    # ~1e-7 relative per step, within the equivalence tests' 1e-5 over a few AdamW steps.
+    assert (RTOL, ATOL) == (1e-5, 1e-5)
+    assert_same_training(plain, planned)
+    assert not any(is_tiled(mlp) for mlp in decoder_mlps(model))  # detach untiles
+
+
+def test_untiled_plan_installs_nothing(make_llama, make_batches, offload_cpu) -> None:
+    model = make_llama()
+    seen = []
+
+    def check(runtime) -> None:
+        seen.append(runtime.plan.mlp_tile_tokens)
+        for mlp in decoder_mlps(runtime.model):
+            assert not is_tiled(mlp) and "forward" not in mlp.__dict__
+
+    train(model, make_batches(2), attach={}, offload_cpu=offload_cpu, before_detach=check)
+    assert seen == [0]
+
+
+def test_find_mlp_takes_token_wise_mlps_and_skips_routed_ones(make_llama) -> None:
+    model = make_llama()
+    layers = list(model.model.layers)
+    assert [find_mlp(layer) for layer in layers] == decoder_mlps(model)
+    assert set_mlp_tiles(layers, 8) == len(layers)
+    assert set_mlp_tiles(layers, 0) == 0
+    assert not any("forward" in mlp.__dict__ for mlp in decoder_mlps(model))
+    config = MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+    )
+    moe = MixtralDecoderLayer(config, 0)
+    assert find_mlp(moe) is None
+    assert set_mlp_tiles([moe], 8) == 0
