@@ -16,7 +16,7 @@ from autooffload.errors import SettingsError
 BOUNDARY_KEYS = ("role", "start", "end", "include_start", "include_end")
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
 # ``Settings.chunk_pool``: the CUDA stream whose allocator pool holds chunk storage
-# (runtime/manager.py).
+# (runtime/chunks/store.py).
 CHUNK_POOLS = ("compute", "copy")
 ACCUMULATE_ON = ("cpu", "gpu")
 _TRUE = ("1", "true", "yes", "on")
