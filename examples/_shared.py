@@ -100,5 +100,14 @@ def print_losses_and_plan(trainer: Any) -> None:
 
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     print(f"losses: {' '.join(f'{loss:.4f}' for loss in losses)}")
-    plan = autooffload.last_plan()
-    print(plan.summary() if plan is not None else "plan: none (the model was not attached)")
+    print(plan_text(autooffload.last_plan()))
+
+
+def plan_text(plan: Any) -> str:
+    """The plan's summary in the words of the device it ran on (the CPU simulation's host
+    memory is "the device"), or a line saying nothing was attached."""
+    import torch
+
+    if plan is None:
+        return "plan: none (the model was not attached)"
+    return plan.summary("cuda" if torch.cuda.is_available() else "cpu")

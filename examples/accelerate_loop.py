@@ -17,7 +17,7 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from _shared import chat_arguments, chat_model, dump_logits, read_jsonl
+from _shared import chat_arguments, chat_model, dump_logits, plan_text, read_jsonl
 from accelerate import Accelerator
 from transformers import AutoTokenizer, get_scheduler
 
@@ -128,8 +128,7 @@ def main() -> None:
         dump_logits(model, rows[0], args.dump_logits)
 
     print(f"losses: {' '.join(f'{loss:.4f}' for loss in losses)}")
-    plan = autooffload.last_plan()
-    print(plan.summary() if plan is not None else "plan: none (the model was not attached)")
+    print(plan_text(autooffload.last_plan()))
 
 
 if __name__ == "__main__":

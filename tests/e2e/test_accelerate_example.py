@@ -56,7 +56,7 @@ def test_accelerate_example_attached_trains_like_the_plain_loop(
 ) -> None:
     stdout, out = attached_run
     assert re.search(r"^plan \((search|user\+search)\): \d+ chunks", stdout, flags=re.M), stdout
-    assert re.search(r"^  persistent on GPU: 0 chunks", stdout, flags=re.M), stdout
+    assert re.search(r"^  persistent on device: 0 chunks", stdout, flags=re.M), stdout
     losses = trainer_losses(stdout)
     assert losses == step_losses(stdout)
     assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses), losses
