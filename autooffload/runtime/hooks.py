@@ -77,6 +77,12 @@ class GroupHooks:
     settings: Settings
     hf_checkpointing_taken: bool
 
+    @property
+    def last_trace(self) -> list[int]:
+        """Group indices in the order the last complete forward ran them (the attach order
+        until one has run)."""
+        return list(self._last_trace)
+
     def init_hooks(self) -> None:
         """The trace state; the hooks themselves are installed by ``_install_hooks``."""
         self._handles: list[RemovableHandle] = []

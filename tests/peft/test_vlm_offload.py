@@ -61,7 +61,7 @@ def test_lora_on_a_vlm_with_every_chunk_offloaded_trains_like_plain_peft(arch: s
     tower_modules = {id(m) for m in tower.modules()}
     tower_blocks = [g for g in runtime.groups if g.is_block and id(g.module) in tower_modules]
     assert len(tower_blocks) >= 2, [g.name for g in runtime.groups]
-    traced = set(runtime._last_trace)
+    traced = set(runtime.last_trace)
     assert all(g.index in traced for g in tower_blocks)
     profiled = {unit.name: unit for unit in runtime.profile.blocks}
     for group in tower_blocks:

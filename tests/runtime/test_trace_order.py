@@ -49,7 +49,7 @@ def test_a_vlm_backward_releases_chunks_and_its_trace_is_complete(offload_cpu):
         model(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    trace = [names[g] for g in runtime._last_trace]
+    trace = [names[g] for g in runtime.last_trace]
     assert trace[0].endswith("embed_tokens"), trace
     assert any("visual" in name for name in trace) and trace[-1].endswith("lm_head"), trace
     assert resident_in_backward, "no chunk was gathered in the backward"

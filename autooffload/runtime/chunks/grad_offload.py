@@ -108,6 +108,24 @@ class GradientOffload:
         self._presence_host: dict[int, torch.Tensor] = {}
         self._backward_id = 0
 
+    def connect_update(
+        self,
+        grads_ready: GradsReady | None,
+        grads_averaging: Callable[[Chunk, list[torch.Tensor], Reduction], bool] | None,
+        before_staging_write: Callable[[int], None] | None,
+        device_sums: Callable[[Chunk, list[ParamSlot]], list[bool] | None] | None,
+    ) -> None:
+        """Wire the update side (the CPU optimizer) to the gradient events of this store; all
+        None disconnects it (at detach, so nothing of it stays reachable from here)."""
+        self.on_grads_ready = grads_ready
+        self.on_grads_averaging = grads_averaging
+        self.before_staging_write = before_staging_write
+        self.device_sums = device_sums
+
+    def set_data_parallel(self, data_parallel: DataParallel | None) -> None:
+        """The reducer whose collectives average each chunk's gradients (None: one process)."""
+        self.data_parallel = data_parallel
+
     def free_gradient_staging(self) -> None:
         """Detach: the staging and the device sums' scratch go."""
         self._sum_scratch = None

@@ -143,10 +143,12 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
         # backward, weights and gradients still resident (plan/update_split.backward_split).
         self.backward_gpu_chunks: set[int] = set()
         self._gpu_problems: dict[int, str | None] = {}
-        manager.on_grads_ready = self._grads_ready
-        manager.on_grads_averaging = self.update_averaged_on_device
-        manager.before_staging_write = self._before_staging_write
-        manager.device_sums = self.device_sums
+        manager.connect_update(
+            self._grads_ready,
+            self.update_averaged_on_device,
+            self._before_staging_write,
+            self.device_sums,
+        )
         # Every offloaded trainable param, on every rank (masters exist only for the chunks
         # this rank owns when the state is sharded: runtime/sharding.py).
         self.offloaded_ids: set[int] = set()
@@ -470,10 +472,7 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
         it: after detach the pinned memory is freed at once, not at the next cyclic gc."""
         self.worker.shutdown(wait=True)
         self.gpu.shutdown()
-        self.manager.on_grads_ready = None
-        self.manager.on_grads_averaging = None
-        self.manager.before_staging_write = None
-        self.manager.device_sums = None
+        self.manager.connect_update(None, None, None, None)
         tables = (self.masters, self.grad_buffers, self.twins, self.twin_group_index)
         for table in (*tables, self.staged_views, self.add_views, self.copy_back):
             table.clear()
