@@ -388,6 +388,19 @@ def hardware_profile(runtime: Runtime) -> HardwareProfile:
     )
 
 
+def _step_profile(
+    runtime: Runtime, profiler: StepProfiler, optimizer: torch.optim.Optimizer
+) -> ModelProfile:
+    """The profile of the step ``profiler`` watched (runs its probes), with the optimizer's
+    state and step temporaries per parameter."""
+    dtype = runtime.weight_dtype()
+    return profiler.build(
+        optim_bytes_per_param=optim_state_bytes(optimizer, dtype),
+        micro_batches=runtime.step_state.backwards_this_step,
+        optim_step_bytes=optim_step_bytes(optimizer, dtype, runtime.device),
+    )
+
+
 def check_first_update_fits(runtime: Runtime, optimizer: torch.optim.Optimizer) -> None:
     """Before the first update of a searched plan's run (the first profiling step's optimizer
     step, its backward done): search the profile of that step, memory first, and raise the
@@ -404,11 +417,7 @@ def check_first_update_fits(runtime: Runtime, optimizer: torch.optim.Optimizer) 
         or runtime.data_parallel is not None
     ):
         return
-    profile = profiler.build(
-        optim_bytes_per_param=optim_state_bytes(optimizer, runtime.weight_dtype()),
-        micro_batches=runtime.step_state.backwards_this_step,
-        optim_step_bytes=optim_step_bytes(optimizer, runtime.weight_dtype(), runtime.device),
-    )
+    profile = _step_profile(runtime, profiler, optimizer)
     try:
         search_request(runtime, profile).plan()
     except PlanError as error:
@@ -430,11 +439,7 @@ def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> Mo
     runtime.profiler = None
     runtime.cpu_optim.wait()
     runtime.backward_update.decide()
-    profile = profiler.build(
-        optim_bytes_per_param=optim_state_bytes(optimizer, runtime.weight_dtype()),
-        micro_batches=runtime.step_state.backwards_this_step,
-        optim_step_bytes=optim_step_bytes(optimizer, runtime.weight_dtype(), runtime.device),
-    )
+    profile = _step_profile(runtime, profiler, optimizer)
     return replace(
         profile,
         gpu_update=gpu_update_mode(runtime),
