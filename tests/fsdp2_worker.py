@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+from tiny_qwen3 import tiny_qwen3  # noqa: E402
 from tokenizer_data import tokenizer_dir  # noqa: E402
 
 import autooffload  # noqa: E402
@@ -27,25 +28,6 @@ CHAT = [
     {"role": "user", "content": "What is {a}+{b}?"},
     {"role": "assistant", "content": "It is {c}."},
 ]
-
-
-def tiny_qwen3(vocab: int, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    return Qwen3ForCausalLM(config).to(device=device, dtype=dtype).train()
 
 
 def chat_batches(tokenizer, rank: int, world: int) -> list[dict[str, list]]:

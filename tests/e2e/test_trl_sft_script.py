@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+from tiny_qwen3 import tiny_qwen3  # noqa: E402
 from tokenizer_data import tokenizer_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,23 +66,11 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     """A random-init tiny Qwen3 saved with its tokenizer, and a local chat data set."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("sft_script")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir("qwen3"))
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    Qwen3ForCausalLM(config).save_pretrained(root / "model")
+    tiny_qwen3(len(tokenizer)).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     data = root / "data"
     data.mkdir()
