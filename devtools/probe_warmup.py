@@ -2,9 +2,9 @@
 
 python devtools/probe_warmup.py
 Times one Llama-3.2-3B-dims decoder layer (bf16, bs 4, seq 1024) forward and backward with CUDA
-events, as ``runtime/profiler.py``'s probe does, after the GPU idled for a second: the per-run times
-of 20 runs in order, so the first runs (the probe's best of 3) can be compared with the steady
-state.
+events, as ``runtime/control/profiler.py``'s probe does, after the GPU idled for a second: the
+per-run times of 20 runs in order, so the first runs (the probe's best of 3) can be compared
+with the steady state.
 """
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ class AutoOffloadTrainee(Trainee):
 
 def _planned_profile(runtime: Any, plan: Any) -> Any:
     """The profile the plan's predictions were made on."""
-    from autooffload.runtime.planning import profile_for_plan
+    from autooffload.runtime.control.planning import profile_for_plan
 
     return profile_for_plan(runtime.profile, plan, runtime.search_request.hw)
 

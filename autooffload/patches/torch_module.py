@@ -19,7 +19,7 @@ from autooffload.patches import _registry
 from autooffload.runtime import registry
 from autooffload.runtime.access import params_on_device, runtime_managing
 from autooffload.runtime.attachable import COMPILE_UNSUPPORTED
-from autooffload.runtime.planning import budget_bytes
+from autooffload.runtime.control.planning import budget_bytes
 from autooffload.settings import Settings, current
 
 TARGETS = ("torch",)

@@ -101,9 +101,9 @@ def _post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> N
 
 def _backward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``torch.autograd.backward`` (``Tensor.backward`` calls it): a device OOM in the backward
-    of an attached model's output is retried once (``runtime/oom.py``); on any other exception
-    (or Ctrl-C) the runtimes clean up at once instead of at the next forward or step."""
-    from autooffload.runtime.oom import run_backward
+    of an attached model's output is retried once (``runtime/control/oom.py``); on any other
+    exception (or Ctrl-C) the runtimes clean up at once instead of at the next forward or step."""
+    from autooffload.runtime.control.oom import run_backward
 
     return run_backward(wrapped, args, kwargs)
 

@@ -27,13 +27,13 @@ from autooffload.runtime.activations import take_over_hf_gradient_checkpointing
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
 from autooffload.runtime.chunks.store import Residency
+from autooffload.runtime.control.profiler import StepProfiler
 from autooffload.runtime.lockstep import (
     BACKWARD,
     BACKWARD_END,
     FORWARD_NO_GRAD,
     FORWARD_WITH_GRAD,
 )
-from autooffload.runtime.profiler import StepProfiler
 from autooffload.runtime.step_state import StepState
 
 if TYPE_CHECKING:

@@ -23,18 +23,16 @@ from autooffload.runtime.activations import (
 from autooffload.runtime.adapters import adapter_params
 from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import Group, discover_groups
-from autooffload.runtime.calibration import (
+from autooffload.runtime.chunks.layout import aligned_bytes, build_layout, default_chunk_size
+from autooffload.runtime.chunks.store import ChunkManager
+from autooffload.runtime.control.calibration import (
     StepTimer,
     accumulate_rate,
     check_planned_steps,
     worker_rate,
 )
-from autooffload.runtime.chunks.layout import aligned_bytes, build_layout, default_chunk_size
-from autooffload.runtime.chunks.store import ChunkManager
-from autooffload.runtime.distributed import DataParallel, attach_data_parallel, local_world_size
-from autooffload.runtime.hooks import GroupHooks
-from autooffload.runtime.oom import OomRetry
-from autooffload.runtime.planning import (
+from autooffload.runtime.control.oom import OomRetry
+from autooffload.runtime.control.planning import (
     accumulate_mode,
     check_first_update_fits,
     check_host_memory,
@@ -43,7 +41,9 @@ from autooffload.runtime.planning import (
     profile_after_step,
     switch_to_searched_plan,
 )
-from autooffload.runtime.profiler import StepProfiler
+from autooffload.runtime.control.profiler import StepProfiler
+from autooffload.runtime.distributed import DataParallel, attach_data_parallel, local_world_size
+from autooffload.runtime.hooks import GroupHooks
 from autooffload.runtime.quantized import QuantizedParams
 from autooffload.runtime.sharding import Sharding, fetch_offloaded
 from autooffload.runtime.state import (
@@ -183,9 +183,9 @@ class Runtime(GroupHooks):
         # state_dict / load_state_dict see and set the weights wherever they live (removed on
         # detach with the other hooks).
         self._handles.extend(ModelStateHooks(self).install())
-        # A device OOM inside the model's forward or backward is retried once (runtime/oom.py;
-        # on by default, off with AUTOOFFLOAD_UPDATE_IN_BACKWARD=1 unless set explicitly; its
-        # auto mode keeps it, ``BackwardUpdateMode.note_forward``).
+        # A device OOM inside the model's forward or backward is retried once
+        # (runtime/control/oom.py; on by default, off with AUTOOFFLOAD_UPDATE_IN_BACKWARD=1
+        # unless set explicitly; its auto mode keeps it, ``BackwardUpdateMode.note_forward``).
         self.oom = OomRetry(self).install() if settings.oom_retry_on else None
         if self.profiler is not None:
             self.profiler = StepProfiler(self)

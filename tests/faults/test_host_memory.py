@@ -15,8 +15,8 @@ from _faults import assert_same_weights, batches, enable_cpu, tiny_llama, weight
 import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import PlanError
-from autooffload.runtime import planning
 from autooffload.runtime.chunks.host import HostArena, HostMemory, host_memory
+from autooffload.runtime.control import planning
 
 GIB = 1 << 30
 

@@ -26,13 +26,13 @@ from _faults import (
 import autooffload
 from autooffload import runtime as rt
 from autooffload.plan.search import make_plan
-from autooffload.runtime.oom import (
+from autooffload.runtime.control.oom import (
     OOM_BUDGET_CUT,
     REPROFILE_RATIO,
     REPROFILE_SOURCE,
     OutOfMemoryRetryError,
 )
-from autooffload.runtime.planning import hardware_profile, profile_for_plan
+from autooffload.runtime.control.planning import hardware_profile, profile_for_plan
 from autooffload.runtime.step_state import StepPhase
 
 STEPS = 6

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import autooffload
 from autooffload import runtime as rt
-from autooffload.runtime.oom import REPROFILE_SOURCE, OutOfMemoryRetryError
+from autooffload.runtime.control.oom import REPROFILE_SOURCE, OutOfMemoryRetryError
 
 pytestmark = pytest.mark.gpu
 

@@ -320,7 +320,7 @@ def case_calibrate(device, dtype, rank, world):
     training goes on like single-process training."""
     from autooffload import runtime as rt
     from autooffload.runtime import runtime as runtime_module
-    from autooffload.runtime.calibration import calibrate_after_steps
+    from autooffload.runtime.control.calibration import calibrate_after_steps
     from autooffload.runtime.distributed import DataParallel
 
     # The CPU rate and the collectives' rates measured on this tiny model are noise (latency);

@@ -161,7 +161,7 @@ def test_copies_out_of_the_staging_count_with_the_adds_not_the_update(
     at the add rate (``cost_time.later_on_cpu``): the worker's clocks must put it there too, or the
     update's measured rate drops by the copy (3.6B: 3.8 against 5.3 Gparam/s) and it is paid
     twice in the predicted step."""
-    from autooffload.runtime.calibration import accumulate_rate, worker_rate
+    from autooffload.runtime.control.calibration import accumulate_rate, worker_rate
 
     offload_cpu(n_persist=0, accumulate_on="cpu")
     model = make_llama().to("cpu")

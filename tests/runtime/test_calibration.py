@@ -22,8 +22,8 @@ from autooffload.plan.cost_memory import predict_peak_bytes
 from autooffload.plan.cost_time import predict_step_time
 from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
 from autooffload.plan.search import SearchRequest
-from autooffload.runtime import calibration
-from autooffload.runtime.calibration import (
+from autooffload.runtime.control import calibration
+from autooffload.runtime.control.calibration import (
     CALIBRATE_AFTER_STEPS,
     CALIBRATION_MARGIN,
     CALIBRATION_ROUNDS,
@@ -436,7 +436,7 @@ def test_a_profile_far_slower_than_the_steps_is_corrected_at_the_first_check(
 def test_the_optimizer_step_temporaries_follow_the_optimizer_implementation():
     """foreach (torch's CUDA default) builds whole-group temporaries; fused and per-tensor
     kernels, the CPU, and bitsandbytes optimizers count none."""
-    from autooffload.runtime.planning import optim_step_bytes
+    from autooffload.runtime.control.planning import optim_step_bytes
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     params = [torch.nn.Parameter(torch.zeros(4))]

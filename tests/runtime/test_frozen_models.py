@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import AttachError
-from autooffload.runtime.profiler import MARKS_PER_GROUP, StepProfiler
+from autooffload.runtime.control.profiler import MARKS_PER_GROUP, StepProfiler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""The profiling step's block probe (runtime/profiler.py), in the CPU simulation: it runs
+"""The profiling step's block probe (runtime/control/profiler.py), in the CPU simulation: it runs
 each block class once through its ``__call__`` (so the hooks of HF and others run, as in the
 step) with the runtime's own hooks stepping aside (no trace entry, no gather of their own)."""
 
@@ -35,7 +35,7 @@ def test_the_probe_runs_blocks_through_call_with_the_runtimes_hooks_muted(
     assert runtime.profile is not None and len(runtime.profile.blocks) == 4
     # The block's own pre-hook saw the probe's runs (muted; PROBE_RUNS of them) between the
     # steps' calls (not muted): the probe went through __call__, and the hooks are live again.
-    from autooffload.runtime.profiler import PROBE_RUNS
+    from autooffload.runtime.control.profiler import PROBE_RUNS
 
     assert seen.count(True) == PROBE_RUNS
     assert seen[-1] is False and not runtime.step_state.hooks_muted

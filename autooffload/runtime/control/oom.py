@@ -50,16 +50,16 @@ from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import make_plan
 from autooffload.plan.types import GiB, Plan
 from autooffload.runtime import registry
-from autooffload.runtime.forward_wrap import install_forward, remove_forward
-from autooffload.runtime.hooks import in_backward
-from autooffload.runtime.planning import (
+from autooffload.runtime.control.planning import (
     REPROFILE_SOURCE,
     budget_bytes,
     hardware_profile,
     plan_from_profile,
     profile_for_plan,
 )
-from autooffload.runtime.profiler import StepProfiler
+from autooffload.runtime.control.profiler import StepProfiler
+from autooffload.runtime.forward_wrap import install_forward, remove_forward
+from autooffload.runtime.hooks import in_backward
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime

@@ -22,10 +22,10 @@ from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan, format_bytes
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 from autooffload.runtime import registry
-from autooffload.runtime.calibration import arm_calibration
 from autooffload.runtime.chunks.host import HostMemory, host_memory
 from autooffload.runtime.chunks.layout import ALIGN, ChunkLayout
-from autooffload.runtime.profiler import StepProfiler
+from autooffload.runtime.control.calibration import arm_calibration
+from autooffload.runtime.control.profiler import StepProfiler
 from autooffload.settings import Settings
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # Without AUTOOFFLOAD_BUDGET: all free memory minus this (CUDA context growth, other libraries).
 DEFAULT_SAFETY_MARGIN = 1 << 30
 # The source of the plan an OOM retry of a much longer batch runs while profiling it
-# (``runtime/oom.py``); the plan searched from that profile keeps its persistent chunks.
+# (``runtime/control/oom.py``); the plan searched from that profile keeps its persistent chunks.
 REPROFILE_SOURCE = "OOM retry, re-profiling"
 BUDGET_MARGIN_SHARE = 0.04
 BUDGET_MARGIN_MIN = 256 << 20
