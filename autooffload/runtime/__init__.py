@@ -60,13 +60,12 @@ def attach(
     # Before the runtime allocates its chunks and buffers on the device.
     held = allocator.acquire(settings.expandable_segments, resolved)
     try:
-        runtime = Runtime(model, settings, resolved)
+        runtime = Runtime(model, settings, resolved, allocator_hold=held)
     except BaseException:
         allocator.release(held)
         if not registry.runtimes():
             patches.release_for_attach()
         raise
-    runtime.allocator_hold = held
     registry.register(model, runtime)
     if optimizer is not None:
         runtime.bind_optimizer(optimizer)

@@ -370,7 +370,7 @@ def attach_data_parallel(runtime: Runtime, settings: Settings) -> DataParallel |
             },
         }
     )
-    runtime.plan = reducer.agree(runtime.plan)
+    runtime.control.adopt_plan(reducer.agree(runtime.plan))
     share_cpu_threads()
     logger.debug("data parallel over %d ranks (%s)", reducer.world_size, reducer.backend)
     return reducer

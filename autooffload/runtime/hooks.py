@@ -27,7 +27,6 @@ from autooffload.runtime.activations import take_over_hf_gradient_checkpointing
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
 from autooffload.runtime.chunks.store import Residency
-from autooffload.runtime.control.profiler import StepProfiler
 from autooffload.runtime.lockstep import (
     BACKWARD,
     BACKWARD_END,
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
     from autooffload.runtime.activations import ActivationSwapper
     from autooffload.runtime.chunks.layout import ChunkLayout
     from autooffload.runtime.chunks.store import ChunkManager
+    from autooffload.runtime.control.controller import PlanControl
     from autooffload.runtime.distributed import DataParallel
     from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
     from autooffload.settings import Settings
@@ -72,7 +72,7 @@ class GroupHooks:
     manager: ChunkManager
     cpu_optim: CpuOptimizer
     swapper: ActivationSwapper | None
-    profiler: StepProfiler | bool | None
+    control: PlanControl
     data_parallel: DataParallel | None
     settings: Settings
     hf_checkpointing_taken: bool
@@ -235,16 +235,14 @@ class GroupHooks:
             # every model; Qwen2-VL embeds tokens before its vision tower, and ending the trace
             # there left one group in it, so no chunk was ever released in a backward.)
             self._trace_end()
-        if self._pending_profile is not None:
-            pending, self._pending_profile = self._pending_profile, None
-            self._switch_to_searched_plan(*pending)
+        self.control.before_forward()
         self._trace.append(group.index)
         self._active.append(group.index)
         for index in self._chunks(group):
             self.manager.gather(index)
         self._prefetch_after(group.index, forward=True)
-        if isinstance(self.profiler, StepProfiler):
-            self.profiler.on_pre_forward(group, args, kwargs or {})
+        if self.control.profiler is not None:
+            self.control.profiler.on_pre_forward(group, args, kwargs or {})
 
     def _post_forward(self, group: Group, output: object) -> None:
         if self.step_state.hooks_muted or in_backward():
@@ -256,8 +254,8 @@ class GroupHooks:
                 self.backward_free.discard(group.index)
             else:
                 self.backward_free.add(group.index)
-        if isinstance(self.profiler, StepProfiler):
-            self.profiler.on_post_forward(group)
+        if self.control.profiler is not None:
+            self.control.profiler.on_post_forward(group)
         if self.swapper is not None and group.is_block and group.block_index is not None:
             # A swapped block's device tensors go at the end of the next block's forward, as
             # the cost model has it (``in_flight``), whatever that block's policy: the last
@@ -279,7 +277,7 @@ class GroupHooks:
             # Not in profiling steps: their plan is not costed, and the loss's transients
             # (logits, an fp32 upcast) come on top of the kept chunks (8B QLoRA at 5 GiB ran
             # out of memory there with a 1 GiB head kept).
-            if backward and group.index in self._post_groups and self.profiler is None:
+            if backward and group.index in self._post_groups and not self.control.profiling:
                 self._kept.add(index)
             else:
                 self.manager.release(index)
@@ -351,8 +349,8 @@ class GroupHooks:
                     self.cpu_optim.update_persistent(self.layout.chunks[index])
         # The profiler's mark comes before this group's gathers: a window's memory then starts
         # without the chunks it fetches, which the profiler tells apart (``copied_in_bytes``).
-        if isinstance(self.profiler, StepProfiler):
-            self.profiler.on_pre_backward(group)
+        if self.control.profiler is not None:
+            self.control.profiler.on_pre_backward(group)
         for index in self._chunks(group):
             self.manager.gather(index)
         if self.cpu_optim.backward_gpu_chunks and self.cpu_optim.update_in_backward:

@@ -25,23 +25,14 @@ from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.chunks.layout import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.chunks.store import ChunkManager
-from autooffload.runtime.control.calibration import (
-    StepTimer,
-    accumulate_rate,
-    check_planned_steps,
-    worker_rate,
-)
+from autooffload.runtime.control.controller import PlanControl
 from autooffload.runtime.control.oom import OomRetry
 from autooffload.runtime.control.planning import (
     accumulate_mode,
-    check_first_update_fits,
     check_host_memory,
     host_memory_now,
     initial_plan,
-    profile_after_step,
-    switch_to_searched_plan,
 )
-from autooffload.runtime.control.profiler import StepProfiler
 from autooffload.runtime.distributed import DataParallel, attach_data_parallel, local_world_size
 from autooffload.runtime.hooks import GroupHooks
 from autooffload.runtime.quantized import QuantizedParams
@@ -65,7 +56,13 @@ class Runtime(GroupHooks):
     """Chunked weight offload for one model: hooks gather a group's chunks before it runs,
     prefetch the next group's, release them after, and send offloaded gradients to the CPU."""
 
-    def __init__(self, model: nn.Module, settings: Settings, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: Settings,
+        device: torch.device,
+        allocator_hold: bool = False,
+    ) -> None:
         self.model = model
         self.settings = settings
         self.device = device
@@ -74,7 +71,9 @@ class Runtime(GroupHooks):
         self.expandable_segments = device.type == "cuda" and allocator.active(
             settings.expandable_segments
         )
-        self.allocator_hold = False
+        # Whether this runtime holds the allocator setting (``allocator.acquire``), given back
+        # at detach.
+        self._allocator_hold = allocator_hold
         self.groups = discover_groups(model)
         if not any(g.is_block for g in self.groups):
             logger.debug("no repeated blocks found; every module with parameters is a group")
@@ -93,7 +92,7 @@ class Runtime(GroupHooks):
         ]
         chunk_size = settings.chunk_size or default_chunk_size(block_bytes)
         self.layout = build_layout(params_by_group, chunk_size, self.quantized.named())
-        self.plan: Plan = initial_plan(self, settings)
+        self.control = PlanControl(self, initial_plan(self, settings))
         # Read before the first collective, so before any rank allocates its host store.
         memory = host_memory_now()
         # Under torchrun: rank 0's plan on every rank, same layout and settings checked.
@@ -155,29 +154,9 @@ class Runtime(GroupHooks):
         self.backward_update = BackwardUpdateMode(self)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.init_hooks()
-        # The step after which the searched plan's measured peak and step are next checked
-        # (CUDA only; ``calibration.check_planned_steps``), whether the plan has settled (its
-        # first checks are over: the next is a drift check) and the switches in a row so far.
-        self.calibrate_at_step: int | None = None
-        self.calibration_settled = False
-        self.calibration_switches = 0
-        # Device bytes the allocator held in the profiling steps (CUDA only, once measured).
-        self.profiling_peak_bytes: int | None = None
-        # The CPU worker's (busy_s, updated_params) when it was last known idle: the start of
-        # the window its rate is measured over (``calibration.worker_rate``).
-        self.cpu_mark: tuple[float, int, float, int] = (0.0, 0, 0.0, 0)
-        # The chunk copies' counters at the same mark (``calibration.copy_mark``; None before
-        # the first planned steps): their measured rates raise a probe that read the link low.
-        self.copy_mark: tuple[float, float, float, float] | None = None
-        # The planned steps' times since the last check (CUDA only).
-        self.step_timer: StepTimer | None = None
         self.swapper: ActivationSwapper | None = None
         self.hf_checkpointing_taken = False
-        self.profiler: StepProfiler | None = None
-        self._pending_profile: tuple[ModelProfile, float | None, float | None] | None = None
-        # The search behind the profiled plan (``candidates()`` lists its feasible set).
-        self.search_request: SearchRequest | None = None
-        self._setup_activations()
+        profiling = self._setup_activations()
         self._install_hooks()
         install_copy_guard(model)
         # state_dict / load_state_dict see and set the weights wherever they live (removed on
@@ -187,8 +166,8 @@ class Runtime(GroupHooks):
         # (runtime/control/oom.py; on by default, off with AUTOOFFLOAD_UPDATE_IN_BACKWARD=1
         # unless set explicitly; its auto mode keeps it, ``BackwardUpdateMode.note_forward``).
         self.oom = OomRetry(self).install() if settings.oom_retry_on else None
-        if self.profiler is not None:
-            self.profiler = StepProfiler(self)
+        if profiling:
+            self.control.start_profiling()
             logger.debug("%s", self.plan.summary(self.device.type))
             # Two: a warm-up step that pays one-time costs, then the measured one
             # (planning.profile_after_step).
@@ -232,19 +211,20 @@ class Runtime(GroupHooks):
         blocks = [g for g in self.groups if g.is_block]
         return sorted(blocks, key=lambda g: self.position(g.index))
 
-    def _setup_activations(self) -> None:
-        """Conservative start: every block checkpointed until the plan from the real batch."""
+    def _setup_activations(self) -> bool:
+        """Conservative start: every block checkpointed until the plan from the real batch.
+        Returns whether the plan is searched from profiling steps (not fixed by the user)."""
         mode = self.settings.activation_mode
-        fixed_plan = self.settings.n_persist is not None and mode != "auto"
-        self.profiler = None if fixed_plan else True  # the StepProfiler is built after the hooks
+        profiling = self.settings.n_persist is None or mode == "auto"
         if mode == "off" or not any(g.is_block for g in self.groups):
-            return
+            return profiling
         self.hf_checkpointing_taken = take_over_hf_gradient_checkpointing(self.model)
         if self.hf_checkpointing_taken:
             logger.info("activation management takes over HF gradient checkpointing per block")
         policy = "checkpoint" if mode == "auto" else mode
         for group in self.blocks_in_order():
             self.apply_block_policy(group.module, policy)
+        return profiling
 
     def apply_block_policy(self, block: nn.Module, policy: str) -> None:
         if policy in ("swap", "checkpoint_cpu") and self.swapper is None:
@@ -276,7 +256,7 @@ class Runtime(GroupHooks):
             for group, policy in zip(self.blocks_in_order(), plan.block_policies, strict=False):
                 self.apply_block_policy(group.module, policy)
         set_mlp_tiles((g.module for g in self.blocks_in_order()), plan.mlp_tile_tokens)
-        self.plan = plan
+        self.control.adopt_plan(plan)
 
     def _demote(self, indices: list[int]) -> None:
         """Chunks leave the GPU (a calibration found the plan does not fit): the CPU optimizer
@@ -364,59 +344,52 @@ class Runtime(GroupHooks):
         """The user's optimizer is about to step: clean up after an interrupted forward or
         backward, and before the run's first update check that a plan fits the budget."""
         self.recover_interrupted()
-        check_first_update_fits(self, optimizer)
+        self.control.before_update(optimizer)
 
     def after_step(self, optimizer: torch.optim.Optimizer, apply_update: bool = True) -> None:
         """The user's optimizer stepped the GPU params; queue the CPU update of the rest
         (none when ``apply_update`` is False: a step skipped for non-finite gradients)."""
         self.backward_update.observe(optimizer, self.step_state.backwards_this_step)
         self.cpu_optim.settle_persistent(optimizer)
-        profile = profile_after_step(self, optimizer)
-        measured_rate = accumulate = None
-        if apply_update and any(o is optimizer for o in self.cpu_optim.optimizers):
+        profile = self.control.profile_after_step(optimizer)
+        updated = apply_update and any(o is optimizer for o in self.cpu_optim.optimizers)
+        if updated:
             self.cpu_optim.step(optimizer)
-            if profile is not None:
-                # Measure the CPU worker as it runs here (the step's gradient accumulation,
-                # copies and thread count included; the previous profiling step left it idle,
-                # ``cpu_mark``): micro-benchmarks of the optimizer alone overstate it.
-                self.cpu_optim.wait()
-                measured_rate = worker_rate(self.cpu_mark, self.cpu_optim)
-                accumulate = accumulate_rate(self.cpu_mark, self.cpu_optim)
-            elif isinstance(self.profiler, StepProfiler):
-                # The next step is the measured one: its blocks must not be timed while this
-                # update competes for the host (launch-bound timings doubled the predicted
-                # step and made the plan vary from run to run).
-                self.cpu_optim.wait()
-                self.cpu_mark = self.cpu_optim.mark()
+        self.control.after_update(profile, updated)
         backwards = self.step_state.end_step()
         sharding = self.manager.sharding
         if apply_update and sharding is not None:
             sharding.weights = {}  # consolidated copies of other ranks' chunks are stale now
         self.manager.fold_copy_times()
-        if profile is not None:
-            # Switched at the next forward: other optimizers of this model step after this one.
-            self._pending_profile = (profile, measured_rate, accumulate)
-        if self.step_timer is not None:
-            self.step_timer.mark(backwards)
-        if self.step_state.steps == self.calibrate_at_step:
-            check_planned_steps(self)
+        self.control.end_step(backwards)
         self.backward_update.end_step(self.oom.input_numel if self.oom is not None else 0)
 
-    def _switch_to_searched_plan(
-        self, profile: ModelProfile, cpu_rate: float | None, accumulate: float | None = None
-    ) -> None:
-        switch_to_searched_plan(self, profile, cpu_rate, accumulate)
+    @property
+    def allocator_hold(self) -> bool:
+        """Whether this runtime holds the allocator setting until it detaches."""
+        return self._allocator_hold
+
+    @property
+    def plan(self) -> Plan:
+        """The running plan."""
+        return self.control.plan
+
+    @property
+    def profile(self) -> ModelProfile | None:
+        """The profile the running plan was searched on (calibrated since), None before one."""
+        return self.control.profile
+
+    @property
+    def search_request(self) -> SearchRequest | None:
+        """The search behind the running plan."""
+        return self.control.search_request
 
     @property
     def plan_settled(self) -> bool:
         """The searched plan runs and its first checks against the measurement are over (no
         profiling step and no first-round calibration pending): the steady state, which a
         benchmark times."""
-        return (
-            self.profiler is None
-            and self._pending_profile is None
-            and (self.calibrate_at_step is None or self.calibration_settled)
-        )
+        return self.control.settled
 
     @property
     def steps_taken(self) -> int:
@@ -527,9 +500,9 @@ class Runtime(GroupHooks):
             if self.swapper is not None:
                 self.swapper.release_in_flight()
                 self.swapper.pool.clear()
-            self.profiler = None
-            allocator.release(self.allocator_hold)
-            self.allocator_hold = False
+            self.control.stop_profiling()
+            allocator.release(self._allocator_hold)
+            self._allocator_hold = False
         return self.model
 
 

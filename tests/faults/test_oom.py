@@ -371,7 +371,7 @@ def test_a_batch_that_outgrew_the_budget_is_replanned_under_that_budget_less_the
     scaled = runtime.profile.with_batch_scaled(guard.input_numel / guard.profiled_numel)
     needed = make_plan(scaled, hw, runtime.plan.knobs, None).predicted_peak_bytes
     available = int(0.9 * needed)
-    runtime.plan = replace(runtime.plan, budget_bytes=available)
+    runtime.control.adopt_plan(replace(runtime.plan, budget_bytes=available))
     plan = guard.shrunk_plan(requested_bytes=available // 2)
     assert plan is not None
     assert plan.budget_bytes == available - int(OOM_BUDGET_CUT * available)
@@ -403,7 +403,7 @@ def test_a_checkpoint_cpu_plans_oom_is_measured_against_its_own_predicted_peak()
     own = make_plan(planned, hw, knobs, None).predicted_peak_bytes
     assert own != on_device
     available = (own + on_device) // 2  # between the two predictions
-    runtime.plan = replace(runtime.plan, budget_bytes=available)
+    runtime.control.adopt_plan(replace(runtime.plan, budget_bytes=available))
     requested = 1
     if own > available:  # the batch outgrew what is available: plan for it less the cut
         expected = available - int(OOM_BUDGET_CUT * available)

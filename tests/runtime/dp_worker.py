@@ -319,14 +319,14 @@ def case_calibrate(device, dtype, rank, world):
     measured on rank 1 only: both ranks re-plan to the same plan (rank 1's peak counts) and
     training goes on like single-process training."""
     from autooffload import runtime as rt
-    from autooffload.runtime import runtime as runtime_module
+    from autooffload.runtime.control import controller
     from autooffload.runtime.control.calibration import calibrate_after_steps
     from autooffload.runtime.distributed import DataParallel
 
     # The CPU rate and the collectives' rates measured on this tiny model are noise (latency);
     # fixed ones keep the plans the same.
-    measured_rate = runtime_module.worker_rate
-    runtime_module.worker_rate = lambda mark, optimizer: 2e8
+    measured_rate = controller.worker_rate
+    controller.worker_rate = lambda mark, optimizer: 2e8
     measure_collective = DataParallel.measure_gradient_collective
 
     def fixed_collective(self, nbytes, sharded, repeats=3):
@@ -341,7 +341,7 @@ def case_calibrate(device, dtype, rank, world):
         batches = global_batches(STEPS)
         train_local(model, optimizer, batches[:3], device, rank, world)
     finally:
-        runtime_module.worker_rate = measured_rate
+        controller.worker_rate = measured_rate
         DataParallel.measure_gradient_collective = measure_collective
     runtime = rt.runtime_of(model)
     planned = runtime.plan

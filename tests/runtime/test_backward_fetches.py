@@ -147,7 +147,7 @@ def test_a_profiling_step_does_not_keep_the_head():
     copies = _copies_by_phase(runtime)
     steps = []
     for ids in batches(3):
-        profiling = runtime.profiler is not None
+        profiling = runtime.control.profiling
         copies["backward"].clear()
         _step(model, ids, optimizer)
         steps.append((profiling, bool(post & set(copies["backward"]))))

@@ -50,9 +50,9 @@ PLANNED_RATE = 2e8
 
 
 def _planned(make_llama, offload_cpu, make_batches, budget, monkeypatch):
-    from autooffload.runtime import runtime as runtime_module
+    from autooffload.runtime.control import controller
 
-    monkeypatch.setattr(runtime_module, "worker_rate", lambda mark, optimizer: PLANNED_RATE)
+    monkeypatch.setattr(controller, "worker_rate", lambda mark, optimizer: PLANNED_RATE)
     monkeypatch.setattr(calibration, "worker_rate", lambda mark, optimizer: PLANNED_RATE)
     model = make_llama(n_layers=4)
     offload_cpu(budget=budget)
@@ -222,8 +222,7 @@ def test_the_runtime_checks_the_peak_two_steps_after_the_switch(
     )
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 123)
     runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
-    runtime.calibrate_at_step = runtime.steps_taken + 3
-    runtime.step_timer = StepTimer(runtime.plan, cuda=False)
+    runtime.control.calibration.arm(runtime, runtime.plan, after=3)
     model = runtime.model
     optimizer = runtime.optimizers[0]
     for ids in make_batches(4):
@@ -236,9 +235,10 @@ def test_the_runtime_checks_the_peak_two_steps_after_the_switch(
     # Two steps timed between the three marks, on the host clock here.
     assert step_s is not None and 0 < step_s < 60
     # The plan stayed: it is settled, and checked for drift a window later, timed afresh.
-    assert runtime.calibration_settled
-    assert runtime.calibrate_at_step == runtime.steps_taken - 1 + DRIFT_WINDOW_STEPS
-    assert runtime.step_timer is not None and len(runtime.step_timer.marks) == 1
+    schedule = runtime.control.calibration
+    assert schedule.settled
+    assert schedule.at_step == runtime.steps_taken - 1 + DRIFT_WINDOW_STEPS
+    assert schedule.timer is not None and len(schedule.timer.marks) == 1
 
 
 def test_under_sharded_state_the_ranks_rates_are_judged_per_model(
@@ -259,7 +259,7 @@ def test_under_sharded_state_the_ranks_rates_are_judged_per_model(
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
     runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
     monkeypatch.setattr(calibration, "accumulate_rate", lambda mark, optimizer: 3e9)
-    calibration.check_planned_steps(runtime)
+    runtime.control.calibration.check(runtime)
     assert seen[-1] == (PLANNED_RATE, 3e9), "one process: the rates as measured"
 
     class TwoShards:
@@ -269,7 +269,7 @@ def test_under_sharded_state_the_ranks_rates_are_judged_per_model(
     manager = runtime.manager
     manager.sharding, unsharded = TwoShards(), manager.sharding
     try:
-        calibration.check_planned_steps(runtime)
+        runtime.control.calibration.check(runtime)
     finally:
         manager.sharding = unsharded  # the detach at the test's end reads it
     assert seen[-1] == (2 * PLANNED_RATE, 6e9)
@@ -519,8 +519,7 @@ def test_a_switch_is_checked_again_and_a_kept_plan_settles_into_drift_checks(
     monkeypatch.setattr(calibration, "calibrate_after_steps", scripted)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 0)
     start = runtime.steps_taken
-    runtime.calibrate_at_step = start + 2
-    runtime.step_timer = StepTimer(runtime.plan, cuda=False)
+    runtime.control.calibration.arm(runtime, runtime.plan, after=2)
     model, optimizer = runtime.model, runtime.optimizers[0]
     settled = []
     for ids in make_batches(16):
@@ -532,7 +531,7 @@ def test_a_switch_is_checked_again_and_a_kept_plan_settles_into_drift_checks(
     assert calls == [(2, False), (4, False), (8, True), (10, False), (12, False), (16, True)]
     # Settled from the kept plan at step 4 to the switch at 8, and after the third switch.
     assert [i + 1 for i, s in enumerate(settled) if s] == [4, 5, 6, 7, 12, 13, 14, 15, 16]
-    assert runtime.calibrate_at_step == start + 16 + 4
+    assert runtime.control.calibration.at_step == start + 16 + 4
 
 
 def test_a_drift_check_acts_only_beyond_its_margin_and_keeps_the_plan_quietly(
@@ -695,11 +694,14 @@ def test_arming_the_calibration_times_the_plan_from_the_switch(
 ):
     runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
     monkeypatch.setattr(calibration, "fresh_peak", lambda device: None)
-    runtime.calibration_settled = True
-    calibration.arm_calibration(runtime, runtime.plan)
-    assert runtime.calibrate_at_step == runtime.steps_taken + CALIBRATE_AFTER_STEPS
-    assert runtime.step_timer.plan is runtime.plan and not runtime.step_timer.marks
-    assert not runtime.calibration_settled and not runtime.plan_settled
+    schedule = runtime.control.calibration
+    schedule.arm(runtime, runtime.plan, after=0)
+    schedule.check(runtime)  # the plan stays: settled, drift checks only
+    assert schedule.settled
+    schedule.arm(runtime, runtime.plan)
+    assert schedule.at_step == runtime.steps_taken + CALIBRATE_AFTER_STEPS
+    assert schedule.timer.plan is runtime.plan and not schedule.timer.marks
+    assert not schedule.settled and not runtime.plan_settled
 
 
 def test_a_calibration_that_no_plan_fits_warns_once_and_changes_nothing(

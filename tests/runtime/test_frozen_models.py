@@ -131,8 +131,8 @@ def test_a_frozen_teacher_streams_while_the_student_trains_like_plain(make_llama
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert expected[-1] < expected[0], "the student did not learn: the comparison proves little"
     # Twelve grad-enabled teacher forwards and no step: its profiler keeps a bounded record.
-    assert isinstance(teacher.profiler, StepProfiler)
-    assert 0 < len(teacher.profiler.marks) <= MARKS_PER_GROUP * len(teacher.groups)
+    assert isinstance(teacher.control.profiler, StepProfiler)
+    assert 0 < len(teacher.control.profiler.marks) <= MARKS_PER_GROUP * len(teacher.groups)
     assert teacher.plan.n_persist == 0 and teacher.plan.source == "profiling step"
 
 

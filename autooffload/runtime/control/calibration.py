@@ -103,57 +103,96 @@ class StepTimer:
         return statistics.median(spans)
 
 
-def arm_calibration(runtime: Runtime, plan: Plan) -> None:
-    """A searched ``plan`` starts to run (CUDA): its first check comes CALIBRATE_AFTER_STEPS
-    steps on, its steps are timed, its peak measured from here (``fresh_peak``) and the CPU
-    worker's rate from this mark (the worker is idle: whoever switched waited for it)."""
-    fresh_peak(runtime.device)
-    runtime.calibrate_at_step = runtime.steps_taken + CALIBRATE_AFTER_STEPS
-    runtime.step_timer = StepTimer(plan, cuda=True, micro_batches=_micro_batches(runtime))
-    runtime.cpu_mark = runtime.cpu_optim.mark()
-    runtime.copy_mark = copy_mark(runtime)
-    runtime.calibration_settled = False
+# The CPU worker's counters at a mark (``CpuOptimizer.mark``): busy seconds, params updated,
+# seconds adding gradients, gradient elements added.
+WorkerMark = tuple[float, int, float, int]
+NO_WORKER_MARK: WorkerMark = (0.0, 0, 0.0, 0)
 
 
-def check_planned_steps(runtime: Runtime) -> Plan | None:
-    """At ``runtime.calibrate_at_step``: calibrate on the steps since the last check, and set
-    the next one. A check that switched the plan checks the new one CALIBRATE_AFTER_STEPS on
-    (up to CALIBRATION_ROUNDS switches in a row); a plan that stays is settled and checked
-    every DRIFT_WINDOW_STEPS for drift. Every rank calls this at the same step (a collective
-    under data parallelism). Returns the plan switched to, or None."""
-    timer = runtime.step_timer
-    drift = runtime.calibration_settled
-    runtime.cpu_optim.wait()  # this step's update belongs to the measured window
-    # Rates over this rank's own chunks; under sharded state the cost model's are per model.
-    sharding = runtime.manager.sharding
+class CalibrationSchedule:
+    """When the running plan is next checked against its measured steps (``check``), and the
+    window's timer and copy counters. Armed at a plan switch on a CUDA device; a check that
+    switched the plan checks the new one CALIBRATE_AFTER_STEPS on (up to CALIBRATION_ROUNDS
+    switches in a row); a plan that stays is settled and checked every DRIFT_WINDOW_STEPS."""
 
-    def per_model(rate: float | None) -> float | None:
-        return sharding.model_rate(rate) if sharding is not None and rate else rate
+    def __init__(self) -> None:
+        self._at_step: int | None = None
+        self._settled = False
+        self._switches = 0
+        self._timer: StepTimer | None = None
+        self._copy_mark: tuple[float, float, float, float] | None = None
 
-    new_plan = calibrate_after_steps(
-        runtime,
-        measured_need(runtime),
-        per_model(worker_rate(runtime.cpu_mark, runtime.cpu_optim)),
-        timer.median_step_s(runtime.plan) if timer is not None else None,
-        drift=drift,
-        measured_copy_bps=copy_rates(runtime.copy_mark, runtime),
-        measured_accumulate_rate=per_model(accumulate_rate(runtime.cpu_mark, runtime.cpu_optim)),
-    )
-    if new_plan is not None:
-        runtime.calibration_switches += 1
-    else:
-        runtime.calibration_switches = 0
-    runtime.calibration_settled = (
-        new_plan is None or runtime.calibration_switches >= CALIBRATION_ROUNDS
-    )
-    window = DRIFT_WINDOW_STEPS if runtime.calibration_settled else CALIBRATE_AFTER_STEPS
-    runtime.calibrate_at_step = runtime.steps_taken + window
-    runtime.step_timer = StepTimer(
-        runtime.plan, cuda=runtime.manager.is_cuda, micro_batches=_micro_batches(runtime)
-    )
-    runtime.cpu_mark = runtime.cpu_optim.mark()
-    runtime.copy_mark = copy_mark(runtime)
-    return new_plan
+    @property
+    def at_step(self) -> int | None:
+        """The step after which the next check runs (None: not armed)."""
+        return self._at_step
+
+    @property
+    def settled(self) -> bool:
+        """Not armed, or past the first checks of the running plan (drift checks only)."""
+        return self._at_step is None or self._settled
+
+    @property
+    def timer(self) -> StepTimer | None:
+        return self._timer
+
+    @property
+    def copy_mark(self) -> tuple[float, float, float, float] | None:
+        return self._copy_mark
+
+    def due(self, steps_taken: int) -> bool:
+        return steps_taken == self._at_step
+
+    def mark_step(self, backwards: int) -> None:
+        """At an ``optimizer.step()`` of a step that ran ``backwards`` backward passes."""
+        if self._timer is not None:
+            self._timer.mark(backwards)
+
+    def arm(self, runtime: Runtime, plan: Plan, after: int = CALIBRATE_AFTER_STEPS) -> None:
+        """A searched ``plan`` starts to run: its first check comes ``after`` steps on, its
+        steps are timed, its peak measured from here (``fresh_peak``) and the CPU worker's
+        rate from this mark (the worker is idle: whoever switched waited for it)."""
+        if runtime.manager.is_cuda:
+            fresh_peak(runtime.device)
+        self._switches = 0
+        self._settled = False
+        self._start_window(runtime, plan, after)
+
+    def _start_window(self, runtime: Runtime, plan: Plan, steps: int) -> None:
+        self._at_step = runtime.steps_taken + steps
+        self._timer = StepTimer(
+            plan, cuda=runtime.manager.is_cuda, micro_batches=_micro_batches(runtime)
+        )
+        runtime.control.mark_worker()
+        self._copy_mark = copy_mark(runtime)
+
+    def check(self, runtime: Runtime) -> Plan | None:
+        """Calibrate on the steps since the last check, and set the next one. Every rank calls
+        this at the same step (a collective under data parallelism). Returns the plan switched
+        to, or None."""
+        timer = self._timer
+        runtime.cpu_optim.wait()  # this step's update belongs to the measured window
+        # Rates over this rank's own chunks; under sharded state the cost model's are per model.
+        sharding = runtime.manager.sharding
+
+        def per_model(rate: float | None) -> float | None:
+            return sharding.model_rate(rate) if sharding is not None and rate else rate
+
+        mark = runtime.control.worker_mark
+        new_plan = calibrate_after_steps(
+            runtime,
+            measured_need(runtime),
+            per_model(worker_rate(mark, runtime.cpu_optim)),
+            timer.median_step_s(runtime.plan) if timer is not None else None,
+            drift=self._settled,
+            measured_copy_bps=copy_rates(self._copy_mark, runtime),
+            measured_accumulate_rate=per_model(accumulate_rate(mark, runtime.cpu_optim)),
+        )
+        self._switches = self._switches + 1 if new_plan is not None else 0
+        self._settled = new_plan is None or self._switches >= CALIBRATION_ROUNDS
+        window = DRIFT_WINDOW_STEPS if self._settled else CALIBRATE_AFTER_STEPS
+        self._start_window(runtime, runtime.plan, window)
+        return new_plan
 
 
 def _micro_batches(runtime: Runtime) -> int:
@@ -185,7 +224,7 @@ def fresh_peak(device: torch.device) -> None:
     torch.cuda.reset_peak_memory_stats(device)
 
 
-def worker_rate(mark: tuple[float, int, float, int], optimizer: CpuOptimizer) -> float | None:
+def worker_rate(mark: WorkerMark, optimizer: CpuOptimizer) -> float | None:
     """Offloaded params updated per second the CPU worker was busy since ``mark`` (its
     ``optimizer.mark()`` then): each step's first copy of the gradients out of staging
     included, as the step runs it; the adds of further micro-batches, and under accumulation
@@ -196,7 +235,7 @@ def worker_rate(mark: tuple[float, int, float, int], optimizer: CpuOptimizer) ->
     return params / seconds if seconds > 0 and params > 0 else None
 
 
-def accumulate_rate(mark: tuple[float, int, float, int], optimizer: CpuOptimizer) -> float | None:
+def accumulate_rate(mark: WorkerMark, optimizer: CpuOptimizer) -> float | None:
     """Gradient elements the CPU worker added (or copied out of an aliased staging) per second
     of that work since ``mark`` (gradient accumulation's later micro-batches), or None where it
     did none."""
@@ -269,9 +308,9 @@ def calibrate_after_steps(
     Every check switches only to a plan predicted ``REPLAN_GAIN`` faster than the running one
     under the calibrated model, unless the running one no longer fits (``_unless_faster``).
 
-    ``drift``: a settled plan's periodic check (``check_planned_steps``). It acts only on a step
-    off the prediction by more than ``DRIFT_MARGIN`` (or a peak over it), keeps the persistent
-    chunks, and logs at debug level when the plan stays.
+    ``drift``: a settled plan's periodic check (``CalibrationSchedule.check``). It acts only on
+    a step off the prediction by more than ``DRIFT_MARGIN`` (or a peak over it), keeps the
+    persistent chunks, and logs at debug level when the plan stays.
 
     Under data parallelism every rank calls this at the same step (a collective): the ranks
     judge the largest peak, the slowest CPU update and the slowest step of any rank, and all
@@ -540,13 +579,12 @@ def _apply_calibration(runtime: Runtime, found: _Calibration) -> Plan | None:
             " set AUTOOFFLOAD_BUDGET lower to leave the allocator more room",
         )
         return None
-    runtime.profile = found.profile
-    runtime.search_request = found.request
+    runtime.control.adopt_profile(found.profile, found.request)
     # last_plan() reports the calibrated prediction whether or not the configuration changes
     # (it reported the stale one when the plan stayed, beside candidates from the new model).
     registry.set_last_plan(new_plan)
     if new_plan.configures_like(plan):
-        runtime.plan = new_plan
+        runtime.control.adopt_plan(new_plan)
         (logger.debug if found.drift else logger.info)(
             "%s; the plan stays (predicted step now %.0f ms)", what, new_plan.predicted_step_s * 1e3
         )

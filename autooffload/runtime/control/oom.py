@@ -57,7 +57,6 @@ from autooffload.runtime.control.planning import (
     plan_from_profile,
     profile_for_plan,
 )
-from autooffload.runtime.control.profiler import StepProfiler
 from autooffload.runtime.forward_wrap import install_forward, remove_forward
 from autooffload.runtime.hooks import in_backward
 
@@ -168,7 +167,7 @@ class OomRetry:
         self.input_numel = sum(
             t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
         )
-        if isinstance(self.runtime.profiler, StepProfiler):
+        if self.runtime.control.profiling:
             self.profiled_numel = self.input_numel
         self.runtime.backward_update.note_forward(self.input_numel)
         self.last_call = None
@@ -258,9 +257,7 @@ class OomRetry:
             # The retried pass is a measured profiling step of the real batch (the worker idle
             # at its start, as for the first profile); the next forward switches to the plan
             # searched from it.
-            runtime.cpu_optim.wait()
-            runtime.cpu_mark = runtime.cpu_optim.mark()
-            runtime.profiler = StepProfiler(runtime, warm=True)
+            runtime.control.reprofile()
         self.retries += 1
         logger.warning(
             "device out of memory in %s (step %d); retrying it once under a smaller plan: %s"
@@ -273,9 +270,7 @@ class OomRetry:
 
     def _restart_profiler(self) -> None:
         """A failed pass left a profiling step's marks partial: that step starts over."""
-        runtime = self.runtime
-        if isinstance(runtime.profiler, StepProfiler):
-            runtime.profiler = StepProfiler(runtime, warm=runtime.profiler.warm)
+        self.runtime.control.restart_profiling()
 
     def _free_cached_memory(self) -> None:
         if self.runtime.manager.is_cuda:
@@ -288,8 +283,8 @@ class OomRetry:
         chunks; None if there is none."""
         runtime = self.runtime
         current = runtime.plan
-        profile = getattr(runtime, "profile", None)
-        if profile is None or isinstance(runtime.profiler, StepProfiler):
+        profile = runtime.profile
+        if profile is None or runtime.control.profiling:
             # Before the searched plan: nothing is persistent and every block checkpointed;
             # only the streaming buffers can go, down to the widest block's chunks.
             widest = max((len(v) for v in runtime.layout.chunks_of_group.values()), default=1)

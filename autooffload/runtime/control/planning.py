@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from autooffload.errors import PlanError
-from autooffload.log import logger, warn_once
+from autooffload.log import logger
 from autooffload.plan.configuration import (
     with_accumulation_of,
     with_checkpoint_inputs_on_cpu,
@@ -21,10 +21,8 @@ from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan, format_bytes
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
-from autooffload.runtime import registry
 from autooffload.runtime.chunks.host import HostMemory, host_memory
 from autooffload.runtime.chunks.layout import ALIGN, ChunkLayout
-from autooffload.runtime.control.calibration import arm_calibration
 from autooffload.runtime.control.profiler import StepProfiler
 from autooffload.settings import Settings
 
@@ -388,7 +386,7 @@ def hardware_profile(runtime: Runtime) -> HardwareProfile:
     )
 
 
-def _step_profile(
+def step_profile(
     runtime: Runtime, profiler: StepProfiler, optimizer: torch.optim.Optimizer
 ) -> ModelProfile:
     """The profile of the step ``profiler`` watched (runs its probes), with the optimizer's
@@ -398,53 +396,6 @@ def _step_profile(
         optim_bytes_per_param=optim_state_bytes(optimizer, dtype),
         micro_batches=runtime.step_state.backwards_this_step,
         optim_step_bytes=optim_step_bytes(optimizer, dtype, runtime.device),
-    )
-
-
-def check_first_update_fits(runtime: Runtime, optimizer: torch.optim.Optimizer) -> None:
-    """Before the first update of a searched plan's run (the first profiling step's optimizer
-    step, its backward done): search the profile of that step, memory first, and raise the
-    search's ``PlanError`` when no plan fits the budget, so a budget that cannot work stops
-    before any weight changed. The first step's times are not used (they pay one-time costs);
-    its sizes are the batch's. One process only: under data parallelism the ranks would have to
-    agree on the outcome first, so their profiling steps' search decides, as it always did."""
-    profiler = runtime.profiler
-    if (
-        not isinstance(profiler, StepProfiler)
-        or profiler.warm
-        or not runtime.step_state.backwards_this_step
-        or runtime.plan.budget_bytes is None
-        or runtime.data_parallel is not None
-    ):
-        return
-    profile = _step_profile(runtime, profiler, optimizer)
-    try:
-        search_request(runtime, profile).plan()
-    except PlanError as error:
-        raise PlanError(f"before the first update: {error}") from None
-
-
-def profile_after_step(runtime: Runtime, optimizer: torch.optim.Optimizer) -> ModelProfile | None:
-    """At an optimizer step of the conservative profiling phase: after the first (which pays
-    one-time costs) the second is measured; after the second, its measurements become the
-    model's profile, returned (None at every other step)."""
-    profiler = runtime.profiler if isinstance(runtime.profiler, StepProfiler) else None
-    if profiler is None or not runtime.step_state.backwards_this_step:
-        return None
-    if not profiler.warm:
-        runtime.profiler = StepProfiler(runtime, warm=True)
-        return None
-    # Probe before the CPU update starts: it would compete for the host cores that launch the
-    # probe's kernels and inflate the measured block times.
-    runtime.profiler = None
-    runtime.cpu_optim.wait()
-    runtime.backward_update.decide()
-    profile = _step_profile(runtime, profiler, optimizer)
-    return replace(
-        profile,
-        gpu_update=gpu_update_mode(runtime),
-        gpu_update_in_backward=gpu_update_in_backward_mode(runtime),
-        accumulate_on=accumulate_mode(runtime),
     )
 
 
@@ -540,55 +491,3 @@ def _gpu_path_mode(
         f"{env}={setting} asks for GPU updates of offloaded chunks{' ' + where if where else ''},"
         f" but {problem}; set it to 0 (CPU only) or auto"
     )
-
-
-def switch_to_searched_plan(
-    runtime: Runtime,
-    profile: ModelProfile,
-    cpu_rate: float | None,
-    accumulate_rate: float | None = None,
-) -> None:
-    """Profiling step done: search the plan for the measured profile (rank 0's under data
-    parallelism), switch to it, log it once (print it and exit under ``--print-plan``).
-    ``cpu_rate`` and ``accumulate_rate``: the CPU worker's update and gradient-add rates in
-    the profiling step (``calibration.worker_rate``, ``accumulate_rate``), None if unmeasured."""
-    request = search_request(runtime, profile, cpu_rate, accumulate_rate=accumulate_rate)
-    # A profile taken again later (an OOM retry of a longer batch) keeps the persistent chunks:
-    # their optimizer state lives in the user's optimizer.
-    floor = len(runtime.manager.persistent) if runtime.plan.source == REPROFILE_SOURCE else 0
-    request = replace(request, min_persist=floor)
-    try:
-        plan = replace(request.plan(), chunk_size=runtime.layout.chunk_size)
-        if not floor:
-            request, profile, plan = runtime.backward_update.choose(request, profile, plan)
-    except PlanError as error:
-        if not floor:
-            raise
-        # The re-profiled batch ran under the conservative plan: it stays (it fits for real;
-        # the prediction with the budget's margins does not).
-        runtime.profile = profile
-        warn_once(
-            "reprofile-no-plan",
-            f"autooffload: no plan keeping the {floor} persistent chunks fits the budget for the"
-            f" longer batch ({error}); the re-profiling plan (every block checkpointed) stays;"
-            " raise AUTOOFFLOAD_BUDGET (unset, 1 GiB stays free) for a faster one",
-        )
-        return
-    if runtime.data_parallel is not None:
-        plan = runtime.data_parallel.agree(plan)
-    runtime.profile = profile
-    runtime.search_request = request
-    runtime.apply_plan(plan)
-    if runtime.manager.is_cuda:
-        # The planned steps' peak, not the profiling steps', is compared with the prediction;
-        # the profiling steps' own is kept (the least memory a run of this model needs).
-        runtime.profiling_peak_bytes = torch.cuda.max_memory_reserved(runtime.device)
-        # The worker is idle here (the last profiling step waited for its update).
-        runtime.calibration_switches = 0
-        arm_calibration(runtime, plan)
-    registry.set_last_plan(plan)
-    summary = plan.summary(runtime.device.type)
-    if runtime.settings.print_plan:
-        print(summary, flush=True)  # noqa: T201 - the launcher's --print-plan
-        raise SystemExit(0)
-    logger.info("%s", summary)

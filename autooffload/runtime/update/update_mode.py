@@ -190,7 +190,7 @@ class BackwardUpdateMode:
         """At the end of the runtime's step: settle the auto mode, arm the next step."""
         runtime = self.runtime
         cpu_optim = runtime.cpu_optim
-        profiling = runtime.profiler is not None
+        profiling = runtime.control.profiling
         if self.decided is None and not profiling:
             self.decide()  # a fixed plan: no profiling steps, the first step decides
         elif self.setting is None and self.decided and cpu_optim.loop_reasons:
@@ -204,9 +204,7 @@ class BackwardUpdateMode:
                 reasons,
             )
             self.decided = False
-            profile = getattr(runtime, "profile", None)
-            if profile is not None:  # the next calibration re-predicts without it
-                runtime.profile = replace(profile, update_in_backward=False)
+            runtime.control.without_update_in_backward()
         if not cpu_optim.observing:
             cpu_optim.loop_reasons.clear()
         cpu_optim.backward_since_step = False
