@@ -134,7 +134,7 @@ class DataParallel:
     def agree_object(self, value: T) -> T:
         """Rank 0's ``value`` (any picklable object, None included), on every rank."""
         box = [value if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=self._global_rank(0), group=self.group)
+        dist.broadcast_object_list(box, src=self.global_rank(0), group=self.group)
         return box[0]  # type: ignore[return-value]
 
     def gather_object(self, value: T) -> list[T]:
@@ -143,7 +143,8 @@ class DataParallel:
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
 
-    def _global_rank(self, group_rank: int) -> int:
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of ``group_rank`` in this data-parallel group."""
         if self.group is None:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
@@ -153,10 +154,10 @@ class DataParallel:
         for tensor in tensors:
             if self.nccl and tensor.device.type != "cuda":
                 staged = tensor.to(self.device)
-                dist.broadcast(staged, src=self._global_rank(0), group=self.group)
+                dist.broadcast(staged, src=self.global_rank(0), group=self.group)
                 tensor.copy_(staged)
             else:
-                dist.broadcast(tensor, src=self._global_rank(0), group=self.group)
+                dist.broadcast(tensor, src=self.global_rank(0), group=self.group)
 
     def sync_replica(self, runtime: Runtime) -> None:
         """Make this rank's replica equal rank 0's: chunk bytes (host store, or device storage
@@ -212,7 +213,7 @@ class DataParallel:
             return self.gradient_bps
         device = self.collective_device
         buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-        dst = self._global_rank(0)
+        dst = self.global_rank(0)
 
         def reduce() -> None:
             dist.reduce(buffer, dst=dst, op=dist.ReduceOp.SUM, group=self.group)

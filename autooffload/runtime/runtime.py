@@ -359,7 +359,7 @@ class Runtime(GroupHooks):
         backwards = self.step_state.end_step()
         sharding = self.manager.sharding
         if apply_update and sharding is not None:
-            sharding.weights = {}  # consolidated copies of other ranks' chunks are stale now
+            sharding.drop_consolidated()  # other ranks' chunks are stale now
         self.manager.fold_copy_times()
         self.control.end_step(backwards)
         self.backward_update.end_step(self.oom.input_numel if self.oom is not None else 0)

@@ -60,7 +60,7 @@ class Sharding:
         self.trainable = frozenset(c.index for c in layout.chunks if c.trainable_slots)
         # Bytes of the offloaded chunks other ranks own, on a rank that consolidated them
         # (``consolidate``): valid until the next step or load, which drop them.
-        self.weights: dict[int, torch.Tensor] = {}
+        self._weights: dict[int, torch.Tensor] = {}
         # Inside ``shapes_only``: state-dict entries of those chunks are placeholders, one per
         # slot (tied parameters share it), by (chunk index, offset).
         self.shapes_only = False
@@ -68,10 +68,22 @@ class Sharding:
         # Optimizer step counter of the last gather_states; its result, per optimizer id.
         self.consolidated_at: int | None = None
         self.consolidated: dict[int, dict[int, dict]] = {}
+
         # Measured at attach (Sharding.create); used by the planner's cost model.
         self.broadcast_bps = float("inf")
         # The start-of-phase exchange (runtime/lockstep.py), made at attach.
         self.lockstep: Lockstep | None = None
+
+    def hold_consolidated(self, weights: dict[int, torch.Tensor]) -> None:
+        """Keep ``weights`` (other ranks' chunks, by index) until the next step or load."""
+        self._weights = weights
+
+    def drop_consolidated(self, index: int | None = None) -> None:
+        """Forget the consolidated copy of chunk ``index`` (every chunk if None): stale now."""
+        if index is None:
+            self._weights = {}
+        else:
+            self._weights.pop(index, None)
 
     @staticmethod
     def create(
@@ -89,7 +101,7 @@ class Sharding:
         """Collective: the broadcast bandwidth (bytes/s) of one chunk-sized buffer, as the
         gathers of sharded chunks will see it (real world size, real chunk size)."""
         buffer = torch.zeros(max(1, nbytes), dtype=torch.uint8, device=self.dp.collective_device)
-        src = self.dp._global_rank(0)
+        src = self.dp.global_rank(0)
         seconds = self.dp.time_collective(
             lambda: dist.broadcast(buffer, src=src, group=self.dp.group), repeats
         )
@@ -146,7 +158,7 @@ class Sharding:
     # ---- collectives --------------------------------------------------------------------------
 
     def _src(self, index: int) -> int:
-        return self.dp._global_rank(self.owner(index))
+        return self.dp.global_rank(self.owner(index))
 
     def broadcast(self, tensor: torch.Tensor, index: int) -> Any:
         """Start sending the owner's ``tensor`` (chunk bytes) to the other ranks."""
@@ -191,7 +203,7 @@ class Sharding:
         if dst is None:
             dist.broadcast(staged, src=self._src(index), group=self.dp.group)
         elif owns:
-            dist.send(staged, dst=self.dp._global_rank(dst), group=self.dp.group)
+            dist.send(staged, dst=self.dp.global_rank(dst), group=self.dp.group)
         else:
             dist.recv(staged, src=self._src(index), group=self.dp.group)
         return staged.cpu() if receives else None
@@ -199,7 +211,7 @@ class Sharding:
     def weight_alias(self, index: int, slot: ParamSlot) -> torch.Tensor:
         """A parameter of another rank's chunk ``index`` from its consolidated bytes, as a
         tensor of its own storage (see ``HostArena.alias``)."""
-        weights = self.weights.get(index)
+        weights = self._weights.get(index)
         if weights is None and self.shapes_only:
             # Not meta: safetensors finds tied parameters by their storage and skips meta
             # tensors, so a tied pair of a chunk this rank lacks read as two tensors, one
@@ -234,7 +246,7 @@ class Sharding:
                 continue
             box: list[Any] | None = [None] * self.world_size if self.rank == dst else None
             mine = payloads.get(index, {}) if self.owns(index) else None
-            dist.gather_object(mine, box, dst=self.dp._global_rank(dst), group=self.dp.group)
+            dist.gather_object(mine, box, dst=self.dp.global_rank(dst), group=self.dp.group)
             if box is not None:
                 merged[index] = box[self.owner(index)]
         return merged
@@ -291,7 +303,7 @@ class Sharding:
         """Whether every offloaded chunk is hosted here or consolidated to this rank (or only
         names and shapes are asked for, ``shapes_only``)."""
         return self.shapes_only or all(
-            index in self.weights or self.hosts(index) or index in persistent
+            index in self._weights or self.hosts(index) or index in persistent
             for index in self.indices
         )
 
@@ -342,7 +354,7 @@ def consolidate(runtime: Runtime, dst: int | None = 0) -> None:
     sharding = runtime.manager.sharding
     if sharding is None:
         return
-    sharding.weights = fetch_offloaded(runtime, dst)
+    sharding.hold_consolidated(fetch_offloaded(runtime, dst))
     cpu_optim = runtime.cpu_optim
     chunks = runtime.layout.chunks
     indices = sorted(i for i in sharding.trainable if runtime.manager.is_sharded(i))

@@ -165,7 +165,7 @@ def write_param(runtime: Runtime, chunk: Chunk, slot: ParamSlot, value: torch.Te
         if not manager.hosts(chunk.index):
             # Its owner stores it (every rank loads the same state dict); a consolidated copy
             # of it held here is stale now.
-            manager.sharding.weights.pop(chunk.index, None)  # type: ignore[union-attr]
+            manager.sharding.drop_consolidated(chunk.index)  # type: ignore[union-attr]
             if manager.state[chunk.index] != Residency.HOST:
                 slot.param.data.copy_(value)
             return

@@ -120,7 +120,7 @@ def test_shapes_only_placeholders_keep_tied_parameters_one_storage():
     weight = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
     slot = ParamSlot(weight, "embed.weight", 0, 48, weight.shape, weight.dtype)
     sharding = object.__new__(Sharding)  # only the state weight_alias reads
-    sharding.weights, sharding.shapes_only, sharding.placeholders = {}, False, {}
+    sharding._weights, sharding.shapes_only, sharding.placeholders = {}, False, {}
     runtime = SimpleNamespace(manager=SimpleNamespace(sharding=sharding))
     with shapes_only([runtime]):
         embed, head = sharding.weight_alias(3, slot), sharding.weight_alias(3, slot)
