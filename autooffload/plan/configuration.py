@@ -147,6 +147,59 @@ def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
     return replace(profile, blocks=tuple(blocks), mlp_tile_tokens=tile_tokens)
 
 
+def with_served_chunks_gathered(profile: ModelProfile, hw: HardwareProfile) -> ModelProfile:
+    """The layout's variant where the chunks the profile serves from the host
+    (``ChunkProfile.served``: a frozen embedding's rows, a frozen head's tiles;
+    ``runtime/host_vocab.py``) are gathered whole like any other chunk, persistent or streamed
+    as the knobs say. For each served chunk, with F, B = ``served_fwd/bwd_bytes`` and
+    D = ``served_device_bytes``, its unit u (the one using it) gets:
+      fwd_s'[u]         = max(0, fwd_s[u] - F / h2d)        (the rows or tiles copied, s)
+      bwd_s'[u]         = max(0, bwd_s[u] - B / h2d)
+      fwd_transient'[u] = max(0, fwd_transient[u] - D)      (the tiles held, bytes)
+      bwd_transient'[u] = max(-act_keep[u], bwd_transient[u] - D)   (if B > 0)
+    and the chunk counts at its own bytes wherever the residency tables put it. The serving's
+    copies wait for nothing and overlap nothing in the profiled step (an index on the host, a
+    head's tiles one after another), so subtracting them at the link's rate is their time.
+    """
+    units = list(profile.units)
+    chunks = []
+    for chunk in profile.chunks:
+        if not chunk.served:
+            chunks.append(chunk)
+            continue
+        u = chunk.units[0]
+        unit = units[u]
+        device = chunk.served_device_bytes
+        units[u] = replace(
+            unit,
+            fwd_s=max(0.0, unit.fwd_s - chunk.served_fwd_bytes / hw.h2d_bps),
+            bwd_s=max(0.0, unit.bwd_s - chunk.served_bwd_bytes / hw.h2d_bps),
+            fwd_transient_bytes=max(0, unit.fwd_transient_bytes - device),
+            bwd_transient_bytes=(
+                max(-unit.act_bytes_keep, unit.bwd_transient_bytes - device)
+                if chunk.served_bwd_bytes
+                else unit.bwd_transient_bytes
+            ),
+        )
+        chunks.append(
+            replace(
+                chunk, served=False, served_fwd_bytes=0, served_bwd_bytes=0, served_device_bytes=0
+            )
+        )
+    return replace(
+        profile,
+        chunks=tuple(chunks),
+        pre=units[0],
+        blocks=tuple(units[1:-1]),
+        post=units[-1],
+    )
+
+
+def serves_chunks(profile: ModelProfile) -> bool:
+    """Whether the profile serves any chunk from the host (``with_served_chunks_gathered``)."""
+    return any(chunk.served for chunk in profile.chunks)
+
+
 def has_tileable_mlp(profile: ModelProfile) -> bool:
     """Whether any block has an MLP whose tiling saves bytes (``with_mlp_tiles``)."""
     return any(unit.mlp_act_bytes > 0 for unit in profile.blocks)

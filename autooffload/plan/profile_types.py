@@ -134,6 +134,19 @@ class ChunkProfile:
     backward: bool = True
     """Whether a backward reads it. False when no group using it has a backward through its
     weights (a frozen embedding): the runtime neither gathers nor prefetches it there."""
+    served: bool = False
+    """Served from the host store in this profile (``runtime/host_vocab.py``: a frozen
+    embedding's rows, a frozen head's tiles): never on the device whole. What its rows or tiles
+    take on the device is in its unit's transients, their copies in its unit's times; the
+    residency tables count it nowhere (``residency.chunk_tables``)."""
+    served_fwd_bytes: int = 0
+    """Bytes the serving copied in host to device in its unit's forward (the rows indexed, or
+    every tile of the head)."""
+    served_bwd_bytes: int = 0
+    """The same in its unit's backward (the head's tiles again; 0 for an embedding)."""
+    served_device_bytes: int = 0
+    """Device bytes the serving holds at once beyond the unit's own tensors (two head tiles;
+    0 for an embedding, whose rows are its output)."""
 
 
 @dataclass(frozen=True)
@@ -346,6 +359,8 @@ class ModelProfile:
                 )
             if min(chunk.bytes, chunk.trainable_bytes, chunk.trainable_numel) < 0:
                 raise PlanError(f"chunk {index} has a negative size: {chunk}")
+            if chunk.served and chunk.trainable_numel:
+                raise PlanError(f"chunk {index} is served from the host but trains: {chunk}")
         for unit in self.units:
             sizes = (
                 unit.act_bytes_keep,

@@ -36,13 +36,14 @@ def chunk_spans(profile: ModelProfile) -> tuple[np.ndarray, np.ndarray]:
 def prefetch_queue(profile: ModelProfile, n_persist: int, unit: int, forward: bool) -> list[int]:
     """Offloaded chunks the runtime prefetches next while ``unit`` runs, in its order.
 
+    Chunks served from the host (``ChunkProfile.served``) are never gathered, so never queued.
     Forward: chunks first needed after ``unit``, by first unit (then index). Backward: chunks last
     needed before ``unit`` that a backward reads (``ChunkProfile.backward``), latest first (then
     highest index first), as the runtime walks groups and their chunks in reverse. It takes them
     from the front while fewer than ``n_buffer`` offloaded chunks are on the device.
     """
     first, last = chunk_spans(profile)
-    chunks = range(n_persist, profile.n_chunks)
+    chunks = [c for c in range(n_persist, profile.n_chunks) if not profile.chunks[c].served]
     if forward:
         return sorted((c for c in chunks if first[c] > unit), key=lambda c: (first[c], c))
     read = [c for c in chunks if last[c] < unit and profile.chunks[c].backward]
@@ -63,12 +64,14 @@ def queued_bytes(
     """
     first, last = chunk_spans(profile)
     size = np.array([c.bytes for c in profile.chunks], dtype=np.int64)
-    read = np.array([c.backward for c in profile.chunks], dtype=bool)
+    served = np.array([c.served for c in profile.chunks], dtype=bool)
+    read = np.array([c.backward for c in profile.chunks], dtype=bool) & ~served
     units = np.arange(profile.n_units)
     index = np.arange(profile.n_chunks)
+    fwd_order = np.lexsort((index, first))
     bwd_order = np.lexsort((-index, -last))
     plans = [
-        (np.lexsort((index, first)), first[:, None] <= units, fwd_rooms),
+        (fwd_order[~served[fwd_order]], (first[:, None] <= units) & ~served[:, None], fwd_rooms),
         (bwd_order[read[bwd_order]], (last[:, None] >= units) & read[:, None], bwd_rooms),
     ]
     results = []
@@ -146,8 +149,10 @@ def chunk_tables(profile: ModelProfile) -> ChunkTables:
     n_chunks, n_units = profile.n_chunks, profile.n_units
     first, last = chunk_spans(profile)
     unit_index = np.arange(n_units)
-    live = (first[:, None] <= unit_index) & (unit_index <= last[:, None])
-    size = np.array([c.bytes for c in profile.chunks], dtype=np.int64)
+    # A chunk served from the host is never on the device whole: live nowhere, of no bytes.
+    served = np.array([c.served for c in profile.chunks], dtype=bool)
+    live = (first[:, None] <= unit_index) & (unit_index <= last[:, None]) & ~served[:, None]
+    size = np.where(served, 0, np.array([c.bytes for c in profile.chunks], dtype=np.int64))
     grad = np.array([c.trainable_bytes for c in profile.chunks], dtype=np.int64)
     numel = np.array([c.trainable_numel for c in profile.chunks], dtype=np.int64)
 

@@ -27,8 +27,10 @@ from autooffload.errors import PlanError
 from autooffload.plan.configuration import (
     assign_block_policies,
     has_tileable_mlp,
+    serves_chunks,
     with_checkpoint_inputs_on_cpu,
     with_mlp_tiles,
+    with_served_chunks_gathered,
 )
 from autooffload.plan.cost_memory import peak_breakdown
 from autooffload.plan.cost_time import predict_step, predict_step_time
@@ -237,12 +239,14 @@ def _variants(
     mlp_tile_tokens: int = 0,
 ) -> list[ModelProfile]:
     """The layouts to search: each profile as measured and/or with checkpoint inputs on the host,
-    its MLPs in tiles of ``mlp_tile_tokens`` tokens (0: untiled)."""
+    its MLPs in tiles of ``mlp_tile_tokens`` tokens (0: untiled); a profile that serves chunks
+    from the host also with them gathered whole (``configuration.with_served_chunks_gathered``)."""
     if checkpoint_inputs not in CHECKPOINT_INPUTS:
         raise PlanError(
             f"checkpoint_inputs={checkpoint_inputs!r} is not valid; valid: {CHECKPOINT_INPUTS}"
         )
     ordered = [profiles[size] for size in sorted(profiles)]
+    ordered += [with_served_chunks_gathered(p, hw) for p in ordered if serves_chunks(p)]
     if mlp_tile_tokens:
         ordered = [with_mlp_tiles(p, mlp_tile_tokens) for p in ordered]
     on_cpu = [with_checkpoint_inputs_on_cpu(p, hw) for p in ordered]
@@ -288,6 +292,7 @@ def make_plan(
         source=source,
         update=prediction.update,
         mlp_tile_tokens=profile.mlp_tile_tokens,
+        host_served_chunks=tuple(i for i, c in enumerate(profile.chunks) if c.served),
         breakdown=breakdown,
     )
 

@@ -72,6 +72,10 @@ class Plan:
     update: UpdatePlacement | None = None
     mlp_tile_tokens: int = 0
     """Tokens per tile of the blocks' MLPs (``runtime/tiled_mlp.py``); 0: untiled."""
+    host_served_chunks: tuple[int, ...] = ()
+    """Chunks served from the host store, never gathered whole (``runtime/host_vocab.py``: a
+    frozen embedding's rows, a frozen head's tiles); neither persistent nor streamed, whatever
+    ``n_persist`` says."""
     breakdown: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -108,9 +112,10 @@ class Plan:
         return Knobs(self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
 
     def configures_like(self, other: Plan) -> bool:
-        """Same knobs, block policies, GPU-updated chunks, place of the accumulation's sums and
-        MLP tiles: switching between the two changes nothing the runtime does (a checkpoint
-        block and a checkpoint_cpu one count alike in ``knobs``). The GPU update split follows
+        """Same knobs, block policies, GPU-updated chunks, place of the accumulation's sums,
+        MLP tiles and chunks served from the host: switching between the two changes nothing
+        the runtime does (a checkpoint block and a checkpoint_cpu one count alike in
+        ``knobs``). The GPU update split follows
         from the rates, so a calibration can change it alone."""
         return (
             self.knobs == other.knobs
@@ -119,6 +124,7 @@ class Plan:
             and self.gpu_backward_chunks == other.gpu_backward_chunks
             and self.accumulates_on_gpu == other.accumulates_on_gpu
             and self.mlp_tile_tokens == other.mlp_tile_tokens
+            and self.host_served_chunks == other.host_served_chunks
         )
 
     def summary(self, device_type: str = "cuda") -> str:
@@ -171,6 +177,11 @@ class Plan:
             lines.append(
                 f"  MLPs: tiled, {self.mlp_tile_tokens} tokens per tile (intermediates of one tile"
                 " live at once; the backward runs the MLP forward again)"
+            )
+        if self.host_served_chunks:
+            lines.append(
+                f"  served from {host}: chunks {', '.join(map(str, self.host_served_chunks))}"
+                f" (frozen embedding rows / head tiles copied as used, never on the {dev} whole)"
             )
         if self.predicted_peak_bytes is not None:
             budget = "unbounded" if self.budget_bytes is None else format_bytes(self.budget_bytes)

@@ -27,6 +27,7 @@ from autooffload.runtime.activations import take_over_hf_gradient_checkpointing
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
 from autooffload.runtime.chunks.store import Residency
+from autooffload.runtime.host_vocab import HostVocab
 from autooffload.runtime.lockstep import (
     BACKWARD,
     BACKWARD_END,
@@ -98,6 +99,14 @@ class GroupHooks:
         # Groups whose backward reads no weights: no backward gather, no backward prefetch.
         self.backward_free: set[int] = set()
         self.step_state = StepState()
+        # Chunks served from the host store (a frozen embedding's rows, a frozen head's tiles):
+        # never gathered or prefetched here.
+        self.host_vocab = HostVocab(
+            self.groups,
+            self.layout,
+            self.manager,
+            enabled=self.data_parallel is None and self.manager.sharding is None,
+        )
 
     def _install_hooks(self) -> None:
         # Around the whole model: registered first and last so they run before and after the
@@ -219,7 +228,8 @@ class GroupHooks:
             self.data_parallel.discard()
 
     def _chunks(self, group: Group) -> list[int]:
-        return self.layout.chunks_of_group[group.index]
+        served = self.host_vocab.served
+        return [i for i in self.layout.chunks_of_group[group.index] if i not in served]
 
     def _pre_forward(self, group: Group, args: tuple = (), kwargs: dict | None = None) -> None:
         if self.step_state.hooks_muted:
@@ -310,7 +320,11 @@ class GroupHooks:
         for next_group in order[start:]:
             if not forward and next_group in self.backward_free:
                 continue
-            chunks = self.layout.chunks_of_group[next_group]
+            chunks = [
+                i
+                for i in self.layout.chunks_of_group[next_group]
+                if i not in self.host_vocab.served
+            ]
             # Backward takes a group's chunks last-first, the order the planner models
             # (plan/residency.prefetch_queue) when a buffer limit cuts a group's chunks.
             for index in chunks if forward else reversed(chunks):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -154,6 +155,12 @@ class Runtime(GroupHooks):
         self.backward_update = BackwardUpdateMode(self)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.init_hooks()
+        # The profiling steps serve every frozen vocabulary chunk from the host (the least
+        # device memory); the searched plan weighs serving against gathering.
+        self.control.adopt_plan(
+            replace(self.plan, host_served_chunks=self.host_vocab.eligible(self.plan.n_persist))
+        )
+        self.host_vocab.serve(self.plan.host_served_chunks)
         self.swapper: ActivationSwapper | None = None
         self.hf_checkpointing_taken = False
         profiling = self._setup_activations()
@@ -240,7 +247,8 @@ class Runtime(GroupHooks):
 
     def apply_plan(self, plan: Plan) -> None:
         """Switch to ``plan``: persistent chunks (migrating optimizer state) and block policies."""
-        new_persistent = set(range(plan.n_persist))
+        served = self.host_vocab.servable_of(plan.host_served_chunks)
+        new_persistent = set(range(plan.n_persist)) - served
         promoted = sorted(new_persistent - self.manager.persistent)
         demoted = sorted(self.manager.persistent - new_persistent)
         self.cpu_optim.wait()
@@ -256,6 +264,7 @@ class Runtime(GroupHooks):
             for group, policy in zip(self.blocks_in_order(), plan.block_policies, strict=False):
                 self.apply_block_policy(group.module, policy)
         set_mlp_tiles((g.module for g in self.blocks_in_order()), plan.mlp_tile_tokens)
+        self.host_vocab.serve(served)
         self.control.adopt_plan(plan)
 
     def _demote(self, indices: list[int]) -> None:
@@ -470,6 +479,7 @@ class Runtime(GroupHooks):
             if group.is_block:
                 remove_policy(group.module)
         set_mlp_tiles((g.module for g in self.groups if g.is_block), 0)
+        self.host_vocab.stop()
         if self.hf_checkpointing_taken:
             restore_hf_gradient_checkpointing(self.model)
         self.manager.materialize(target, fetched)

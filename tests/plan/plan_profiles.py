@@ -121,3 +121,69 @@ def make_hardware(**overrides) -> HardwareProfile:
     )
     values.update(overrides)
     return HardwareProfile(**values)
+
+
+def llama8b_lora_profile(nf4: bool = False, served: bool = True) -> ModelProfile:
+    """Llama-3-8B under LoRA r16 at bs 1, seq 256 (QLoRA with ``nf4``), as the profiling steps
+    would measure it with the frozen vocabulary served from the host (``served``): 32 frozen
+    blocks of 436 MB (110 MB nf4), a 1.05 GB bf16 embedding and head; adapters and their AdamW
+    state resident (static). Activations from the shapes: a block keeps ~164 KB per token and
+    checkpoints its 2 MB input; the post unit keeps the bf16 logits (66 MB), and the chunked
+    loss's fp32 rows (~4 x 131 MB) are its transients. Times are rough H100 figures."""
+    tokens, hidden, vocab = 256, 4096, 128256
+    vocab_bytes = vocab * hidden * 2
+    block_bytes = 110_000_000 if nf4 else 436_224_000
+    tile_bytes = 2 * (64 << 20)
+    chunks = [
+        ChunkProfile(
+            vocab_bytes,
+            units=(0,),
+            backward=False,
+            served=served,
+            served_fwd_bytes=tokens * hidden * 2 if served else 0,
+        )
+    ]
+    chunks += [ChunkProfile(block_bytes, units=(j + 1,)) for j in range(32)]
+    chunks.append(
+        ChunkProfile(
+            vocab_bytes,
+            units=(33,),
+            served=served,
+            served_fwd_bytes=vocab_bytes if served else 0,
+            served_bwd_bytes=vocab_bytes if served else 0,
+            served_device_bytes=tile_bytes if served else 0,
+        )
+    )
+    block = UnitProfile(
+        fwd_s=0.004 if nf4 else 0.003,
+        bwd_s=0.008 if nf4 else 0.006,
+        act_bytes_keep=tokens * 164_000,
+        act_bytes_checkpoint=tokens * hidden * 2,
+        fwd_transient_bytes=tokens * 14336 * 2 * 2,
+        bwd_transient_bytes=tokens * 14336 * 2 * 3,
+        name="block",
+    )
+    logits = tokens * vocab * 2
+    head_s = vocab_bytes / 50e9 if served else 0.001
+    post = UnitProfile(
+        fwd_s=head_s,
+        bwd_s=head_s,
+        act_bytes_keep=logits,
+        fwd_transient_bytes=4 * 2 * logits + (tile_bytes if served else 0),
+        bwd_transient_bytes=4 * 2 * logits + (tile_bytes if served else 0),
+        name="post",
+    )
+    pre = UnitProfile(fwd_s=0.001, bwd_s=0.0, act_bytes_keep=tokens * hidden * 2, name="pre")
+    return ModelProfile(
+        chunk_size=block_bytes,
+        chunks=tuple(chunks),
+        blocks=(block,) * 32,
+        pre=pre,
+        post=post,
+        batch_tokens=tokens,
+        static_bytes=340 * MiB,
+        other_s=0.002,
+        optim_bytes_per_param=4,
+        weight_dtype="nf4" if nf4 else "bfloat16",
+        expandable_segments=True,
+    )

@@ -29,6 +29,7 @@ from autooffload.runtime.tiled_mlp import find_mlp
 
 if TYPE_CHECKING:
     from autooffload.runtime.blocks import Group
+    from autooffload.runtime.chunks.layout import Chunk
     from autooffload.runtime.runtime import Runtime
 
 
@@ -431,22 +432,16 @@ class StepProfiler:
                 )
             )
         pre, post = self._edge_units(block_groups)
-        chunk_profiles = tuple(
-            ChunkProfile(
-                bytes=c.nbytes,
-                trainable_bytes=c.trainable_bytes,
-                trainable_numel=sum(s.numel for s in c.trainable_slots),
-                units=tuple(sorted({unit_of[g] for g in c.groups})),
-                backward=not set(c.groups) <= runtime.backward_free,
-            )
-            for c in runtime.layout.chunks
-        )
         # Tokens per step: those of the block class that ran last (a VLM's decoder, not its
         # vision tower's patches).
         tokens = 1
         firsts = [a[0] for _, a, _ in self.block_inputs.values() if a]
         if firsts and isinstance(firsts[-1], torch.Tensor):
             tokens = max(1, firsts[-1].shape[:-1].numel())
+        chunk_profiles = tuple(
+            self._chunk_profile(runtime, c, tuple(sorted({unit_of[g] for g in c.groups})), tokens)
+            for c in runtime.layout.chunks
+        )
         return ModelProfile(
             chunk_size=runtime.layout.chunk_size,
             chunks=chunk_profiles,
@@ -496,6 +491,29 @@ class StepProfiler:
                 id(s.param) for c in self.runtime.layout.chunks for s in c.trainable_slots
             }
         return [p for p in params if id(p) in self._chunked_ids]
+
+    @staticmethod
+    def _chunk_profile(
+        runtime: Runtime, chunk: Chunk, units: tuple[int, ...], tokens: int
+    ) -> ChunkProfile:
+        """One chunk as the profiled step ran it (served from the host or not)."""
+        profile = ChunkProfile(
+            bytes=chunk.nbytes,
+            trainable_bytes=chunk.trainable_bytes,
+            trainable_numel=sum(s.numel for s in chunk.trainable_slots),
+            units=units,
+            backward=not set(chunk.groups) <= runtime.backward_free,
+        )
+        if chunk.index not in runtime.host_vocab.served:
+            return profile
+        served = runtime.host_vocab.servable[chunk.index].bytes_for(tokens)
+        return replace(
+            profile,
+            served=True,
+            served_fwd_bytes=served.fwd,
+            served_bwd_bytes=served.bwd,
+            served_device_bytes=served.device,
+        )
 
     def _edge_units(self, block_groups: list[Group]) -> tuple[UnitProfile, UnitProfile]:
         fwd = [m for m in self.marks if m.phase in ("fwd", "fwd_end")]
