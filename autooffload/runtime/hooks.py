@@ -1,6 +1,6 @@
 """The module hooks that move chunks as a step runs: gather before a group's forward, prefetch
 the next groups', release after it; in the backward, offload finished gradients, release, gather
-and prefetch in reverse order (``Runtime`` is the one class that mixes them in).
+and prefetch in reverse order (``StepHooks``, one per ``Runtime``).
 
 The forward's group order (the trace) drives the backward: a chunk is released once every group
 using it lies later in the trace than the group whose backward starts. Two refinements spare
@@ -23,27 +23,19 @@ from torch.utils.hooks import RemovableHandle
 
 from autooffload.errors import AutoOffloadError
 from autooffload.log import logger, warn_once
-from autooffload.runtime.activations import take_over_hf_gradient_checkpointing
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
 from autooffload.runtime.chunks.store import Residency
-from autooffload.runtime.host_vocab import HostVocab
 from autooffload.runtime.lockstep import (
     BACKWARD,
     BACKWARD_END,
     FORWARD_NO_GRAD,
     FORWARD_WITH_GRAD,
 )
-from autooffload.runtime.step_state import StepState
 
 if TYPE_CHECKING:
-    from autooffload.runtime.activations import ActivationSwapper
     from autooffload.runtime.chunks.layout import ChunkLayout
-    from autooffload.runtime.chunks.store import ChunkManager
-    from autooffload.runtime.control.controller import PlanControl
-    from autooffload.runtime.distributed import DataParallel
-    from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
-    from autooffload.settings import Settings
+    from autooffload.runtime.runtime import Runtime
 
 
 def in_backward() -> bool:
@@ -64,28 +56,26 @@ def reduce_order(layout: ChunkLayout, positions: dict[int, int]) -> list[int]:
     return sorted(trainable, key=lambda index: (-earliest(index), -index))
 
 
-class GroupHooks:
-    """Forward and backward hooks over ``groups``; state set up by ``init_hooks``."""
+class StepHooks:
+    """The forward and backward hooks of one runtime's groups: they gather, prefetch and
+    release chunks as a step runs and send finished gradients out; the trace of the group order
+    they follow is their own state. Installed in one place (``install``), removed by
+    ``remove``."""
 
-    model: nn.Module
-    groups: list[Group]
-    layout: ChunkLayout
-    manager: ChunkManager
-    cpu_optim: CpuOptimizer
-    swapper: ActivationSwapper | None
-    control: PlanControl
-    data_parallel: DataParallel | None
-    settings: Settings
-    hf_checkpointing_taken: bool
-
-    @property
-    def last_trace(self) -> list[int]:
-        """Group indices in the order the last complete forward ran them (the attach order
-        until one has run)."""
-        return list(self._last_trace)
-
-    def init_hooks(self) -> None:
-        """The trace state; the hooks themselves are installed by ``_install_hooks``."""
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        # The runtime's parts the hooks drive (fixed for the runtime's life).
+        self.model = runtime.model
+        self.groups = runtime.groups
+        self.layout = runtime.layout
+        self.manager = runtime.manager
+        self.cpu_optim = runtime.cpu_optim
+        self.control = runtime.control
+        self.data_parallel = runtime.data_parallel
+        self.settings = runtime.settings
+        self.device = runtime.device
+        self.step_state = runtime.step_state
+        self.host_vocab = runtime.host_vocab
         self._handles: list[RemovableHandle] = []
         self._trace: list[int] = []
         # Groups whose forward is running now (nested modules owning params), innermost last.
@@ -98,17 +88,19 @@ class GroupHooks:
         self._kept: set[int] = set()
         # Groups whose backward reads no weights: no backward gather, no backward prefetch.
         self.backward_free: set[int] = set()
-        self.step_state = StepState()
-        # Chunks served from the host store (a frozen embedding's rows, a frozen head's tiles):
-        # never gathered or prefetched here.
-        self.host_vocab = HostVocab(
-            self.groups,
-            self.layout,
-            self.manager,
-            enabled=self.data_parallel is None and self.manager.sharding is None,
-        )
 
-    def _install_hooks(self) -> None:
+    @property
+    def last_trace(self) -> list[int]:
+        """Group indices in the order the last complete forward ran them (the attach order
+        until one has run)."""
+        return list(self._last_trace)
+
+    def position(self, group_index: int) -> int:
+        """Where group ``group_index`` ran in the last complete forward."""
+        return self._position.get(group_index, len(self._position) + group_index)
+
+    def install(self) -> None:
+        """Register the hooks on the model and its groups."""
         # Around the whole model: registered first and last so they run before and after the
         # groups' hooks (the root module may be a group itself).
         self._handles.append(self.model.register_forward_pre_hook(self._begin_forward))
@@ -125,6 +117,12 @@ class GroupHooks:
                 )
             )
         self._handles.append(self.model.register_forward_hook(self._end_forward, always_call=True))
+
+    def remove(self) -> None:
+        """Remove every hook ``install`` registered."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def hook_ids(self) -> set[int]:
         """The ids of the module hooks installed on the model (their handles' ``id``)."""
@@ -150,25 +148,10 @@ class GroupHooks:
             self.manager.sharding.check_in_step(phase, self.manager.persistent)
         self.recover_interrupted()
         if torch.is_grad_enabled():
-            check_params_after_attach(self)
-            self._take_over_late_hf_checkpointing()
+            check_params_after_attach(self.runtime)
+            self.runtime.take_over_late_hf_checkpointing()
             if self.step_state.backwards_this_step:
                 self.cpu_optim.release_staging()  # gradient accumulation: the next micro-batch
-
-    def _take_over_late_hf_checkpointing(self) -> None:
-        """HF gradient checkpointing turned on after attach (HF ``Trainer`` does it in
-        ``train()``, after its move): the block policies take it over, as at attach. Left on,
-        HF's reentrant checkpoint would wrap the policies and break the profiling probe."""
-        if self.settings.activation_mode == "off":
-            return  # HF's checkpointing stays in charge, as at attach
-        if any(
-            getattr(g.module, "gradient_checkpointing", None) is True
-            for g in self.groups
-            if g.is_block
-        ) and take_over_hf_gradient_checkpointing(self.model):
-            if not self.hf_checkpointing_taken:
-                logger.info("activation management takes over HF gradient checkpointing per block")
-            self.hf_checkpointing_taken = True
 
     def _end_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if in_backward():
@@ -222,8 +205,8 @@ class GroupHooks:
         self._active.clear()
         self.manager.release_all()
         self.cpu_optim.gpu.drop_loaded()
-        if self.swapper is not None:
-            self.swapper.forget()
+        if self.runtime.swapper is not None:
+            self.runtime.swapper.forget()
         if self.data_parallel is not None:
             self.data_parallel.discard()
 
@@ -266,13 +249,13 @@ class GroupHooks:
                 self.backward_free.add(group.index)
         if self.control.profiler is not None:
             self.control.profiler.on_post_forward(group)
-        if self.swapper is not None and group.is_block and group.block_index is not None:
+        if self.runtime.swapper is not None and group.is_block and group.block_index is not None:
             # A swapped block's device tensors go at the end of the next block's forward, as
             # the cost model has it (``in_flight``), whatever that block's policy: the last
             # swapped block's stayed until the backward (3.6B @ 16 GiB with blocks 0-15
             # swapped: ~0.6 GiB live through 12 checkpointed blocks and the loss, and the
             # allocated peak 9% over its prediction).
-            self.swapper.release_in_flight(before=group.block_index)
+            self.runtime.swapper.release_in_flight(before=group.block_index)
         if group.index in self._active:
             del self._active[len(self._active) - 1 - self._active[::-1].index(group.index)]
         position = self._position.get(group.index, len(self._position))
@@ -374,10 +357,10 @@ class GroupHooks:
                 users = self.layout.chunks[index].groups
                 if max(self._position.get(u, -1) for u in users) >= position - 1:
                     self.cpu_optim.load_state(self.layout.chunks[index])
-        if self.swapper is not None and group.is_block:
-            order = [g.index for g in self.blocks_in_order()]
+        if self.runtime.swapper is not None and group.is_block:
+            order = [g.index for g in self.runtime.blocks_in_order()]
             if group.index in order and order.index(group.index) > 0:
-                self.swapper.prefetch(order.index(group.index) - 1)
+                self.runtime.swapper.prefetch(order.index(group.index) - 1)
         self._prefetch_after(group.index, forward=False)
 
     def _chunk_backward_done(self, index: int) -> None:
@@ -444,9 +427,8 @@ class GroupHooks:
         self.manager.flush_reductions()
         if self.data_parallel is not None:
             # Every trainable param outside chunks: resident ones and any PEFT added later.
-            unchunked = [
-                p for p in self.model.parameters() if p.grad is not None and not self.owns(p)
-            ]
+            owns = self.runtime.owns
+            unchunked = [p for p in self.model.parameters() if p.grad is not None and not owns(p)]
             self.data_parallel.end_backward(unchunked)
             self.manager.drop_grads_unused_everywhere()
         if self.manager.sharding is not None:

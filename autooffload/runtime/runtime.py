@@ -35,7 +35,8 @@ from autooffload.runtime.control.planning import (
     initial_plan,
 )
 from autooffload.runtime.distributed import DataParallel, attach_data_parallel, local_world_size
-from autooffload.runtime.hooks import GroupHooks
+from autooffload.runtime.hooks import StepHooks
+from autooffload.runtime.host_vocab import HostVocab
 from autooffload.runtime.quantized import QuantizedParams
 from autooffload.runtime.sharding import Sharding, fetch_offloaded
 from autooffload.runtime.state import (
@@ -44,6 +45,7 @@ from autooffload.runtime.state import (
     load_offloaded_state,
     twin_states,
 )
+from autooffload.runtime.step_state import StepState
 from autooffload.runtime.tiled_mlp import set_mlp_tiles
 from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
 from autooffload.runtime.update.update_mode import BackwardUpdateMode
@@ -53,7 +55,7 @@ from autooffload.settings import Settings
 RESIDENT_TRAINABLE_SHARE = 0.1
 
 
-class Runtime(GroupHooks):
+class Runtime:
     """Chunked weight offload for one model: hooks gather a group's chunks before it runs,
     prefetch the next group's, release them after, and send offloaded gradients to the CPU."""
 
@@ -154,7 +156,16 @@ class Runtime(GroupHooks):
         self._assign_gpu_updates(self.plan)
         self.backward_update = BackwardUpdateMode(self)
         self.optimizers: list[torch.optim.Optimizer] = []
-        self.init_hooks()
+        self.step_state = StepState()
+        # Chunks served from the host store (a frozen embedding's rows, a frozen head's tiles):
+        # never gathered or prefetched by the hooks.
+        self.host_vocab = HostVocab(
+            self.groups,
+            self.layout,
+            self.manager,
+            enabled=self.data_parallel is None and self.manager.sharding is None,
+        )
+        self.hooks = StepHooks(self)
         # The profiling steps serve every frozen vocabulary chunk from the host (the least
         # device memory); the searched plan weighs serving against gathering.
         self.control.adopt_plan(
@@ -164,11 +175,11 @@ class Runtime(GroupHooks):
         self.swapper: ActivationSwapper | None = None
         self.hf_checkpointing_taken = False
         profiling = self._setup_activations()
-        self._install_hooks()
+        self.hooks.install()
         install_copy_guard(model)
         # state_dict / load_state_dict see and set the weights wherever they live (removed on
-        # detach with the other hooks).
-        self._handles.extend(ModelStateHooks(self).install())
+        # detach).
+        self._state_handles = ModelStateHooks(self).install()
         # A device OOM inside the model's forward or backward is retried once
         # (runtime/control/oom.py; on by default, off with AUTOOFFLOAD_UPDATE_IN_BACKWARD=1
         # unless set explicitly; its auto mode keeps it, ``BackwardUpdateMode.note_forward``).
@@ -299,7 +310,23 @@ class Runtime(GroupHooks):
             self.cpu_optim.accumulate_on_gpu = self.settings.accumulate_on == "gpu"
 
     def position(self, group_index: int) -> int:
-        return self._position.get(group_index, len(self._position) + group_index)
+        """Where group ``group_index`` ran in the last complete forward."""
+        return self.hooks.position(group_index)
+
+    def take_over_late_hf_checkpointing(self) -> None:
+        """HF gradient checkpointing turned on after attach (HF ``Trainer`` does it in
+        ``train()``, after its move): the block policies take it over, as at attach. Left on,
+        HF's reentrant checkpoint would wrap the policies and break the profiling probe."""
+        if self.settings.activation_mode == "off":
+            return  # HF's checkpointing stays in charge, as at attach
+        if any(
+            getattr(g.module, "gradient_checkpointing", None) is True
+            for g in self.groups
+            if g.is_block
+        ) and take_over_hf_gradient_checkpointing(self.model):
+            if not self.hf_checkpointing_taken:
+                logger.info("activation management takes over HF gradient checkpointing per block")
+            self.hf_checkpointing_taken = True
 
     def weight_dtype(self) -> torch.dtype:
         """The floating dtype holding most chunk bytes (packed quantized bytes are no dtype
@@ -352,7 +379,7 @@ class Runtime(GroupHooks):
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The user's optimizer is about to step: clean up after an interrupted forward or
         backward, and before the run's first update check that a plan fits the budget."""
-        self.recover_interrupted()
+        self.hooks.recover_interrupted()
         self.control.before_update(optimizer)
 
     def after_step(self, optimizer: torch.optim.Optimizer, apply_update: bool = True) -> None:
@@ -372,6 +399,16 @@ class Runtime(GroupHooks):
         self.manager.fold_copy_times()
         self.control.end_step(backwards)
         self.backward_update.end_step(self.oom.input_numel if self.oom is not None else 0)
+
+    def hook_ids(self) -> set[int]:
+        """The ids of every hook this runtime registered on the model's modules (the step hooks
+        and the state-dict hooks)."""
+        return self.hooks.hook_ids() | {handle.id for handle in self._state_handles}
+
+    @property
+    def last_trace(self) -> list[int]:
+        """Group indices in the order the last complete forward ran them."""
+        return self.hooks.last_trace
 
     @property
     def allocator_hold(self) -> bool:
@@ -412,7 +449,7 @@ class Runtime(GroupHooks):
 
     def zero_grad(self, set_to_none: bool = True, param_ids: set[int] | None = None) -> None:
         """Clear the host gradients of ``param_ids`` (None: every offloaded param)."""
-        self.recover_interrupted()
+        self.hooks.recover_interrupted()
         self.cpu_optim.zero_grad(set_to_none, param_ids)
         self.step_state.cleared()
 
@@ -469,9 +506,10 @@ class Runtime(GroupHooks):
         self.cpu_optim.wait()
         # A collective under sharding (every rank detaches): the chunks other ranks own.
         fetched = fetch_offloaded(self, None)
-        for handle in self._handles:
+        self.hooks.remove()
+        for handle in self._state_handles:
             handle.remove()
-        self._handles = []
+        self._state_handles = []
         remove_copy_guard(self.model)
         if self.oom is not None:
             self.oom.remove()

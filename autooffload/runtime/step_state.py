@@ -5,7 +5,7 @@ The phase answers what the group hooks must do now, as FSDP2's ``TrainingState``
 - ``IDLE``: no backward of this model is running; forwards (with or without grad) run here.
 - ``BACKWARD``: a backward registered its end callback (``backward_task``) and has not reached
   it. Still ``BACKWARD`` once autograd is no longer running is an interrupted backward, which
-  ``GroupHooks.recover_interrupted`` cleans up.
+  ``StepHooks.recover_interrupted`` cleans up.
 - ``PROBE``: the profiler runs one block through its ``__call__`` alone; the groups' hooks step
   aside (the probe gathers the chunks itself and keeps no trace).
 

@@ -130,8 +130,8 @@ def test_a_frozen_embedding_is_not_fetched_for_the_backward(input_grads, monkeyp
 
     embedding_group = next(g for g in runtime.groups if g.name.endswith("embed_tokens"))
     embedding = _chunks_of(runtime, "embed_tokens")
-    assert embedding_group.index in runtime.backward_free
-    assert not any(g.is_block for g in runtime.groups if g.index in runtime.backward_free)
+    assert embedding_group.index in runtime.hooks.backward_free
+    assert not any(g.is_block for g in runtime.groups if g.index in runtime.hooks.backward_free)
     only_embedding = {
         i for i in embedding if set(runtime.layout.chunks[i].groups) == {embedding_group.index}
     }

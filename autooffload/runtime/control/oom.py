@@ -190,7 +190,7 @@ class OomRetry:
             return self._remember(call, output)
         finally:
             self.retrying = False
-        self.runtime.recover_interrupted()
+        self.runtime.hooks.recover_interrupted()
         self._restart_profiler()
         raise self._error("again after the retry", message)
 
@@ -221,7 +221,7 @@ class OomRetry:
         runtime = self.runtime
         for group in runtime.groups:
             if group.module is runtime.model:
-                runtime.resume_group(group, args, kwargs)
+                runtime.hooks.resume_group(group, args, kwargs)
 
     # ---- recovery and re-plan -----------------------------------------------------------------
 
@@ -229,11 +229,11 @@ class OomRetry:
         """Clean up after the OOM, shrink the plan and log it; raise if no retry is left."""
         runtime = self.runtime
         if self.retrying:
-            runtime.recover_interrupted()
+            runtime.hooks.recover_interrupted()
             self._restart_profiler()
             raise self._error("again after the retry", message)
-        runtime.drop_partial_trace()
-        runtime.recover_interrupted()
+        runtime.hooks.drop_partial_trace()
+        runtime.hooks.recover_interrupted()
         if runtime.swapper is not None:
             # Even when no chunk was left resident (an OOM in the loss, after the last block).
             runtime.swapper.forget()
@@ -244,7 +244,7 @@ class OomRetry:
                 " (no retry under data parallelism: every rank must keep the same plan)",
                 message,
             )
-        runtime.drop_active_groups()
+        runtime.hooks.drop_active_groups()
         runtime.manager.release_all()
         self._restart_profiler()
         self._free_cached_memory()
@@ -429,7 +429,7 @@ class OomRetry:
                 " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 to keep OOMs in the backward retryable)"
             )
         if isinstance(replay, str):
-            self.runtime.recover_interrupted()
+            self.runtime.hooks.recover_interrupted()
             raise self._error(f"in backward, not retried because {replay},", message)
         self.recover("backward", message)
         self._discard_gradients()
@@ -460,7 +460,7 @@ class OomRetry:
         """Back to no gradient at all, as when the failed backward started (checked by
         :meth:`replay_for`): partial device and host gradients are dropped."""
         runtime = self.runtime
-        runtime.recover_interrupted()
+        runtime.hooks.recover_interrupted()
         for param in runtime.model.parameters():
             param.grad = None
         # The retry's own zero_grad, not the loop's: no reason against the update in the backward.
@@ -513,4 +513,4 @@ def run_backward(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
 def _recover_all() -> None:
     for runtime in registry.runtimes():
-        runtime.recover_interrupted()
+        runtime.hooks.recover_interrupted()

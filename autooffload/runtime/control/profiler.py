@@ -502,7 +502,7 @@ class StepProfiler:
             trainable_bytes=chunk.trainable_bytes,
             trainable_numel=sum(s.numel for s in chunk.trainable_slots),
             units=units,
-            backward=not set(chunk.groups) <= runtime.backward_free,
+            backward=not set(chunk.groups) <= runtime.hooks.backward_free,
         )
         if chunk.index not in runtime.host_vocab.served:
             return profile

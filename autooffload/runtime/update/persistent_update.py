@@ -4,7 +4,7 @@ Under the update in the backward (``runtime/update/update_mode.py``) the offload
 updated on the CPU as their gradients arrive. The persistent chunks' gradients would otherwise all
 live on the device from their backward to ``optimizer.step()``: at 3.6B under 16 GiB 3.6 GB with 15
 persistent chunks, at the step. Instead, as soon as the backward is past every user of a chunk
-(``GroupHooks._pre_backward``; ``_end_backward`` for the rest), the chunk's params are stepped by
+(``StepHooks._pre_backward``; ``_end_backward`` for the rest), the chunk's params are stepped by
 their own optimizer, restricted to them (``step_params``: the user's optimizer object, its state and
 hyperparameters, so the update is the one ``step()`` would have made), and their ``.grad`` is
 dropped: at most the gradients of the chunks the backward is in live at once, and ``step()`` skips
