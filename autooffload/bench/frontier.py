@@ -46,7 +46,7 @@ def summarise_candidates(
     ``chosen``: the plan's row; ``chosen_on_frontier``: no feasible row is both smaller and faster;
     ``frontier_gain``: how much shorter the fastest row's step is than the plan's among the rows
     no larger than it (0 on the frontier; a calibration keeps a running plan unless another is
-    ``calibration.REPLAN_GAIN`` faster).
+    ``replan.REPLAN_GAIN`` faster).
     """
     peak = np.asarray(candidates.peak_bytes, dtype=np.float64)
     step = np.asarray(candidates.step_s, dtype=np.float64)

@@ -639,7 +639,7 @@ def test_the_search_on_auto_sums_where_the_step_is_faster():
 def test_a_plan_on_auto_is_judged_and_switched_where_it_sums():
     """The calibration and the OOM retry predict a running plan on the variant it was searched
     on, and a plan that only moves the sums is still a switch the runtime must make."""
-    from autooffload.runtime.control.calibration import with_running_split
+    from autooffload.plan.replan import with_running_split
     from autooffload.runtime.control.planning import profile_for_plan
 
     cpu, hw, _ = _accumulating(4, cpu_optim_params_per_s=5e9)

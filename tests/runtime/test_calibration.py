@@ -18,22 +18,25 @@ import torch
 
 import autooffload
 from autooffload import runtime as rt
+from autooffload.plan import replan
 from autooffload.plan.cost_memory import predict_peak_bytes
 from autooffload.plan.cost_time import predict_step_time
 from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
+from autooffload.plan.replan import (
+    CALIBRATION_MARGIN,
+    COPY_RATE_MARGIN,
+    CPU_RATE_MARGIN,
+    DRIFT_MARGIN,
+    REPLAN_GAIN,
+    STEP_MARGIN,
+)
 from autooffload.plan.search import SearchRequest
 from autooffload.runtime.control import calibration
 from autooffload.runtime.control.calibration import (
     CALIBRATE_AFTER_STEPS,
-    CALIBRATION_MARGIN,
     CALIBRATION_ROUNDS,
-    COPY_RATE_MARGIN,
     COPY_RATE_MIN_BYTES,
-    CPU_RATE_MARGIN,
-    DRIFT_MARGIN,
     DRIFT_WINDOW_STEPS,
-    REPLAN_GAIN,
-    STEP_MARGIN,
     StepTimer,
     calibrate_after_steps,
 )
@@ -392,7 +395,7 @@ def test_copies_faster_than_the_probe_raise_its_rates_and_slower_ones_do_not(
 )
 def test_the_raised_copy_rates_keep_the_both_ways_rate_between_its_bounds(measured, expected):
     hw = make_hardware(h2d_bps=24e9, d2h_bps=43e9, duplex_bps=45e9)
-    raised, _ = calibration._raised_copy_rates(hw, *measured)
+    raised, _ = replan.raised_copy_rates(hw, *measured)
     got = (raised.h2d_bps, raised.d2h_bps, raised.duplex_bps)
     assert got == pytest.approx(expected)
     assert max(raised.h2d_bps, raised.d2h_bps) <= raised.duplex_bps
@@ -567,15 +570,15 @@ def test_a_drift_replan_needs_a_faster_plan_or_a_running_plan_that_no_longer_fit
     plan, request, chunk = runtime.plan, runtime.search_request, runtime.layout.chunk_size
     other = replace(plan, n_buffer=plan.n_buffer + 1)  # another configuration
     slightly = replace(other, predicted_step_s=plan.predicted_step_s * (1 - REPLAN_GAIN / 2))
-    kept = calibration._unless_faster(plan, slightly, request, chunk)
+    kept = replan.unless_faster(plan, slightly, request, chunk)
     assert kept.configures_like(plan), "switched for a gain under REPLAN_GAIN"
     assert kept.predicted_step_s == pytest.approx(plan.predicted_step_s)
     assert kept.source == slightly.source and kept.chunk_size == chunk
     faster = replace(other, predicted_step_s=plan.predicted_step_s * (1 - 2 * REPLAN_GAIN))
-    assert calibration._unless_faster(plan, faster, request, chunk) is faster
+    assert replan.unless_faster(plan, faster, request, chunk) is faster
     # The running configuration over the (calibrated) budget: the found plan, however slow.
     tight = replace(request, budget_bytes=plan.predicted_peak_bytes - 1)
-    assert calibration._unless_faster(plan, slightly, tight, chunk) is slightly
+    assert replan.unless_faster(plan, slightly, tight, chunk) is slightly
 
 
 @pytest.mark.parametrize(("gain", "switches"), [(REPLAN_GAIN / 2, False), (2 * REPLAN_GAIN, True)])
@@ -636,14 +639,14 @@ def test_a_split_moved_by_the_cpu_rate_alone_needs_the_same_gain(in_backward, pl
     found = request.plan()
     assert found.knobs == running.knobs and getattr(found, split) != getattr(running, split)
     chunk = profile.chunk_size
-    kept = calibration._unless_faster(running, found, request, chunk)
+    kept = replan.unless_faster(running, found, request, chunk)
     assert kept.configures_like(running), "the split moved for a gain under REPLAN_GAIN"
     assert getattr(kept, split) == getattr(running, split)
     # The running split's calibrated prediction: a faster other split is taken.
     fast = dataclasses.replace(
         found, predicted_step_s=kept.predicted_step_s * (1 - 2 * REPLAN_GAIN)
     )
-    assert calibration._unless_faster(running, fast, request, chunk) is fast
+    assert replan.unless_faster(running, fast, request, chunk) is fast
 
 
 def _split_moved(in_backward: bool, planned: float, measured: float):
@@ -669,21 +672,21 @@ def test_the_step_is_judged_against_the_running_split_not_the_one_a_new_rate_pic
     running split's prediction at that rate, so a step that matches it scales no compute (it
     was compared with the other split's, 15-75% off here, and the compute scaled to match)."""
     profile, running, slow = _split_moved(in_backward, planned, measured)
-    as_running = calibration.with_running_split(profile, running)
+    as_running = replan.with_running_split(profile, running)
     expected = predict_step_time(as_running, slow, running.knobs)[0]
     auto = predict_step_time(profile, slow, running.knobs)[0]
     assert expected > auto * (1 + 2 * STEP_MARGIN), "the split must matter on this profile"
-    assert calibration._step_calibration(running, profile, slow, expected) is None
+    assert replan.step_calibration(running, profile, slow, expected) is None
 
 
 def test_a_slower_step_is_fitted_with_the_running_split():
     profile, running, slow = _split_moved(False, 5e9, 1e9)
-    expected = predict_step_time(
-        calibration.with_running_split(profile, running), slow, running.knobs
-    )[0]
-    scaled, what = calibration._step_calibration(running, profile, slow, 1.2 * expected)
+    expected = predict_step_time(replan.with_running_split(profile, running), slow, running.knobs)[
+        0
+    ]
+    scaled, what = replan.step_calibration(running, profile, slow, 1.2 * expected)
     assert scaled.gpu_update == -1, "the calibrated profile keeps the auto split"
-    as_running = calibration.with_running_split(scaled, running)
+    as_running = replan.with_running_split(scaled, running)
     refit = predict_step_time(as_running, slow, running.knobs)[0]
     assert refit == pytest.approx(1.2 * expected, rel=0.02)
     assert f"predicted {expected * 1e3:.0f} ms" in what
