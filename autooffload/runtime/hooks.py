@@ -207,7 +207,7 @@ class GroupHooks:
         if stale_backward:
             logger.debug("a backward pass was interrupted; offloading its partial gradients")
             for index in range(len(self.layout.chunks)):
-                self.manager.offload_grads(index)
+                self.manager.grads.offload_grads(index)
             self.step_state.abandon_backward()
             self._trace = []
         self._active.clear()
@@ -346,7 +346,7 @@ class GroupHooks:
                 if not all(self._position.get(u, -1) > position for u in users):
                     continue
                 if self.data_parallel is not None:
-                    self.manager.offload_grads(index)
+                    self.manager.grads.offload_grads(index)
                 else:
                     self.cpu_optim.update_persistent(self.layout.chunks[index])
         # The profiler's mark comes before this group's gathers: a window's memory then starts
@@ -373,7 +373,7 @@ class GroupHooks:
         update in the backward, the chunks the plan gives it), or its gradients go to the
         host; then its buffer is released."""
         if not self.cpu_optim.update_on_device(self.layout.chunks[index]):
-            self.manager.offload_grads(index)
+            self.manager.grads.offload_grads(index)
         self.manager.release(index)
 
     def _check_not_averaged_yet(self, group: Group) -> None:
@@ -383,7 +383,7 @@ class GroupHooks:
         that one's forward, has its backward after that one's, where the chunks it shares
         with later modules are complete. One GPU needs no check: the end of the backward
         sends such late gradients on."""
-        late = [i for i in self._chunks(group) if self.manager.reduced_in_this_backward(i)]
+        late = [i for i in self._chunks(group) if self.manager.grads.reduced_in_this_backward(i)]
         if not late:
             return
         mine = {id(p) for _, p in group.params() if p.requires_grad}
@@ -411,32 +411,32 @@ class GroupHooks:
                     " not by setting p.grad = None",
                 )
             self._kept.clear()  # this backward takes them over
-            self.manager.begin_backward(backward_id)
-            if self.data_parallel is not None and self.manager.reduce_order is None:
+            self.manager.grads.begin_backward(backward_id)
+            if self.data_parallel is not None and self.manager.grads.reduce_order is None:
                 # Rank 0's forward order fixes every rank's reduction order (collectives must
                 # pair up even where a module ran on one rank only).
                 positions = self.data_parallel.agree_object(dict(self._position))
-                self.manager.set_reduce_order(reduce_order(self.layout, positions))
+                self.manager.grads.set_reduce_order(reduce_order(self.layout, positions))
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         for index in reversed(range(len(self.layout.chunks))):  # as in ``_pre_backward``
             if index in self.manager.persistent:
-                self.manager.offload_grads(index)
+                self.manager.grads.offload_grads(index)
             else:
                 self._chunk_backward_done(index)
         self.cpu_optim.gpu.drop_loaded()
         if self.data_parallel is None and self.cpu_optim.persistent_in_backward:
             for index in sorted(self.manager.persistent):
                 self.cpu_optim.update_persistent(self.layout.chunks[index])
-        self.manager.flush_reductions()
+        self.manager.grads.flush_reductions()
         if self.data_parallel is not None:
             # Every trainable param outside chunks: resident ones and any PEFT added later.
             unchunked = [
                 p for p in self.model.parameters() if p.grad is not None and not self.owns(p)
             ]
             self.data_parallel.end_backward(unchunked)
-            self.manager.drop_grads_unused_everywhere()
+            self.manager.grads.drop_grads_unused_everywhere()
         if self.manager.sharding is not None:
             self.manager.sharding.check_in_step(BACKWARD_END, self.manager.persistent)
         self.step_state.end_backward()

@@ -126,7 +126,7 @@ class Runtime(GroupHooks):
             sharding=sharding,
             chunk_pool=settings.chunk_pool,
         )
-        self.manager.set_data_parallel(self.data_parallel)
+        self.manager.grads.set_data_parallel(self.data_parallel)
         if self.data_parallel is not None:
             # The planner's NCCL time: one chunk's gradient collective, as the backward runs it.
             self.data_parallel.measure_gradient_collective(

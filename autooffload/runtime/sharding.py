@@ -326,7 +326,7 @@ def fetch_offloaded(runtime: Runtime, dst: int | None) -> dict[int, torch.Tensor
     for index in sorted(sharding.indices - manager.persistent):
         host = None
         if sharding.owns(index):
-            manager._wait(manager.host_busy, index)
+            manager.host_busy.wait(index)
             host = manager.host.view(index)
         got = sharding.fetch(host, index, manager.chunks[index].nbytes, dst)
         if got is not None:

@@ -232,8 +232,8 @@ def test_disable_frees_the_host_store_without_waiting_for_gc(where, kind):
             optimizer.step()
             optimizer.zero_grad()
         # The staging is allocated at the first gradient offloaded (``HostArena(lazy=True)``).
-        assert manager.grad_staging.allocated
-        stores.append(StorageWeakRef(manager.grad_staging.buffer.untyped_storage()))
+        assert manager.grads.staging.allocated
+        stores.append(StorageWeakRef(manager.grads.staging.buffer.untyped_storage()))
         assert not any(ref.expired() for ref in stores)
         autooffload.disable()
         del runtime, manager

@@ -231,7 +231,7 @@ def _offloaded_grads(runtime) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(host gradient, its staging view) of every offloaded trainable param with a gradient."""
     optimizer, manager = runtime.cpu_optim, runtime.manager
     return [
-        (optimizer.masters[id(slot.param)].grad, manager.staging_view(slot, chunk))
+        (optimizer.masters[id(slot.param)].grad, manager.grads.staging_view(slot, chunk))
         for chunk, slot in optimizer.offloaded_slots()
         if optimizer.masters[id(slot.param)].grad is not None
     ]
@@ -375,7 +375,7 @@ def test_the_workers_copies_are_one_op_per_chunk_whatever_its_param_count(
     assert len(slots) >= 9  # a whole decoder layer at least
     for slot in slots:
         cpu.masters[id(slot.param)].grad = None
-    staged = [cpu.manager.staging_view(slot, chunk).float() for slot in slots]
+    staged = [cpu.manager.grads.staging_view(slot, chunk).float() for slot in slots]
     for expected_factor in (1, 2):  # a copy of the staging, then an accumulation onto it
         with _CountCalls() as counted:
             cpu._accumulate(chunk, slots, None)
@@ -450,9 +450,9 @@ def test_an_accumulation_does_not_hold_back_the_next_gather(make_llama, offload_
     model(input_ids=ids, labels=ids).loss.backward()
     manager, cpu = runtime.manager, runtime.cpu_optim
     trained = [c.index for c in manager.chunks if c.trainable_slots]
-    assert trained and all(manager.host_busy[i] is None for i in trained)
-    assert all(cpu.grads_busy[i] is manager.staging_busy[i] for i in trained)
+    assert trained and all(manager.host_busy.get(i) is None for i in trained)
+    assert all(cpu.grads_busy[i] is manager.grads.staging_busy.get(i) for i in trained)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer.step()
     # The update writes the weights: the gather waits for it, and so does a GPU update.
-    assert all(manager.host_busy[i] is cpu.grads_busy[i] for i in trained)
+    assert all(manager.host_busy.get(i) is cpu.grads_busy[i] for i in trained)

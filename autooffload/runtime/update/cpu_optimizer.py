@@ -143,7 +143,7 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
         # backward, weights and gradients still resident (plan/update_split.backward_split).
         self.backward_gpu_chunks: set[int] = set()
         self._gpu_problems: dict[int, str | None] = {}
-        manager.connect_update(
+        manager.grads.connect_update(
             self._grads_ready,
             self.update_averaged_on_device,
             self._before_staging_write,
@@ -297,7 +297,7 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
         if on_gpu:
             futures = self.gpu.queue(on_gpu, self.clip_coef)
             for (chunk, *_), future in zip(on_gpu, futures, strict=True):
-                self.manager.host_busy[chunk.index] = future
+                self.manager.host_busy.set(chunk.index, future)
                 self._hold_staging(chunk.index, future)
             # The worker's next tasks (zero_grad's clear, the next backward's gradients, the
             # next updates) touch the gradients and staging these read: they wait for them.
@@ -323,7 +323,7 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
             return "the optimizer is differentiable"
         if self.sharding is not None and not in_backward:
             return "the optimizer state is sharded across ranks"
-        if in_backward and self.manager.data_parallel is not None and self.sharding is None:
+        if in_backward and self.manager.grads.data_parallel is not None and self.sharding is None:
             # Each rank would update its replica alone: one taking the CPU for a chunk (a
             # gradient it lacks) would round otherwise than the others.
             return "the optimizer state is replicated across ranks (AUTOOFFLOAD_SHARD_OPTIMIZER)"
@@ -341,7 +341,7 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
         state-dict aliases of them are copied out first) and reads its staging."""
         self.manager.before_host_write(chunk.index)
         future = self.worker.submit(self._update, chunk, twin, hyper, clip_coef)
-        self.manager.host_busy[chunk.index] = future
+        self.manager.host_busy.set(chunk.index, future)
         self.grads_busy[chunk.index] = future
         self._hold_staging(chunk.index, future)
 
@@ -472,7 +472,7 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
         it: after detach the pinned memory is freed at once, not at the next cyclic gc."""
         self.worker.shutdown(wait=True)
         self.gpu.shutdown()
-        self.manager.connect_update(None, None, None, None)
+        self.manager.grads.connect_update(None, None, None, None)
         tables = (self.masters, self.grad_buffers, self.twins, self.twin_group_index)
         for table in (*tables, self.staged_views, self.add_views, self.copy_back):
             table.clear()

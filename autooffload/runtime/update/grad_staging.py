@@ -96,7 +96,7 @@ class GradStaging:
         if alias:
             self.aliased.add(chunk.index)
         future = self.worker.submit(self._accumulate, chunk, slots, event, alias, presence)
-        self.manager.staging_busy[chunk.index] = future
+        self.manager.grads.staging_busy.set(chunk.index, future)
         self.grads_busy[chunk.index] = future
         if self.update_in_backward:
             self._update_now(chunk)
@@ -223,7 +223,7 @@ class GradStaging:
         """``slot``'s pinned gradient staging (a view made once: each view is ops too)."""
         view = self.staged_views.get(id(slot.param))
         if view is None:
-            view = self.manager.staging_view(slot, chunk)
+            view = self.manager.grads.staging_view(slot, chunk)
             self.staged_views[id(slot.param)] = view
         return view
 
@@ -235,7 +235,7 @@ class GradStaging:
         self.aliased.discard(index)
         chunk = self.manager.chunks[index]
         future = self.worker.submit(self._unalias, chunk)
-        self.manager.staging_busy[index] = future
+        self.manager.grads.staging_busy.set(index, future)
         self.grads_busy[index] = future
 
     def _unalias(self, chunk: Chunk) -> None:
@@ -277,7 +277,7 @@ class GradStaging:
         """An aliased chunk's staging is read by ``future`` (its update, or the zero_grad clear):
         the next write into it waits for that."""
         if index in self.aliased:
-            self.manager.staging_busy[index] = future
+            self.manager.grads.staging_busy.set(index, future)
 
     def zero_grad(self, set_to_none: bool = True, param_ids: set[int] | None = None) -> None:
         """Forget the accumulated host gradients (the user's ``zero_grad``); returns at once.
@@ -305,7 +305,7 @@ class GradStaging:
         future = self.worker.submit(clear)
         # The clear drops (or zeroes) gradients aliased to staging: the next writes wait for it.
         for index in self.aliased:
-            self.manager.staging_busy[index] = future
+            self.manager.grads.staging_busy.set(index, future)
         self.aliased.clear()
         self.accumulations.clear()
         self.device_norms.clear()

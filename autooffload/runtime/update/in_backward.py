@@ -101,7 +101,7 @@ class BackwardUpdates:
         False where its gradients go to the host as usual."""
         if self.manager.state[chunk.index] != Residency.RESIDENT:
             return False
-        if self.manager.data_parallel is not None:
+        if self.manager.grads.data_parallel is not None:
             return False  # after the average: ``update_averaged_on_device``
         slots = [s for s in chunk.trainable_slots if s.param.grad is not None]
         found = self._device_update_owner(chunk) if slots else None
@@ -150,7 +150,7 @@ class BackwardUpdates:
         self.manager.before_host_write(chunk.index)
         pairs = [(self.masters[id(s.param)], s) for s in slots]
         future = self.gpu.update_resident(chunk, twin, hyper, pairs, **kwargs)
-        self.manager.host_busy[chunk.index] = future
+        self.manager.host_busy.set(chunk.index, future)
 
     def _update_now(self, chunk: Chunk) -> None:
         """Queue ``chunk``'s update right behind its gradients (ProTrain's overlap of the CPU
