@@ -144,7 +144,8 @@ class GroupHooks:
             check_params_after_attach(self)
             self._take_over_late_hf_checkpointing()
             if self.step_state.backwards_this_step:
-                self.cpu_optim.release_staging()  # gradient accumulation: the next micro-batch
+                # Gradient accumulation: the next micro-batch.
+                self.cpu_optim.staging.release_staging()
 
     def _take_over_late_hf_checkpointing(self) -> None:
         """HF gradient checkpointing turned on after attach (HF ``Trainer`` does it in
@@ -338,7 +339,7 @@ class GroupHooks:
             users = self.layout.chunks[index].groups
             if all(self._position.get(u, -1) > position for u in users):
                 self._chunk_backward_done(index)
-        if self.data_parallel is not None or self.cpu_optim.persistent_in_backward:
+        if self.data_parallel is not None or self.cpu_optim.in_backward.persistent_armed:
             # Persistent chunks whose backward is complete start their gradient average now,
             # or are stepped now, their gradients dropped (runtime/update/persistent_update.py).
             for index in self.manager.persistent:
@@ -348,20 +349,21 @@ class GroupHooks:
                 if self.data_parallel is not None:
                     self.manager.grads.offload_grads(index)
                 else:
-                    self.cpu_optim.update_persistent(self.layout.chunks[index])
+                    self.cpu_optim.in_backward.update_persistent(self.layout.chunks[index])
         # The profiler's mark comes before this group's gathers: a window's memory then starts
         # without the chunks it fetches, which the profiler tells apart (``copied_in_bytes``).
         if isinstance(self.profiler, StepProfiler):
             self.profiler.on_pre_backward(group)
         for index in self._chunks(group):
             self.manager.gather(index)
-        if self.cpu_optim.backward_gpu_chunks and self.cpu_optim.update_in_backward:
+        in_backward = self.cpu_optim.in_backward
+        if in_backward.gpu_chunks and in_backward.armed:
             # The state of the chunks the GPU updates in the backward comes in one group
             # ahead of their backward (plan/update_split.py: the window before theirs).
-            for index in self.cpu_optim.backward_gpu_chunks:
+            for index in in_backward.gpu_chunks:
                 users = self.layout.chunks[index].groups
                 if max(self._position.get(u, -1) for u in users) >= position - 1:
-                    self.cpu_optim.load_state(self.layout.chunks[index])
+                    in_backward.load_state(self.layout.chunks[index])
         if self.swapper is not None and group.is_block:
             order = [g.index for g in self.blocks_in_order()]
             if group.index in order and order.index(group.index) > 0:
@@ -372,7 +374,7 @@ class GroupHooks:
         """Offloaded chunk ``index``'s backward is complete: the GPU updates it now (under the
         update in the backward, the chunks the plan gives it), or its gradients go to the
         host; then its buffer is released."""
-        if not self.cpu_optim.update_on_device(self.layout.chunks[index]):
+        if not self.cpu_optim.in_backward.update_on_device(self.layout.chunks[index]):
             self.manager.grads.offload_grads(index)
         self.manager.release(index)
 
@@ -426,9 +428,9 @@ class GroupHooks:
             else:
                 self._chunk_backward_done(index)
         self.cpu_optim.gpu.drop_loaded()
-        if self.data_parallel is None and self.cpu_optim.persistent_in_backward:
+        if self.data_parallel is None and self.cpu_optim.in_backward.persistent_armed:
             for index in sorted(self.manager.persistent):
-                self.cpu_optim.update_persistent(self.layout.chunks[index])
+                self.cpu_optim.in_backward.update_persistent(self.layout.chunks[index])
         self.manager.grads.flush_reductions()
         if self.data_parallel is not None:
             # Every trainable param outside chunks: resident ones and any PEFT added later.

@@ -350,7 +350,7 @@ def consolidate(runtime: Runtime, dst: int | None = 0) -> None:
     for optimizer in runtime.optimizers:
         payloads: dict[int, dict[str, dict]] = {}
         for index in indices:
-            twin = cpu_optim.twins.get((index, id(optimizer)))
+            twin = cpu_optim.twins.get(index, optimizer)
             if not sharding.owns(index) or twin is None:
                 continue
             payloads[index] = {
