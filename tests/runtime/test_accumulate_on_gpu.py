@@ -31,6 +31,7 @@ def _train(model, data, accum, attach, offload_cpu, clip, set_to_none, skip) -> 
     )
 
     def keep_stats(runtime) -> None:
+        runtime.cpu_optim.wait()  # the last micro-batches' adds may still be on the worker
         stats.update(runtime.manager.stats)
         stats["added_params"] = runtime.cpu_optim.staging.added_params
         stats["copied_params"] = runtime.cpu_optim.staging.copied_params
