@@ -82,7 +82,7 @@ def main() -> None:
         "rank": rank,
         "params": sum(p.numel() for p in model.parameters()),
         "host_store_gib": runtime.manager.host.total_bytes / GIB,
-        "grad_staging_gib": runtime.manager.grad_staging.total_bytes / GIB,
+        "grad_staging_gib": runtime.manager.grads.staging.total_bytes / GIB,
         "masters_gib": masters / GIB,
         "optimizer_state_gib": state / GIB,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,

@@ -27,7 +27,7 @@ def stream_name(stream: int) -> str:
     if runtime is None:
         return str(stream)
     manager = runtime.manager
-    known = {manager.h2d_stream.cuda_stream: "h2d", manager.d2h_stream.cuda_stream: "d2h"}
+    known = {manager.h2d_stream.cuda_stream: "h2d", manager.grads.d2h_stream.cuda_stream: "d2h"}
     if runtime.swapper is not None and runtime.swapper.h2d_stream is not None:
         known[runtime.swapper.h2d_stream.cuda_stream] = "swap-h2d"
         known[runtime.swapper.d2h_stream.cuda_stream] = "swap-d2h"

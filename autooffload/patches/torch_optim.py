@@ -94,7 +94,7 @@ def _post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> N
         if apply_update and isinstance(grad_scale, torch.Tensor):
             ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
             for runtime in runtimes:
-                runtime.cpu_optim.clip_(1.0 / float(grad_scale), ids)
+                runtime.cpu_optim.grad_norms.clip_(1.0 / float(grad_scale), ids)
     for runtime in runtimes:
         runtime.after_step(optimizer, apply_update=apply_update)
 
@@ -131,7 +131,8 @@ def _unscale_grads_with_host(wrapped: Any, instance: Any, args: tuple, kwargs: d
     unit = torch.ones((), dtype=torch.float32)
     for runtime in runtimes:
         cpu_optim = runtime.cpu_optim
-        cpu_optim.host_grads()  # waits for pending accumulations, applies pending clipping
+        # Waits for pending accumulations, applies pending clipping.
+        cpu_optim.grad_norms.host_grads()
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for pid in ids:
             master = cpu_optim.masters.get(pid)
@@ -143,7 +144,7 @@ def _unscale_grads_with_host(wrapped: Any, instance: Any, args: tuple, kwargs: d
             # Only checked here (unit scale): the unscale goes through the CPU optimizer's
             # gradient scaling, which keeps its clipping norms consistent.
             torch._amp_foreach_non_finite_check_and_unscale_(grads, host_found, unit)
-        cpu_optim.clip_(float(inv_scale), ids)
+        cpu_optim.grad_norms.clip_(float(inv_scale), ids)
     if any(r.cpu_optim.sharding is not None for r in runtimes):
         # Each rank checked only the host gradients it owns: all must skip the step alike.
         sharding = next(r.cpu_optim.sharding for r in runtimes if r.cpu_optim.sharding)
@@ -201,7 +202,7 @@ def clip_grad_norm_with_host(
         norms.append(torch.nn.utils.get_total_norm(device_grads, norm_type, False, foreach))
     ids = {id(p) for p in params}
     for runtime in owners:
-        host_norm = runtime.cpu_optim.host_grad_norm(norm_type, ids)
+        host_norm = runtime.cpu_optim.grad_norms.host_grad_norm(norm_type, ids)
         if host_norm is not None:
             norms.append(host_norm)
     device = device_grads[0].device if device_grads else owners[0].device
@@ -250,7 +251,7 @@ def _clip_with_norm(
     coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
     ids = {id(p) for p in params}
     for runtime in owners:
-        runtime.cpu_optim.clip_(coef, ids)
+        runtime.cpu_optim.grad_norms.clip_(coef, ids)
 
 
 def clip_grad_value_with_host(
@@ -268,7 +269,7 @@ def clip_grad_value_with_host(
         wrapped(on_device, clip_value, foreach)
     ids = {id(p) for p in params}
     for runtime in owners:
-        runtime.cpu_optim.clamp_(float(clip_value), ids)
+        runtime.cpu_optim.grad_norms.clamp_(float(clip_value), ids)
     return None
 
 

@@ -46,7 +46,7 @@ def _store(runtime: Runtime, chunk: Chunk, slot: ParamSlot) -> None:
         param.data = view
     if chunk.index in manager.persistent or not manager.hosts(chunk.index):
         return  # another rank's chunk: its owner stores the same change
-    busy = manager.host_busy[chunk.index]
+    busy = manager.host_busy.get(chunk.index)
     if busy is not None:
         busy.result()
     manager.before_host_write(chunk.index)

@@ -72,7 +72,7 @@ def check_params_after_attach(runtime: Runtime) -> None:
         if (
             param.requires_grad
             and chunk.index not in runtime.manager.persistent
-            and id(param) not in runtime.manager.staging_offsets
+            and not runtime.manager.grads.stages(param)
             and id(param) not in runtime.cpu_optim.offloaded_ids
         ):
             frozen_model = (

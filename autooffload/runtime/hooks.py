@@ -151,7 +151,8 @@ class StepHooks:
             check_params_after_attach(self.runtime)
             self.runtime.take_over_late_hf_checkpointing()
             if self.step_state.backwards_this_step:
-                self.cpu_optim.release_staging()  # gradient accumulation: the next micro-batch
+                # Gradient accumulation: the next micro-batch.
+                self.cpu_optim.staging.release_staging()
 
     def _end_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if in_backward():
@@ -199,7 +200,7 @@ class StepHooks:
         if stale_backward:
             logger.debug("a backward pass was interrupted; offloading its partial gradients")
             for index in range(len(self.layout.chunks)):
-                self.manager.offload_grads(index)
+                self.manager.grads.offload_grads(index)
             self.step_state.abandon_backward()
             self._trace = []
         self._active.clear()
@@ -333,7 +334,7 @@ class StepHooks:
             users = self.layout.chunks[index].groups
             if all(self._position.get(u, -1) > position for u in users):
                 self._chunk_backward_done(index)
-        if self.data_parallel is not None or self.cpu_optim.persistent_in_backward:
+        if self.data_parallel is not None or self.cpu_optim.in_backward.persistent_armed:
             # Persistent chunks whose backward is complete start their gradient average now,
             # or are stepped now, their gradients dropped (runtime/update/persistent_update.py).
             for index in self.manager.persistent:
@@ -341,22 +342,23 @@ class StepHooks:
                 if not all(self._position.get(u, -1) > position for u in users):
                     continue
                 if self.data_parallel is not None:
-                    self.manager.offload_grads(index)
+                    self.manager.grads.offload_grads(index)
                 else:
-                    self.cpu_optim.update_persistent(self.layout.chunks[index])
+                    self.cpu_optim.in_backward.update_persistent(self.layout.chunks[index])
         # The profiler's mark comes before this group's gathers: a window's memory then starts
         # without the chunks it fetches, which the profiler tells apart (``copied_in_bytes``).
         if self.control.profiler is not None:
             self.control.profiler.on_pre_backward(group)
         for index in self._chunks(group):
             self.manager.gather(index)
-        if self.cpu_optim.backward_gpu_chunks and self.cpu_optim.update_in_backward:
+        updates = self.cpu_optim.in_backward
+        if updates.gpu_chunks and updates.armed:
             # The state of the chunks the GPU updates in the backward comes in one group
             # ahead of their backward (plan/update_split.py: the window before theirs).
-            for index in self.cpu_optim.backward_gpu_chunks:
+            for index in updates.gpu_chunks:
                 users = self.layout.chunks[index].groups
                 if max(self._position.get(u, -1) for u in users) >= position - 1:
-                    self.cpu_optim.load_state(self.layout.chunks[index])
+                    updates.load_state(self.layout.chunks[index])
         if self.runtime.swapper is not None and group.is_block:
             order = [g.index for g in self.runtime.blocks_in_order()]
             if group.index in order and order.index(group.index) > 0:
@@ -367,8 +369,8 @@ class StepHooks:
         """Offloaded chunk ``index``'s backward is complete: the GPU updates it now (under the
         update in the backward, the chunks the plan gives it), or its gradients go to the
         host; then its buffer is released."""
-        if not self.cpu_optim.update_on_device(self.layout.chunks[index]):
-            self.manager.offload_grads(index)
+        if not self.cpu_optim.in_backward.update_on_device(self.layout.chunks[index]):
+            self.manager.grads.offload_grads(index)
         self.manager.release(index)
 
     def _check_not_averaged_yet(self, group: Group) -> None:
@@ -378,7 +380,7 @@ class StepHooks:
         that one's forward, has its backward after that one's, where the chunks it shares
         with later modules are complete. One GPU needs no check: the end of the backward
         sends such late gradients on."""
-        late = [i for i in self._chunks(group) if self.manager.reduced_in_this_backward(i)]
+        late = [i for i in self._chunks(group) if self.manager.grads.reduced_in_this_backward(i)]
         if not late:
             return
         mine = {id(p) for _, p in group.params() if p.requires_grad}
@@ -406,31 +408,31 @@ class StepHooks:
                     " not by setting p.grad = None",
                 )
             self._kept.clear()  # this backward takes them over
-            self.manager.begin_backward(backward_id)
-            if self.data_parallel is not None and self.manager.reduce_order is None:
+            self.manager.grads.begin_backward(backward_id)
+            if self.data_parallel is not None and self.manager.grads.reduce_order is None:
                 # Rank 0's forward order fixes every rank's reduction order (collectives must
                 # pair up even where a module ran on one rank only).
                 positions = self.data_parallel.agree_object(dict(self._position))
-                self.manager.set_reduce_order(reduce_order(self.layout, positions))
+                self.manager.grads.set_reduce_order(reduce_order(self.layout, positions))
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         for index in reversed(range(len(self.layout.chunks))):  # as in ``_pre_backward``
             if index in self.manager.persistent:
-                self.manager.offload_grads(index)
+                self.manager.grads.offload_grads(index)
             else:
                 self._chunk_backward_done(index)
         self.cpu_optim.gpu.drop_loaded()
-        if self.data_parallel is None and self.cpu_optim.persistent_in_backward:
+        if self.data_parallel is None and self.cpu_optim.in_backward.persistent_armed:
             for index in sorted(self.manager.persistent):
-                self.cpu_optim.update_persistent(self.layout.chunks[index])
-        self.manager.flush_reductions()
+                self.cpu_optim.in_backward.update_persistent(self.layout.chunks[index])
+        self.manager.grads.flush_reductions()
         if self.data_parallel is not None:
             # Every trainable param outside chunks: resident ones and any PEFT added later.
             owns = self.runtime.owns
             unchunked = [p for p in self.model.parameters() if p.grad is not None and not owns(p)]
             self.data_parallel.end_backward(unchunked)
-            self.manager.drop_grads_unused_everywhere()
+            self.manager.grads.drop_grads_unused_everywhere()
         if self.manager.sharding is not None:
             self.manager.sharding.check_in_step(BACKWARD_END, self.manager.persistent)
         self.step_state.end_backward()

@@ -128,7 +128,7 @@ class Runtime:
             sharding=sharding,
             chunk_pool=settings.chunk_pool,
         )
-        self.manager.set_data_parallel(self.data_parallel)
+        self.manager.grads.set_data_parallel(self.data_parallel)
         if self.data_parallel is not None:
             # The planner's NCCL time: one chunk's gradient collective, as the backward runs it.
             self.data_parallel.measure_gradient_collective(
@@ -297,17 +297,20 @@ class Runtime:
         the user is never searched: a fixed kb applies as set."""
         k = plan.gpu_update_chunks
         trainable = [c.index for c in self.layout.chunks[plan.n_persist :] if c.trainable_slots]
-        self.cpu_optim.gpu_chunks = set(trainable[len(trainable) - k :]) if k else set()
         kb = plan.gpu_backward_chunks
         if not plan.predicted:
             kb = self.settings.gpu_update_in_backward or 0
-        self.cpu_optim.backward_gpu_chunks = set(trainable[:kb])
         # Gradient accumulation's sums: where the search put them; a plan not searched (the
         # first steps, a fixed plan) follows the setting.
         if plan.predicted:
-            self.cpu_optim.accumulate_on_gpu = plan.accumulates_on_gpu
+            accumulate_on_gpu = plan.accumulates_on_gpu
         else:
-            self.cpu_optim.accumulate_on_gpu = self.settings.accumulate_on == "gpu"
+            accumulate_on_gpu = self.settings.accumulate_on == "gpu"
+        self.cpu_optim.place(
+            at_step=set(trainable[len(trainable) - k :]) if k else set(),
+            in_backward=set(trainable[:kb]),
+            accumulate_on_gpu=accumulate_on_gpu,
+        )
 
     def position(self, group_index: int) -> int:
         """Where group ``group_index`` ran in the last complete forward."""
@@ -386,7 +389,7 @@ class Runtime:
         """The user's optimizer stepped the GPU params; queue the CPU update of the rest
         (none when ``apply_update`` is False: a step skipped for non-finite gradients)."""
         self.backward_update.observe(optimizer, self.step_state.backwards_this_step)
-        self.cpu_optim.settle_persistent(optimizer)
+        self.cpu_optim.early.settle_persistent(optimizer)
         profile = self.control.profile_after_step(optimizer)
         updated = apply_update and any(o is optimizer for o in self.cpu_optim.optimizers)
         if updated:
@@ -455,7 +458,7 @@ class Runtime:
 
     def host_grads(self) -> list[torch.Tensor]:
         self.cpu_optim.wait()
-        return self.cpu_optim.host_grads()
+        return self.cpu_optim.grad_norms.host_grads()
 
     def synchronize(self) -> None:
         self.cpu_optim.wait()
@@ -495,10 +498,10 @@ class Runtime:
     def detach(self, device: torch.device | str | None = None) -> nn.Module:
         """Return the ordinary model, trained weights on ``device`` (default: the attach device)."""
         target = torch.device(device) if device is not None else self.device
-        if self.cpu_optim.early_count:
+        if self.cpu_optim.early.count:
             warn_once(
                 "detach-early-updates",
-                f"autooffload: {self.cpu_optim.early_count} chunks were updated in a"
+                f"autooffload: {self.cpu_optim.early.count} chunks were updated in a"
                 " backward that no optimizer.step() followed (an interrupted one, or one the loop"
                 " stopped after), and the returned weights include that part of a step;"
                 " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 leaves such steps without any update",

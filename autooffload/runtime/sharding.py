@@ -338,7 +338,7 @@ def fetch_offloaded(runtime: Runtime, dst: int | None) -> dict[int, torch.Tensor
     for index in sorted(sharding.indices - manager.persistent):
         host = None
         if sharding.owns(index):
-            manager._wait(manager.host_busy, index)
+            manager.host_busy.wait(index)
             host = manager.host.view(index)
         got = sharding.fetch(host, index, manager.chunks[index].nbytes, dst)
         if got is not None:
@@ -362,7 +362,7 @@ def consolidate(runtime: Runtime, dst: int | None = 0) -> None:
     for optimizer in runtime.optimizers:
         payloads: dict[int, dict[str, dict]] = {}
         for index in indices:
-            twin = cpu_optim.twins.get((index, id(optimizer)))
+            twin = cpu_optim.twins.get(index, optimizer)
             if not sharding.owns(index) or twin is None:
                 continue
             payloads[index] = {

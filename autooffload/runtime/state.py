@@ -202,7 +202,7 @@ def _offloaded_owned(runtime: Runtime, optimizer: torch.optim.Optimizer) -> dict
             continue
         for slot in chunk.trainable_slots:
             pid = id(slot.param)
-            mine = cpu_optim.optimizer_of_param.get(pid) is optimizer
+            mine = cpu_optim.twins.optimizer_of_param.get(pid) is optimizer
             if pid in cpu_optim.offloaded_ids and mine:
                 owned[pid] = chunk
     return owned
@@ -229,7 +229,7 @@ def add_offloaded_state(
                 packed[indices[pid]] = state
         owned = {p: c for p, c in owned.items() if not runtime.manager.is_sharded(c.index)}
     for pid, chunk in owned.items():
-        twin = runtime.cpu_optim.twins.get((chunk.index, id(optimizer)))
+        twin = runtime.cpu_optim.twins.get(chunk.index, optimizer)
         master = runtime.cpu_optim.masters[pid]
         if twin is not None and master in twin.state and pid in indices:
             packed[indices[pid]] = dict(twin.state[master])
@@ -285,7 +285,7 @@ def twin_states(runtime: Runtime, optimizer: torch.optim.Optimizer) -> dict[int,
     cpu_optim.wait()
     states: dict[int, dict] = {}
     for chunk in runtime.layout.chunks:
-        twin = cpu_optim.twins.get((chunk.index, id(optimizer)))
+        twin = cpu_optim.twins.get(chunk.index, optimizer)
         if twin is None:
             continue
         for slot in chunk.trainable_slots:
@@ -318,9 +318,9 @@ def load_offloaded_state(
     chunks = {chunk.index: chunk for chunk in owned.values()}
     for index, chunk in chunks.items():
         needs_state = any(id(s.param) in states for s in chunk.trainable_slots)
-        twin = cpu_optim.twins.get((index, id(optimizer)))
+        twin = cpu_optim.twins.get(index, optimizer)
         if twin is None and needs_state:
-            twin = cpu_optim._twin(chunk, optimizer)
+            twin = cpu_optim.twins.twin(chunk, optimizer)
         if twin is None:
             continue
         for slot in chunk.trainable_slots:

@@ -151,7 +151,7 @@ def test_trainer_without_clipping_trains_like_plain_and_reads_the_gradient_norm(
     # did not would leave the loop plain, and auto would take the update in the backward.
     reads_norm = hasattr(Trainer, "_get_grad_norm")
     assert runtime.backward_update.decided is (not reads_norm)
-    assert runtime.cpu_optim.persistent_in_backward is (not reads_norm)
+    assert runtime.cpu_optim.in_backward.persistent_armed is (not reads_norm)
     runtime.synchronize()
     actual = weights(job.model)
     for name, value in expected.items():

@@ -76,7 +76,7 @@ def dpo_losses(
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     seen = {"policy": policy is not None, "reference": reference is not None}
     if reference is not None:
-        staging = reference.manager.grad_staging
+        staging = reference.manager.grads.staging
         seen.update(
             ref_persistent=reference.plan.n_persist,
             ref_staging_bytes=staging.total_bytes,

@@ -83,7 +83,8 @@ def _train_through_fault(model, where, kind, attach: dict | None) -> dict[str, t
                 runtime.manager.synchronize()
                 assert offloaded_chunks_on_host(runtime)
                 assert no_offloaded_grad_on_device(runtime)
-                assert runtime.manager.h2d_stream.query() and runtime.manager.d2h_stream.query()
+                manager = runtime.manager
+                assert manager.h2d_stream.query() and manager.grads.d2h_stream.query()
                 assert worker_idle(runtime)
             continue
         optimizer.step()

@@ -139,7 +139,7 @@ def test_under_the_update_in_the_backward_only_a_step_completes_an_interrupted_o
     fault.armed = True
     with pytest.raises(kind):
         model(input_ids=ids, labels=ids).loss.backward()
-    assert rt.runtime_of(model).cpu_optim.early
+    assert rt.runtime_of(model).cpu_optim.early.offloaded
     with pytest.warns(UserWarning, match="include that part of a step"):
         autooffload.disable()
 
@@ -232,8 +232,8 @@ def test_disable_frees_the_host_store_without_waiting_for_gc(where, kind):
             optimizer.step()
             optimizer.zero_grad()
         # The staging is allocated at the first gradient offloaded (``HostArena(lazy=True)``).
-        assert manager.grad_staging.allocated
-        stores.append(StorageWeakRef(manager.grad_staging.buffer.untyped_storage()))
+        assert manager.grads.staging.allocated
+        stores.append(StorageWeakRef(manager.grads.staging.buffer.untyped_storage()))
         assert not any(ref.expired() for ref in stores)
         autooffload.disable()
         del runtime, manager

@@ -108,7 +108,7 @@ def test_the_update_in_the_backward_trains_like_plain_bf16():
         runtime = rt.runtimes()[0]
         persistent = [runtime.layout.chunks[i] for i in sorted(runtime.manager.persistent)]
         grads = [s.param.grad for c in persistent for s in c.trainable_slots]
-        stepped.append((sorted(runtime.cpu_optim.persistent_early), all(g is None for g in grads)))
+        stepped.append((sorted(runtime.cpu_optim.early.persistent), all(g is None for g in grads)))
 
     attach = {"n_persist": 3, "master_weights": False, "update_in_backward": True}
     offloaded = train_bf16(copy.deepcopy(base), attach=attach, clip=False, after_backward=check)
@@ -201,7 +201,7 @@ def test_accumulation_summed_on_the_gpu_trains_like_plain_bf16(monkeypatch, clip
             optimizer.zero_grad()
         stats = {}
         if runtime is not None:
-            stats = {**runtime.manager.stats, "added": runtime.cpu_optim.added_params}
+            stats = {**runtime.manager.stats, "added": runtime.cpu_optim.staging.added_params}
             autooffload.disable()
         return losses, stats
 

@@ -241,7 +241,7 @@ def test_clip_grad_norm_covers_host_grads_and_scales_them(norm_type, n_persist):
     assert expected > 0.1, "nothing was clipped; the test needs a smaller max_norm"
     runtime = rt.runtime_of(attached)
     runtime.synchronize()
-    runtime.cpu_optim.host_grads()  # clipping of host grads is lazy; this applies it
+    runtime.cpu_optim.grad_norms.host_grads()  # clipping of host grads is lazy; this applies it
     host_grads = {pid: master.grad for pid, master in runtime.cpu_optim.masters.items()}
     from_host = 0
     for name, param in attached.named_parameters():

@@ -1,7 +1,7 @@
 """Gradient accumulation summed on the device (``accumulate_on="gpu"``) trains like plain torch.
 
 The CPU simulation runs the path on CPU tensors: the running sum in the pinned staging is added
-to the next backward's gradients before they go out (``ChunkManager.offload_grads``), the staging
+to the next backward's gradients before they go out (``GradientOffload.offload_grads``), the staging
 stays the host gradient, and the CPU worker adds nothing. Any slip (a sum added twice, a first
 gradient added to stale staging, a norm of one micro-batch taken for the sum's) moves the
 weights by ~lr.
@@ -31,10 +31,11 @@ def _train(model, data, accum, attach, offload_cpu, clip, set_to_none, skip) -> 
     )
 
     def keep_stats(runtime) -> None:
+        runtime.cpu_optim.wait()  # the last micro-batches' adds may still be on the worker
         stats.update(runtime.manager.stats)
-        stats["added_params"] = runtime.cpu_optim.added_params
-        stats["copied_params"] = runtime.cpu_optim.copied_params
-        stats["on_gpu"] = runtime.cpu_optim.accumulate_on_gpu
+        stats["added_params"] = runtime.cpu_optim.staging.added_params
+        stats["copied_params"] = runtime.cpu_optim.staging.copied_params
+        stats["on_gpu"] = runtime.cpu_optim.staging.accumulate_on_gpu
 
     run = train(
         model,
@@ -96,24 +97,25 @@ def test_the_norm_for_clipping_is_the_norm_of_the_sum_without_a_host_pass(
     for ids in make_batches(3):
         model(input_ids=ids, labels=ids).loss.backward()
     cpu_optim = runtime.cpu_optim
-    assert cpu_optim.norm_of_sum and all(
-        cpu_optim.accumulations[p] == 3 for p in cpu_optim.norm_of_sum
+    norms = cpu_optim.grad_norms
+    assert norms.whole_norms and all(
+        cpu_optim.staging.accumulations[p] == 3 for p in norms.whole_norms
     )
     host = torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g) for g in cpu_optim.host_grads()])
+        torch.stack([torch.linalg.vector_norm(g) for g in norms.host_grads()])
     )
     reads = []
     real = torch.linalg.vector_norm
     monkeypatch.setattr(
         torch.linalg, "vector_norm", lambda t, *a, **k: reads.append(t.numel()) or real(t, *a, **k)
     )
-    norm = cpu_optim.host_grad_norm(2.0, set(cpu_optim.offloaded_ids))
+    norm = norms.host_grad_norm(2.0, set(cpu_optim.offloaded_ids))
     monkeypatch.undo()
     # One norm over the per-param norms (one per param), none over a host gradient.
-    assert reads == [len(cpu_optim.norm_of_sum)]
+    assert reads == [len(norms.whole_norms)]
     torch.testing.assert_close(norm, host, rtol=1e-5, atol=0)
     optimizer.zero_grad()
-    assert not cpu_optim.norm_of_sum
+    assert not norms.whole_norms
 
 
 def test_asking_for_it_where_it_cannot_run_is_a_clear_error(make_llama, offload_cpu):
@@ -129,8 +131,9 @@ def test_on_auto_a_cpu_device_accumulates_on_the_cpu(make_llama, make_batches, o
     runtime = rt.runtime_of(model)
     for ids in make_batches(2):
         model(input_ids=ids, labels=ids).loss.backward()
-    assert not runtime.cpu_optim.accumulate_on_gpu
-    assert runtime.manager.stats["summed_params"] == 0 and runtime.cpu_optim.added_params > 0
+    staging = runtime.cpu_optim.staging
+    assert not staging.accumulate_on_gpu
+    assert runtime.manager.stats["summed_params"] == 0 and staging.added_params > 0
 
 
 @pytest.mark.parametrize("where", ["cpu", "gpu"], ids=["on-host", "on-device"])
@@ -144,11 +147,13 @@ def test_the_next_micro_batchs_forward_frees_the_staging_only_on_the_cpu(
     cpu_optim = rt.runtime_of(model).cpu_optim
     first, second = make_batches(2)
     model(input_ids=first, labels=first).loss.backward()
-    aliased = set(cpu_optim.aliased)
+    aliased = set(cpu_optim.staging.aliased)
     assert aliased
     seen = []
     block = model.model.layers[0]
-    handle = block.register_forward_pre_hook(lambda m, a: seen.append(set(cpu_optim.aliased)))
+    handle = block.register_forward_pre_hook(
+        lambda m, a: seen.append(set(cpu_optim.staging.aliased))
+    )
     model(input_ids=second, labels=second).loss.backward()
     handle.remove()
     assert seen[0] == (set() if where == "cpu" else aliased)
@@ -169,13 +174,13 @@ def test_copies_out_of_the_staging_count_with_the_adds_not_the_update(
     (ids,) = make_batches(1)
     model(input_ids=ids, labels=ids).loss.backward()
     cpu_optim.wait()
-    assert cpu_optim.aliased and not cpu_optim.grad_buffers
+    assert cpu_optim.staging.aliased and not cpu_optim.staging.grad_buffers
     mark = cpu_optim.mark()
-    cpu_optim.release_staging()
+    cpu_optim.staging.release_staging()
     cpu_optim.wait()
     busy_s, updated, add_s, added = cpu_optim.mark()
-    copied = sum(buffer.numel() for buffer in cpu_optim.grad_buffers.values())
-    assert copied > 0 and added - mark[3] == copied == cpu_optim.copied_params
+    copied = sum(buffer.numel() for buffer in cpu_optim.staging.grad_buffers.values())
+    assert copied > 0 and added - mark[3] == copied == cpu_optim.staging.copied_params
     assert add_s - mark[2] == pytest.approx(busy_s - mark[0])
     assert updated == mark[1] and worker_rate(mark, cpu_optim) is None
     assert accumulate_rate(mark, cpu_optim) > 0

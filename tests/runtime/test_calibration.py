@@ -177,15 +177,15 @@ def test_a_peak_that_only_fewer_persistent_chunks_fit_demotes_them_and_training_
     assert demoted and all(runtime.is_offloaded(p) for p in demoted)
     # The state left the user's optimizer for the twins, Adam's step count with it.
     assert not any(optimizer.state.get(p) for p in demoted)
-    twins = rt.runtime_of(model).cpu_optim
-    states = [twins.twins_of(chunk) for chunk in left]
+    cpu_optim = rt.runtime_of(model).cpu_optim
+    states = [cpu_optim.twins.of_chunk(chunk) for chunk in left]
     assert all(states)
     for ids in batches[4:]:
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-    twins.wait()
-    step = [twin.state[twins.masters[id(demoted[0])]]["step"] for twin in states[0]]
+    cpu_optim.wait()
+    step = [twin.state[cpu_optim.masters[id(demoted[0])]]["step"] for twin in states[0]]
     assert [int(s) for s in step] == [len(batches)]
     autooffload.disable()
     expected = reference.state_dict()

@@ -51,7 +51,7 @@ def test_a_frozen_model_attaches_streams_and_gives_the_plain_logits(
     assert runtime is not None, "a frozen model was not attached"
     assert runtime.plan.n_persist == 0
     assert all(runtime.is_offloaded(p) for p in model.parameters())
-    assert not runtime.cpu_optim.offloaded_ids and runtime.manager.grad_staging.total_bytes == 0
+    assert not runtime.cpu_optim.offloaded_ids and runtime.manager.grads.staging.total_bytes == 0
     frozen = [line for line in lines if line.startswith("frozen LlamaForCausalLM")]
     assert len(frozen) == 1 and f"{runtime.plan.n_chunks} of" in frozen[0], lines
     for ids in make_batches(2):
@@ -144,7 +144,7 @@ def test_gradient_staging_is_pinned_only_once_something_trains(
     model = make_llama()
     offload_cpu(n_persist=0)
     model.to("cpu")
-    staging = rt.runtime_of(model).manager.grad_staging
+    staging = rt.runtime_of(model).manager.grads.staging
     ids = make_batches(1)[0]
     with torch.no_grad():
         model(input_ids=ids)

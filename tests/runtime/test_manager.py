@@ -108,7 +108,7 @@ def test_prefetch_waits_for_cpu_work_on_the_host_bytes():
     manager, _ = _manager()
     manager.adopt_params()
     update = Future()
-    manager.host_busy[1] = update
+    manager.host_busy.set(1, update)
     assert not manager.prefetch(1)
     assert manager.state[1] == Residency.HOST
     update.set_result(None)
@@ -119,28 +119,32 @@ def test_offload_grads_stages_the_gradient_and_drops_it_from_the_param():
     manager, model = _manager()
     manager.adopt_params()
     received = []
-    manager.on_grads_ready = lambda chunk, slots, event, norms, presence, summed: received.append(
-        (chunk.index, slots)
+    manager.grads.connect_update(
+        lambda chunk, slots, event, norms, presence, summed: received.append((chunk.index, slots)),
+        None,
+        None,
+        None,
     )
     manager.gather(2)
     grad_w, grad_b = torch.randn(8, 8), torch.randn(8)
     model[2].weight.grad, model[2].bias.grad = grad_w.clone(), grad_b.clone()
-    manager.offload_grads(2)
+    manager.grads.offload_grads(2)
     chunk = manager.chunks[2]
     assert [(i, [s.param for s in slots]) for i, slots in received] == [
         (2, [model[2].weight, model[2].bias])
     ]
-    assert torch.equal(manager.staging_view(chunk.slots[0], chunk), grad_w)
-    assert torch.equal(manager.staging_view(chunk.slots[1], chunk), grad_b)
+    assert torch.equal(manager.grads.staging_view(chunk.slots[0], chunk), grad_w)
+    assert torch.equal(manager.grads.staging_view(chunk.slots[1], chunk), grad_b)
     assert model[2].weight.grad is None and model[2].bias.grad is None
 
 
 def test_offload_grads_leaves_persistent_chunks_to_the_user_optimizer():
     manager, model = _manager()
     manager.adopt_params()
-    manager.on_grads_ready = lambda *args: pytest.fail("a persistent chunk's grads were offloaded")
+    fail = lambda *args: pytest.fail("a persistent chunk's grads were offloaded")
+    manager.grads.connect_update(fail, None, None, None)
     model[0].weight.grad = torch.ones(8, 8)
-    manager.offload_grads(0)
+    manager.grads.offload_grads(0)
     assert torch.equal(model[0].weight.grad, torch.ones(8, 8))
 
 

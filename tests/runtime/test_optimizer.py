@@ -231,7 +231,7 @@ def _offloaded_grads(runtime) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(host gradient, its staging view) of every offloaded trainable param with a gradient."""
     optimizer, manager = runtime.cpu_optim, runtime.manager
     return [
-        (optimizer.masters[id(slot.param)].grad, manager.staging_view(slot, chunk))
+        (optimizer.masters[id(slot.param)].grad, manager.grads.staging_view(slot, chunk))
         for chunk, slot in optimizer.offloaded_slots()
         if optimizer.masters[id(slot.param)].grad is not None
     ]
@@ -280,7 +280,7 @@ def test_gradients_aliased_to_the_staging_survive_its_next_write(make_llama, off
             optimizer.zero_grad(set_to_none=False)
     runtime.synchronize()
     if loop == "no_zero_grad":
-        assert not runtime.cpu_optim.aliased, "gradients of later backwards stayed aliased"
+        assert not runtime.cpu_optim.staging.aliased, "gradients of later backwards stayed aliased"
         for grad, staged in _offloaded_grads(runtime):
             assert grad.data_ptr() != staged.data_ptr()
     trained = plain.state_dict()
@@ -375,16 +375,16 @@ def test_the_workers_copies_are_one_op_per_chunk_whatever_its_param_count(
     assert len(slots) >= 9  # a whole decoder layer at least
     for slot in slots:
         cpu.masters[id(slot.param)].grad = None
-    staged = [cpu.manager.staging_view(slot, chunk).float() for slot in slots]
+    staged = [cpu.manager.grads.staging_view(slot, chunk).float() for slot in slots]
     for expected_factor in (1, 2):  # a copy of the staging, then an accumulation onto it
         with _CountCalls() as counted:
-            cpu._accumulate(chunk, slots, None)
+            cpu.staging._accumulate(chunk, slots, None)
         assert len(counted.names) <= 2, counted.names
         for slot, value in zip(slots, staged, strict=True):
             grad = cpu.masters[id(slot.param)].grad
             torch.testing.assert_close(grad, value * expected_factor, rtol=0, atol=0)
-    twin = cpu._twin(chunk, optimizer)
-    hyper = cpu._hyper(chunk, optimizer)
+    twin = cpu.twins.twin(chunk, optimizer)
+    hyper = cpu.twins.hyper(chunk, optimizer)
     with _CountCalls() as counted:
         cpu._update(chunk, twin, hyper, 1.0)
     assert "copy_" not in counted.names, counted.names
@@ -410,9 +410,9 @@ def _bf16_grads_after(make_llama, offload_cpu, micro_batches: int) -> tuple[dict
     names = {id(p): n for n, p in model.named_parameters()}
     grads = {names[pid]: m.grad.clone() for pid, m in cpu.masters.items() if m.grad is not None}
     stats = {
-        "split": len(cpu.add_views),
-        "added": cpu.added_params,
-        "add_s": cpu.add_s,
+        "split": len(cpu.staging.add_views),
+        "added": cpu.staging.added_params,
+        "add_s": cpu.staging.add_s,
         "updated": cpu.updated_params,
         "offloaded": sum(m.numel() for m in cpu.masters.values()),
     }
@@ -450,9 +450,9 @@ def test_an_accumulation_does_not_hold_back_the_next_gather(make_llama, offload_
     model(input_ids=ids, labels=ids).loss.backward()
     manager, cpu = runtime.manager, runtime.cpu_optim
     trained = [c.index for c in manager.chunks if c.trainable_slots]
-    assert trained and all(manager.host_busy[i] is None for i in trained)
-    assert all(cpu.grads_busy[i] is manager.staging_busy[i] for i in trained)
+    assert trained and all(manager.host_busy.get(i) is None for i in trained)
+    assert all(cpu.staging.grads_busy[i] is manager.grads.staging_busy.get(i) for i in trained)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer.step()
     # The update writes the weights: the gather waits for it, and so does a GPU update.
-    assert all(manager.host_busy[i] is cpu.grads_busy[i] for i in trained)
+    assert all(manager.host_busy.get(i) is cpu.staging.grads_busy[i] for i in trained)

@@ -58,8 +58,8 @@ def test_updates_run_in_the_backward_and_training_equals_plain(
         for net, optimizer, schedule in pairs:
             net(input_ids=ids, labels=ids).loss.backward()
             if net is model:
-                early_counts.append(sorted(runtime.cpu_optim.early))
-                persistent.append(sorted(runtime.cpu_optim.persistent_early))
+                early_counts.append(sorted(runtime.cpu_optim.early.offloaded))
+                persistent.append(sorted(runtime.cpu_optim.early.persistent))
             optimizer.step()
             schedule.step()
             optimizer.zero_grad()
@@ -81,7 +81,7 @@ def test_the_update_starts_before_step(make_llama, offload_cpu, make_batches):
     before = runtime.cpu_optim.updates
     n_offloaded = sum(c.index not in runtime.manager.persistent for c in runtime.layout.chunks)
     model(input_ids=ids, labels=ids).loss.backward()
-    assert len(runtime.cpu_optim.early) == n_offloaded
+    assert len(runtime.cpu_optim.early.offloaded) == n_offloaded
     done = threading.Event()
     runtime.cpu_optim.worker.submit(done.set)
     assert done.wait(30)
@@ -89,7 +89,7 @@ def test_the_update_starts_before_step(make_llama, offload_cpu, make_batches):
     optimizer.step()
     runtime.synchronize()
     assert runtime.cpu_optim.updates == before + n_offloaded, "step() updated them again"
-    assert not runtime.cpu_optim.early
+    assert not runtime.cpu_optim.early.offloaded
 
 
 @pytest.mark.parametrize("misuse", ["clip", "scaler", "accumulate", "lr_change", "skip_step"])

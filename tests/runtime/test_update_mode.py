@@ -71,7 +71,9 @@ def test_auto_turns_it_on_only_for_loops_it_is_exact_for(
     for net in (plain, model):
         optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
         scaler = torch.amp.GradScaler("cpu") if loop == "scaler" else None
-        seen = (lambda: early.append(sorted(runtime.cpu_optim.early))) if net is model else None
+        seen = None
+        if net is model:
+            seen = lambda: early.append(sorted(runtime.cpu_optim.early.offloaded))
         for step, ids in enumerate(make_batches(5)):
             _step(net, optimizer, ids, loop, step, scaler, seen)
     runtime.synchronize()
@@ -94,7 +96,7 @@ def test_the_first_search_takes_it_only_when_predicted_faster():
     armed = []
     for ids in batches(4):
         model(input_ids=ids, labels=ids).loss.backward()
-        armed.append(bool(runtime.cpu_optim.early))
+        armed.append(bool(runtime.cpu_optim.early.offloaded))
         optimizer.step()
         optimizer.zero_grad()
     assert "search" in runtime.plan.source
@@ -121,13 +123,13 @@ def test_choose_keeps_the_faster_plan(make_llama, offload_cpu, make_batches, fas
         optimizer.zero_grad()
     mode = runtime.backward_update
     mode.decided, mode.predicted = True, None
-    runtime.cpu_optim.update_in_backward = True
+    runtime.cpu_optim.in_backward.arm(offloaded=True)
     request, profile = runtime.search_request, replace(runtime.profile, update_in_backward=True)
     without_s = request.plan().predicted_step_s
     with_s = without_s * (0.9 if faster else 0.97)
     plan = replace(runtime.plan, predicted_step_s=with_s)
     _, chosen_profile, chosen = mode.choose(request, profile, plan)
-    assert mode.on is faster and runtime.cpu_optim.update_in_backward is faster
+    assert mode.on is faster and runtime.cpu_optim.in_backward.armed is faster
     assert chosen_profile.update_in_backward is faster
     assert chosen.predicted_step_s == pytest.approx(with_s if faster else without_s)
 
@@ -143,8 +145,8 @@ def test_a_batch_larger_than_any_trained_runs_without_it(make_llama, offload_cpu
         for ids in data:
             net(input_ids=ids, labels=ids).loss.backward()
             if net is model:
-                early.append(bool(runtime.cpu_optim.early))
-                persistent.append(sorted(runtime.cpu_optim.persistent_early))
+                early.append(bool(runtime.cpu_optim.early.offloaded))
+                persistent.append(sorted(runtime.cpu_optim.early.persistent))
                 stepped = [s.param for s in runtime.layout.chunks[0].trainable_slots]
                 assert (persistent[-1] == [0]) is all(p.grad is None for p in stepped)
             optimizer.step()
@@ -185,7 +187,7 @@ def test_a_reason_seen_in_a_step_without_early_updates_turns_it_off(
                 if step == 2:  # the longer batch's step clips: nothing was updated early
                     torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
                 if net is model and step > 2:
-                    assert not runtime.cpu_optim.early
+                    assert not runtime.cpu_optim.early.offloaded
                 optimizer.step()
                 optimizer.zero_grad()
     finally:
@@ -205,7 +207,7 @@ def test_a_reason_seen_after_early_updates_is_a_clear_error(make_llama, offload_
         optimizer.step()
         optimizer.zero_grad()
     model(input_ids=ids, labels=ids).loss.backward()
-    assert runtime.cpu_optim.early
+    assert runtime.cpu_optim.early.offloaded
     optimizer.param_groups[0]["lr"] = LR / 2  # a schedule that starts late, set before step()
     with pytest.raises(UpdateInBackwardError, match="AUTOOFFLOAD_UPDATE_IN_BACKWARD=auto.*=0"):
         optimizer.step()
@@ -222,7 +224,7 @@ def test_the_setting_overrides_the_loop(make_llama, offload_cpu, make_batches, s
         optimizer.step()
         optimizer.zero_grad()
     assert runtime.backward_update.on is setting
-    assert runtime.cpu_optim.update_in_backward is setting
+    assert runtime.cpu_optim.in_backward.armed is setting
 
 
 def test_a_trained_chunk_param_outside_the_optimizer_keeps_it_off(
@@ -240,7 +242,7 @@ def test_a_trained_chunk_param_outside_the_optimizer_keeps_it_off(
         for ids in make_batches(4):
             net(input_ids=ids, labels=ids).loss.backward()
             if net is model:
-                assert not runtime.cpu_optim.early_count
+                assert not runtime.cpu_optim.early.count
             optimizer.step()
             optimizer.zero_grad()
     runtime.synchronize()

@@ -1,2 +1,2 @@
-"""Chunks: how params are packed (``layout``), where the bytes live and move (``store``, ``host``)
-and how their gradients leave the device (``grad_offload``)."""
+"""Chunks: how params are packed (``layout``), where the bytes live and move (``store``, ``host``,
+``transfers``) and how their gradients leave the device (``grad_offload``)."""

@@ -3,7 +3,7 @@ under data parallelism, and handed to the optimizer side.
 
 An offloaded chunk's gradients leave the device as its backward completes: norms for clipping
 are taken on the device, then a copy on ``d2h_stream`` fills the chunk's pinned staging and
-records the event the CPU optimizer's worker waits on (``on_grads_ready``). Under gradient
+records the event the CPU optimizer's worker waits on (``connect_update``). Under gradient
 accumulation on the GPU the running sum held in the staging is added to them on a side stream
 first. Under data parallelism every rank reduces the same chunks in one order (rank 0's forward
 order), each once per backward: a persistent chunk in place, an offloaded one into its staging.
@@ -12,7 +12,6 @@ order), each once per backward: a persistent chunk in place, an offloaded one in
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from autooffload.plan.cost_memory import ACCUMULATE_SCRATCH_BYTES
 from autooffload.runtime.chunks.host import HostArena
 from autooffload.runtime.chunks.layout import ALIGN, Chunk, ParamSlot, slot_view
+from autooffload.runtime.chunks.transfers import ChunkFutures, CopyStats
 
 if TYPE_CHECKING:
     from autooffload.runtime.distributed import DataParallel, Reduction
@@ -44,53 +44,61 @@ SUM_SCRATCH_BYTES = ACCUMULATE_SCRATCH_BYTES
 
 
 class GradientOffload:
-    """The gradient side of ``ChunkManager``: staging, device sums and data-parallel reduction;
-    its state is set up by ``init_gradient_offload``."""
+    """The gradient side of the chunk store: staging, device sums and data-parallel reduction.
 
-    chunks: list[Chunk]
-    device: torch.device
-    is_cuda: bool
-    persistent: set[int]
-    sharding: Sharding | None
-    stats: dict
-    d2h_stream: torch.cuda.Stream
-    _timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]]
-    _wait: Callable[[list[Future | None], int], None]
-    is_sharded: Callable[[int], bool]
+    ``is_persistent`` and ``is_sharded`` answer for the store, whose residency they read: a
+    persistent chunk's gradients are averaged in place, a sharded one's reduced to its owner.
+    """
 
-    def init_gradient_offload(self, pin_memory: bool) -> None:
-        """The gradient staging (allocated at the first gradient offloaded) and the reduction
-        state; after ``chunks``, ``sharding`` and ``is_cuda`` are set."""
-        self.staging_offsets: dict[int, int] = {}
+    def __init__(
+        self,
+        chunks: list[Chunk],
+        device: torch.device,
+        sharding: Sharding | None,
+        pin_memory: bool,
+        stats: CopyStats,
+        is_persistent: Callable[[int], bool],
+        is_sharded: Callable[[int], bool],
+    ) -> None:
+        self.chunks = chunks
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.sharding = sharding
+        self.stats = stats
+        self.is_persistent = is_persistent
+        self.is_sharded = is_sharded
+        self._staging_offsets: dict[int, int] = {}
         staging_sizes = []
-        for chunk in self.chunks:
+        for chunk in chunks:
             size = 0
-            if self.sharding is not None and not self.sharding.owns(chunk.index):
+            if sharding is not None and not sharding.owns(chunk.index):
                 staging_sizes.append(0)
                 continue
             for slot in chunk.trainable_slots:
-                self.staging_offsets[id(slot.param)] = size
+                self._staging_offsets[id(slot.param)] = size
                 size += (slot.nbytes + ALIGN - 1) // ALIGN * ALIGN
             staging_sizes.append(size)
         # Allocated at the first gradient offloaded: a model used under no_grad only (a DPO
         # reference loaded with its params requiring grad) never pins it.
-        self.grad_staging = HostArena(staging_sizes, pin=pin_memory and self.is_cuda, lazy=True)
-        # Futures of the CPU work reading a chunk's staging (gradient accumulation, updates).
-        self.staging_busy: list[Future | None] = [None] * len(self.chunks)
-        self.on_grads_ready: GradsReady | None = None
+        self.staging = HostArena(staging_sizes, pin=pin_memory and self.is_cuda, lazy=True)
+        # The CPU work reading a chunk's staging (gradient accumulation, updates).
+        self.staging_busy = ChunkFutures(len(chunks), stats)
+        if self.is_cuda:
+            self.d2h_stream = torch.cuda.Stream(device)
+        self._on_grads_ready: GradsReady | None = None
         # Data parallel, sharded state, the owner: a chunk's gradients are being averaged into
         # the views given, its weights resident; True where the callee updates it on the
-        # device (``CpuOptimizer.update_averaged_on_device``), else they go to the host.
-        self.on_grads_averaging: Callable[[Chunk, list[torch.Tensor], Reduction], bool] | None = (
+        # device (``BackwardUpdates.update_averaged_on_device``), else they go to the host.
+        self._on_grads_averaging: Callable[[Chunk, list[torch.Tensor], Reduction], bool] | None = (
             None
         )
         # Called with a chunk's index before its staging is written again (the CPU optimizer
         # may have aliased its host gradients to it and must release them first).
-        self.before_staging_write: Callable[[int], None] | None = None
-        # Gradient accumulation on the GPU (``CpuOptimizer.device_sums``): per slot of the
+        self._before_staging_write: Callable[[int], None] | None = None
+        # Gradient accumulation on the GPU (``GradStaging.device_sums``): per slot of the
         # gradients going out, whether the staging holds a running sum to add them to on the
         # device first; None where the CPU accumulates them.
-        self.device_sums: Callable[[Chunk, list[ParamSlot]], list[bool] | None] | None = None
+        self._device_sums: Callable[[Chunk, list[ParamSlot]], list[bool] | None] | None = None
         self._sum_stream: torch.cuda.Stream | None = None
         self._sum_scratch: torch.Tensor | None = None
         # Data parallelism (runtime/distributed.py): the reducer, and per chunk the backward
@@ -117,50 +125,61 @@ class GradientOffload:
     ) -> None:
         """Wire the update side (the CPU optimizer) to the gradient events of this store; all
         None disconnects it (at detach, so nothing of it stays reachable from here)."""
-        self.on_grads_ready = grads_ready
-        self.on_grads_averaging = grads_averaging
-        self.before_staging_write = before_staging_write
-        self.device_sums = device_sums
+        self._on_grads_ready = grads_ready
+        self._on_grads_averaging = grads_averaging
+        self._before_staging_write = before_staging_write
+        self._device_sums = device_sums
 
     def set_data_parallel(self, data_parallel: DataParallel | None) -> None:
         """The reducer whose collectives average each chunk's gradients (None: one process)."""
         self.data_parallel = data_parallel
 
-    def free_gradient_staging(self) -> None:
+    def free(self) -> None:
         """Detach: the staging and the device sums' scratch go."""
         self._sum_scratch = None
-        self.grad_staging.free()
+        self.staging.free()
+
+    def stages(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradients have a place in this rank's staging (trainable at
+        attach, in a chunk this rank owns)."""
+        return id(param) in self._staging_offsets
 
     def staging_view(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
         """The pinned host buffer the parameter's gradient is copied into."""
         return slot_view(
-            self.grad_staging.view(chunk.index), slot, self.staging_offsets[id(slot.param)]
+            self.staging.view(chunk.index), slot, self._staging_offsets[id(slot.param)]
         )
+
+    def synchronize(self) -> None:
+        """Wait for every gradient copy out and every CPU task reading the staging."""
+        self.staging_busy.wait_all()
+        if self.is_cuda:
+            self.d2h_stream.synchronize()
 
     def offload_grads(self, index: int) -> None:
         """Copy the gradients of an offloaded chunk to pinned host staging and free them on GPU.
 
-        The CPU optimizer side is told through ``on_grads_ready`` with the event to wait on.
-        Under data parallelism the gradients are averaged across ranks first (a persistent
+        The CPU optimizer side is told (``connect_update``'s ``grads_ready``) with the event to
+        wait on. Under data parallelism the gradients are averaged across ranks first (a persistent
         chunk's in place, finished at the end of backward; see ``runtime/distributed.py``).
         """
         chunk = self.chunks[index]
         if self.data_parallel is not None and self.reduce_order is not None:
             self._reduce_in_order(index)
             return
-        if self.data_parallel is not None or index in self.persistent:
+        if self.data_parallel is not None or self.is_persistent(index):
             self._reduce(chunk)
             return
         slots = [s for s in chunk.trainable_slots if s.param.grad is not None]
         if not slots:
             return
-        sums = self.device_sums(chunk, slots) if self.device_sums is not None else None
+        sums = self._device_sums(chunk, slots) if self._device_sums is not None else None
         if sums is None:
             # The staging bytes are reused each backward: whatever reads them must be done.
             self._claim_staging(index)
         else:
             # The staging holds the running sum, which stays there: its last reader first.
-            self._wait(self.staging_busy, index)
+            self.staging_busy.wait(index)
         grads = [s.param.grad for s in slots]
         event = None
         if self.is_cuda:
@@ -181,7 +200,7 @@ class GradientOffload:
                     grad.record_stream(self.d2h_stream)
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(self.d2h_stream)
-            self._timed.append(("d2h_s", start, event))
+            self.stats.time("d2h_s", start, event)
         else:
             for slot, add in zip(slots, sums or [False] * len(slots), strict=True):
                 if add:
@@ -235,9 +254,9 @@ class GradientOffload:
 
     def _claim_staging(self, index: int) -> None:
         """Wait until chunk ``index``'s gradient staging may be overwritten."""
-        if self.before_staging_write is not None:
-            self.before_staging_write(index)
-        self._wait(self.staging_busy, index)
+        if self._before_staging_write is not None:
+            self._before_staging_write(index)
+        self.staging_busy.wait(index)
 
     def _grads_sent(
         self,
@@ -253,8 +272,8 @@ class GradientOffload:
         for slot in slots:
             slot.param.grad = None
             self.stats["d2h_bytes"] += slot.nbytes
-        if self.on_grads_ready is not None:
-            self.on_grads_ready(chunk, slots, event, tuple(norms), presence, summed)
+        if self._on_grads_ready is not None:
+            self._on_grads_ready(chunk, slots, event, tuple(norms), presence, summed)
 
     def _presence(self, slots: list[ParamSlot], dtype: torch.dtype) -> torch.Tensor:
         """1 where this rank has a gradient for the slot, 0 where not: averaged with the
@@ -279,7 +298,7 @@ class GradientOffload:
     def _reduce(self, chunk: Chunk) -> None:
         """Average ``chunk``'s gradients across ranks: in place for a persistent chunk, into
         host staging for an offloaded one (a persistent chunk on one rank: nothing to do)."""
-        if chunk.index in self.persistent:
+        if self.is_persistent(chunk.index):
             self._reduce_persistent(chunk)
         else:
             self._offload_averaged_grads(chunk)
@@ -318,8 +337,8 @@ class GradientOffload:
         if (
             sharded
             and not local_missing  # a parameter no rank had a gradient for keeps none: host
-            and self.on_grads_averaging is not None
-            and self.on_grads_averaging(chunk, views, reduction)
+            and self._on_grads_averaging is not None
+            and self._on_grads_averaging(chunk, views, reduction)
         ):
             return
         presence = self._presence_on_host(chunk.index, reduction.views[-1])
@@ -338,7 +357,7 @@ class GradientOffload:
                     flat.record_stream(self.d2h_stream)
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(self.d2h_stream)
-            self._timed.append(("d2h_s", start, event))
+            self.stats.time("d2h_s", start, event)
         else:
             reduction.wait()
             norms = torch._foreach_norm(views, 2, dtype=torch.float32)

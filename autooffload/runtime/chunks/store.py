@@ -6,9 +6,8 @@ GPU storage is resized to 0 bytes while the chunk lives on the host and resized 
 gathered, exactly as FSDP frees unsharded parameters: views saved by autograd (e.g. ``weight.t()``
 saved by a matmul) keep pointing at the same storage, which holds the right bytes again by the
 time backward reads them. Copies run on side streams: ``h2d_stream`` fills a chunk and records
-its ``ready`` event, which the compute stream waits on before the chunk's block runs;
-``d2h_stream`` copies gradients of offloaded chunks to pinned staging and records an event the
-CPU optimizer thread waits on.
+its ``ready`` event, which the compute stream waits on before the chunk's block runs. The
+gradients leave through the store's ``grads`` (``GradientOffload``, on its own copy stream).
 
 A chunk's device storage is allocated on the compute stream, not on the copy stream, and the
 copy stream waits for the compute work queued before the allocation (``chunk_pool="compute"``,
@@ -28,10 +27,8 @@ fine-tuning and Qwen2-VL LoRA, not re-measured since (docs/planner.md, "Pools").
 from __future__ import annotations
 
 import enum
-import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +36,7 @@ import torch
 from autooffload.runtime.chunks.grad_offload import GradientOffload
 from autooffload.runtime.chunks.host import HostArena
 from autooffload.runtime.chunks.layout import Chunk, ChunkLayout, ParamSlot, slot_view
+from autooffload.runtime.chunks.transfers import ChunkFutures, CopyStats
 
 if TYPE_CHECKING:
     from autooffload.runtime.sharding import Sharding
@@ -70,9 +68,9 @@ def _copy_out(table: dict[int, list[weakref.ref]], index: int) -> None:
             tensor.data = tensor.data.clone()
 
 
-class ChunkManager(GradientOffload):
+class ChunkManager:
     """Gathers, releases and prefetches the chunks of one model; its gradients go out through
-    ``GradientOffload``."""
+    ``grads`` (``GradientOffload``)."""
 
     def __init__(
         self,
@@ -99,15 +97,25 @@ class ChunkManager(GradientOffload):
             [c.nbytes if self.hosts(c.index) else 0 for c in self.chunks],
             pin=pin_memory and self.is_cuda,
         )
-        self.init_gradient_offload(pin_memory)
+        # Bytes and seconds of copies and stalls, this store's and its gradients'.
+        self.stats = CopyStats()
+        self.grads = GradientOffload(
+            self.chunks,
+            device,
+            sharding,
+            pin_memory,
+            self.stats,
+            is_persistent=self.is_persistent,
+            is_sharded=self.is_sharded,
+        )
         self.state = [Residency.HOST] * len(self.chunks)
         self.gpu_flat: list[torch.Tensor] = []
         self.ready_events: list[torch.cuda.Event | None] = [None] * len(self.chunks)
-        # Futures of CPU-side work that reads or writes a chunk's host bytes (optimizer updates);
-        # a copy that touches those bytes waits for them first. Gradient accumulation touches
-        # the host gradients and staging only (``staging_busy``, ``CpuOptimizer.grads_busy``):
-        # the next micro-batch's forward gathers the weights without waiting for it.
-        self.host_busy: list[Future | None] = [None] * len(self.chunks)
+        # CPU-side work that reads or writes a chunk's host bytes (optimizer updates); a copy
+        # that touches those bytes waits for it first. Gradient accumulation touches the host
+        # gradients and staging only (``grads.staging_busy``, ``GradStaging.grads_busy``): the
+        # next micro-batch's forward gathers the weights without waiting for it.
+        self.host_busy = ChunkFutures(len(self.chunks), self.stats)
         # Weak references to host-byte aliases handed out (state dicts), per chunk index.
         self._aliases: dict[int, list[weakref.ref]] = {}
         # The same for persistent chunks' device bytes (``device_alias``).
@@ -118,24 +126,9 @@ class ChunkManager(GradientOffload):
         self._deferred_release: set[int] = set()
         if self.is_cuda:
             self.h2d_stream = torch.cuda.Stream(device)
-            self.d2h_stream = torch.cuda.Stream(device)
-        self.stats = {
-            "h2d_bytes": 0,
-            "d2h_bytes": 0,
-            "h2d_s": 0.0,
-            "d2h_s": 0.0,
-            "stall_s": 0.0,
-            "gathers": 0,
-            "broadcast_bytes": 0,
-            # Gradient accumulation on the GPU: elements summed there, bytes of sums copied in.
-            "summed_params": 0,
-            "sum_h2d_bytes": 0,
-        }
         # Device bytes of every chunk copy-in started (gathers and prefetches), for the
         # profiler to tell chunk storage from activations inside a window.
         self.copied_in_bytes = 0
-        # (stat, start, end) CUDA events of copies not yet added to the stats.
-        self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     # ---- setup / teardown -------------------------------------------------------------------
 
@@ -240,7 +233,7 @@ class ChunkManager(GradientOffload):
             self.release(index)
         for index in sorted(new - self.persistent):
             # Gathered while still offloaded: a sharded chunk comes from its owner's bytes.
-            self._wait(self.host_busy, index)
+            self.host_busy.wait(index)
             if self.state[index] != Residency.RESIDENT:
                 self.gather(index)
             self.persistent.add(index)
@@ -275,24 +268,18 @@ class ChunkManager(GradientOffload):
             self._copy_out_device_aliases(index)
         self.gpu_flat = []
         self.host.free()
-        self.free_gradient_staging()
+        self.grads.free()
 
     # ---- residency ----------------------------------------------------------------------------
-
-    def _wait(self, futures: list[Future | None], index: int) -> None:
-        future = futures[index]
-        futures[index] = None
-        if future is not None:
-            # A done future is read too: an update that failed raises here (once), where its
-            # chunk is next needed, instead of the chunk being used with stale bytes.
-            start = time.perf_counter()
-            future.result()
-            self.stats["stall_s"] += time.perf_counter() - start
 
     def n_in_use(self) -> int:
         return sum(
             1 for i, s in enumerate(self.state) if s != Residency.HOST and i not in self.persistent
         )
+
+    def is_persistent(self, index: int) -> bool:
+        """Whether chunk ``index`` stays on the device (the plan's persistent chunks)."""
+        return index in self.persistent
 
     def is_sharded(self, index: int) -> bool:
         """Whether chunk ``index`` comes from its owning rank (runtime/sharding.py)."""
@@ -306,7 +293,7 @@ class ChunkManager(GradientOffload):
         sharded = self.is_sharded(index)
         local = not sharded or self.sharding.owns(index)  # type: ignore[union-attr]
         if local:
-            self._wait(self.host_busy, index)
+            self.host_busy.wait(index)
         if self.is_cuda:
             if self.chunk_pool == "compute":
                 # Allocated in the compute stream's pool (see the module docstring): the copy
@@ -326,7 +313,7 @@ class ChunkManager(GradientOffload):
                     self.sharding.broadcast(flat, index).wait()  # type: ignore[union-attr]
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(self.h2d_stream)
-            self._timed.append(("h2d_s", start, event))
+            self.stats.time("h2d_s", start, event)
             self.ready_events[index] = event
         else:
             flat.untyped_storage().resize_(chunk.nbytes)
@@ -360,7 +347,7 @@ class ChunkManager(GradientOffload):
             return False
         if self.n_in_use() >= self.n_buffer:
             return False
-        busy = self.host_busy[index]
+        busy = self.host_busy.get(index)
         # A sharded chunk's prefetch is a collective: every rank must decide alike, so it
         # waits for the owner's update rather than depend on CPU timing.
         if busy is not None and not busy.done() and not self.is_sharded(index):
@@ -417,20 +404,11 @@ class ChunkManager(GradientOffload):
 
     def fold_copy_times(self, wait: bool = False) -> None:
         """Add the measured durations of finished copies to ``stats`` (all of them if ``wait``)."""
-        pending = []
-        for stat, start, end in self._timed:
-            if wait or end.query():
-                end.synchronize()
-                self.stats[stat] += start.elapsed_time(end) / 1e3
-            else:
-                pending.append((stat, start, end))
-        self._timed = pending
+        self.stats.fold(wait)
 
     def synchronize(self) -> None:
         """Wait for every copy and every CPU task that touches chunk bytes."""
-        for index in range(len(self.chunks)):
-            self._wait(self.host_busy, index)
-            self._wait(self.staging_busy, index)
+        self.host_busy.wait_all()
+        self.grads.synchronize()
         if self.is_cuda:
             self.h2d_stream.synchronize()
-            self.d2h_stream.synchronize()

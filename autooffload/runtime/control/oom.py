@@ -408,7 +408,7 @@ class OomRetry:
             return "an input of the model requires grad"
         runtime = self.runtime
         if any(p.grad is not None for p in runtime.model.parameters()) or (
-            runtime.cpu_optim.accumulations
+            runtime.cpu_optim.staging.accumulations
         ):
             return (
                 "gradients from an earlier backward (gradient accumulation) cannot be told apart"
@@ -421,7 +421,7 @@ class OomRetry:
     ) -> Any:
         """After an OOM in backward: discard its partial gradients, re-plan, re-run the forward
         and ``run`` the backward of the new loss (once)."""
-        early = self.runtime.cpu_optim.early_count
+        early = self.runtime.cpu_optim.early.count
         if early and not isinstance(replay, str):
             replay = (
                 f"the update in the backward had already updated {early} chunks with"
@@ -464,7 +464,7 @@ class OomRetry:
         for param in runtime.model.parameters():
             param.grad = None
         # The retry's own zero_grad, not the loop's: no reason against the update in the backward.
-        runtime.cpu_optim.backward_since_step = False
+        runtime.cpu_optim.early.discard_backward()
         runtime.cpu_optim.zero_grad(set_to_none=True)
 
     def backward_done(self) -> None:

@@ -9,28 +9,27 @@ of the user's optimizer class, whose hyperparameters are copied from the user's
 ``param_groups`` at every step so LR schedulers keep working. The work runs on one worker
 thread, in order: a chunk's update is queued after its gradient accumulation, and the next
 forward's copy of that chunk to the GPU waits for the update (``ChunkManager.host_busy``).
-Its parts: the gradient staging and accumulation (``grad_staging.py``), the update in the
-backward (``in_backward.py``), the host gradients' norms and clipping (``host_grads.py``) and the
-GPU update path (``gpu_update.py``).
+Its parts, each an object it owns: the twins (``twins.py``), the host gradients from the staging
+(``staging``, ``grad_staging.py``), their norms and clipping (``grad_norms``, ``host_grads.py``),
+the update in the backward (``early`` and ``in_backward``, ``in_backward.py``) and the GPU update
+path (``gpu``, ``gpu_update.py``).
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from autooffload import openmp
-from autooffload.errors import UpdateInBackwardError
 from autooffload.runtime.chunks.layout import Chunk, ParamSlot
 from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.update.gpu_update import GpuUpdater
 from autooffload.runtime.update.grad_staging import GradStaging
 from autooffload.runtime.update.host_grads import HostGradNorms
-from autooffload.runtime.update.in_backward import BackwardUpdates
-from autooffload.runtime.update.twins import FUSED_ON_CPU, check_optimizer_class, twin_group
+from autooffload.runtime.update.in_backward import BackwardUpdates, EarlyUpdates
+from autooffload.runtime.update.twins import Twins, check_optimizer_class
 
 
 def update_threads(setting: int | None, on_gpu: bool) -> int:
@@ -44,7 +43,7 @@ def update_threads(setting: int | None, on_gpu: bool) -> int:
     return max(1, available - 1) if on_gpu and available > 2 else available
 
 
-class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
+class CpuOptimizer:
     """Masters, host gradients and the CPU twin optimizers of a model's offloaded parameters."""
 
     def __init__(
@@ -61,98 +60,51 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
             initializer=torch.set_num_threads,
             initargs=(self.threads,),
         )
+        # Per param id: the fp32 master, or the host store's bytes themselves (a model in
+        # fp32, or master weights off). The parts below read it; only this class writes it.
         self.masters: dict[int, torch.Tensor] = {}
-        # AUTOOFFLOAD_UPDATE_IN_BACKWARD: armed by the runtime once the plan is searched; the
-        # chunks updated in this backward, with the optimizer and hyperparameters used; what
-        # turned it on (named in the errors).
-        self.update_in_backward = False
-        self.early: dict[int, tuple[torch.optim.Optimizer, list[dict]]] = {}
-        # The persistent chunks stepped on the GPU in this backward
-        # (runtime/update/persistent_update.py), per chunk: each owner, the indices of its
-        # groups stepped and their hyperparameters.
-        self.persistent_in_backward = False
-        self.persistent_early: dict[int, list[tuple[torch.optim.Optimizer, list[int], list[dict]]]]
-        self.persistent_early = {}
-        self.update_in_backward_origin = "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1"
-        # The loop as the auto mode observes it (runtime/update/update_mode.py): a backward since
-        # the last step, what the loop did between a backward and its step that an update in
-        # the backward could not honour, and (while ``observing``) the hyperparameters of every
-        # bound optimizer when the step's first gradients arrived.
-        self.backward_since_step = False
-        self.loop_reasons: set[str] = set()
-        self.observing = False
-        self.hyper_at_backward: dict[int, list[dict]] | None = None
-        self.grad_buffers: dict[int, torch.Tensor] = {}
-        # Per param id, views made once: the pinned gradient staging, and the host store's
-        # compute copy where the update writes a master back (none for a master that is it).
-        self.staged_views: dict[int, torch.Tensor] = {}
-        # Per param id: (host gradient, staging) split in ACCUMULATE_BLOCK views for the adds
-        # of mixed dtypes, made once per host gradient buffer.
-        self.add_views: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
-        # Per chunk: the worker's last task that reads or writes its host gradients (an
-        # accumulation, an update), which a GPU update of them waits for; the worker runs its
-        # tasks in order, so it also covers every earlier task on the chunk. Unlike
-        # ``manager.host_busy`` (work on the chunk's weights or state), an accumulation does
-        # not hold back the next forward's gather of the weights.
-        self.grads_busy: dict[int, Future] = {}
-        self.copy_back: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        # Chunks whose host gradients are their pinned staging itself (main thread's view): the
-        # first backward after zero_grad needs no copy out of staging when the dtypes agree
-        # (no fp32 masters). The staging is then released before it is written again
-        # (``_before_staging_write``), at the update (``staging_busy``) or at zero_grad.
-        self.aliased: set[int] = set()
-        # Twins and their user-group indices, keyed by (chunk index, id(user optimizer)).
-        self.twins: dict[tuple[int, int], torch.optim.Optimizer] = {}
-        self.twin_group_index: dict[tuple[int, int], list[int]] = {}
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.optimizer_of_param: dict[int, torch.optim.Optimizer] = {}
-        self.group_of_param: dict[int, int] = {}
-        # Per param: backward passes accumulated since zero_grad, and the device-side norm of
-        # the last one's gradient (the norm of the host gradient while there was only one).
-        self.accumulations: dict[int, int] = {}
-        self.device_norms: dict[int, torch.Tensor] = {}
-        # Gradient accumulation on the GPU (the plan's ``accumulate_on_gpu``): a chunk whose
-        # host gradients are its staging (``aliased``) gets the next backward's gradients added
-        # to them on the device (``GradientOffload._sum_on_device``), so the worker adds nothing.
-        self.accumulate_on_gpu = False
-        # Params whose ``device_norms`` entry is the norm of their whole host sum (taken after
-        # the device added it), which clipping can use whatever the backward count.
-        self.norm_of_sum: set[int] = set()
-        # Gradient clipping is applied lazily: the coefficient scales the host gradients in
-        # the update task, on the worker, instead of a pass over them on the critical path.
-        self.clip_coef = 1.0
-        self.busy_s = 0.0
+        # Every offloaded trainable param, on every rank (masters exist only for the chunks
+        # this rank owns when the state is sharded: runtime/sharding.py).
+        self.offloaded_ids: set[int] = set()
+        self.sharding = manager.sharding
+        self.twins = Twins(self.masters)
+        self.early = EarlyUpdates(self.twins)
+        self.grad_norms = HostGradNorms(
+            self.masters, self.offloaded_ids, self.sharding, wait=self.wait, early=self.early
+        )
+        self.staging = GradStaging(manager.grads, self.worker, self.masters, self.grad_norms)
+        # The GPU update path (runtime/update/gpu_update.py) and the chunks the plan gives it
+        # at step().
+        self.gpu = GpuUpdater(manager)
+        self.gpu_chunks: set[int] = set()
+        # Per optimizer id: why its chunks cannot take the GPU path in the backward (None: they
+        # can), until it is bound again.
+        self._gpu_problems: dict[int, str | None] = {}
+        self.in_backward = BackwardUpdates(
+            manager,
+            self.gpu,
+            self.twins,
+            self.masters,
+            self.early,
+            self.grad_norms,
+            gpu_problem=self._gpu_problem_in_backward,
+        )
+        # Per chunk: (host view or None, master) of each param with a master (``_copy_back``).
+        self._copy_backs: dict[int, list[tuple[torch.Tensor | None, torch.Tensor]]] = {}
         self.update_s = 0.0
-        # Gradient accumulation's adds (a micro-batch's gradients onto the earlier ones'):
-        # seconds and elements, for the cost model's ``cpu_accumulate_params_per_s``.
-        self.add_s = 0.0
-        self.added_params = 0
-        # Of those, the elements copied out of an aliased staging (``_unalias``).
-        self.copied_params = 0
-        # Seconds inside the twins' step() alone: against busy_s, what the kernels take and
+        # Seconds inside the twins' step() alone: against update_s, what the kernels take and
         # what the rest (gradient copies, Python, waits for the GIL between ops) adds.
         self.kernel_s = 0.0
         self.updated_params = 0
         self.updates = 0
         # Of them, those queued in a backward (``_update_now``).
         self.updates_in_backward = 0
-        # The GPU update path (runtime/update/gpu_update.py) and the chunks the plan gives it.
-        self.gpu = GpuUpdater(manager)
-        self.gpu_chunks: set[int] = set()
-        # Under the update in the backward, the chunks the GPU updates at the end of their
-        # backward, weights and gradients still resident (plan/update_split.backward_split).
-        self.backward_gpu_chunks: set[int] = set()
-        self._gpu_problems: dict[int, str | None] = {}
-        manager.connect_update(
+        manager.grads.connect_update(
             self._grads_ready,
-            self.update_averaged_on_device,
-            self._before_staging_write,
-            self.device_sums,
+            self.in_backward.update_averaged_on_device,
+            self.staging.before_staging_write,
+            self.staging.device_sums,
         )
-        # Every offloaded trainable param, on every rank (masters exist only for the chunks
-        # this rank owns when the state is sharded: runtime/sharding.py).
-        self.offloaded_ids: set[int] = set()
-        self.sharding = manager.sharding
         for chunk in manager.chunks:
             if chunk.index in manager.persistent:
                 continue
@@ -188,12 +140,18 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
             for slot in chunk.trainable_slots
         ]
 
+    @property
+    def busy_s(self) -> float:
+        """Seconds the worker was busy: updates, and gradients into the host gradients."""
+        return self.update_s + self.staging.busy_s
+
     def mark(self) -> tuple[float, int, float, int]:
         """``(busy_s, updated_params, add_s, added_params)`` now: the start of a window
         ``calibration.worker_rate`` and ``accumulate_rate`` measure over (take it while the
         worker is idle). The adds' seconds and elements include the copies out of an aliased
         staging (``copied_params`` of them), which gradient accumulation costs alike."""
-        return self.busy_s, self.updated_params, self.add_s, self.added_params
+        staging = self.staging
+        return self.busy_s, self.updated_params, staging.add_s, staging.added_params
 
     def wait(self) -> None:
         """Block until every queued accumulation and update is done."""
@@ -205,57 +163,72 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Mirror ``optimizer`` for the offloaded params it owns (several optimizers may each
         own a part of the model)."""
-        owned = {
-            id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]
-        }
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if not any(pid in owned for pid in self.offloaded_ids):
             return
         check_optimizer_class(optimizer)
-        if not any(o is optimizer for o in self.optimizers):
-            self.optimizers.append(optimizer)
-        for pid, group in owned.items():
-            self.optimizer_of_param[pid] = optimizer
-            self.group_of_param[pid] = group
-        for key in [k for k in self.twins if k[1] == id(optimizer)]:
-            del self.twins[key]
+        self.twins.bind(optimizer)
         self._gpu_problems.pop(id(optimizer), None)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The bound optimizers."""
+        return self.twins.optimizers
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         """The first bound optimizer (most scripts have exactly one)."""
-        return self.optimizers[0] if self.optimizers else None
+        return self.twins.optimizer
 
-    def _twin(self, chunk: Chunk, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
-        """The CPU twin of ``optimizer`` over ``chunk``'s masters it owns (built on first use)."""
-        key = (chunk.index, id(optimizer))
-        twin = self.twins.get(key)
-        if twin is not None:
-            return twin
-        by_group: dict[int, list[torch.Tensor]] = {}
-        # Every param with a master, frozen ones too: one frozen now and unfrozen later must
-        # still be updated (torch optimizers skip params without a gradient).
-        for slot in chunk.slots:
-            pid = id(slot.param)
-            if self.optimizer_of_param.get(pid) is optimizer and pid in self.masters:
-                by_group.setdefault(self.group_of_param[pid], []).append(self.masters[pid])
-        if not by_group:
-            return None
-        cls = type(optimizer)
-        groups = [
-            {"params": params, **twin_group(optimizer.param_groups[g], cls)}
-            for g, params in by_group.items()
-        ]
-        kwargs = {}
-        if "fused" in inspect.signature(cls.__init__).parameters and cls.__name__ in FUSED_ON_CPU:
-            kwargs["fused"] = True
-        twin = cls(groups, **kwargs)
-        self.twins[key] = twin
-        self.twin_group_index[key] = list(by_group)
-        return twin
+    def place(self, at_step: set[int], in_backward: set[int], accumulate_on_gpu: bool) -> None:
+        """The plan's placement of the work on offloaded chunks: the chunks the GPU updates at
+        ``step()`` and in the backward, and whether gradient accumulation sums on the GPU."""
+        self.gpu_chunks = at_step
+        self.in_backward.set_gpu_chunks(in_backward)
+        self.staging.set_accumulate_on_gpu(accumulate_on_gpu)
 
-    def twins_of(self, chunk: Chunk) -> list[torch.optim.Optimizer]:
-        """Every CPU twin built over ``chunk`` (one per optimizer owning part of it)."""
-        return [twin for (index, _), twin in self.twins.items() if index == chunk.index]
+    # ---- gradients in -------------------------------------------------------------------------
+
+    def _grads_ready(
+        self,
+        chunk: Chunk,
+        slots: list[ParamSlot],
+        event: torch.cuda.Event | None,
+        norms: tuple[torch.Tensor, ...] = (),
+        presence: torch.Tensor | None = None,
+        summed: bool = False,
+    ) -> None:
+        """``chunk``'s gradients left the device (``GradientOffload.connect_update``): into the
+        host gradients (``GradStaging.receive``), and under the update in the backward the
+        chunk's update right behind them."""
+        self.early.note_gradients(chunk)
+        self.staging.receive(chunk, slots, event, norms, presence, summed)
+        if self.in_backward.armed:
+            self._update_now(chunk)
+
+    def _update_now(self, chunk: Chunk) -> None:
+        """Queue ``chunk``'s update right behind its gradients (ProTrain's overlap of the CPU
+        update with the backward): exact when ``step()`` follows this backward with the same
+        hyperparameters and nothing between them reads or scales the gradients, which
+        ``step``, ``clip_``, ``host_grads`` and ``zero_grad`` check (``EarlyUpdates``)."""
+        optimizer = self.twins.sole_owner(chunk)
+        if optimizer is None:
+            return  # no optimizer bound yet, or several: left to step()
+        twin = self.twins.twin(chunk, optimizer)
+        if twin is None or self.grad_norms.clip_coef != 1.0:
+            return
+        hyper = self.twins.hyper(chunk, optimizer)
+        self.early.record(chunk.index, optimizer, hyper)
+        self._queue_update(chunk, twin, hyper, 1.0)
+        self.updates_in_backward += 1
+
+    def zero_grad(self, set_to_none: bool = True, param_ids: set[int] | None = None) -> None:
+        """Forget the accumulated host gradients of ``param_ids`` (None: every offloaded
+        param's), as the user's ``zero_grad`` does; returns at once (``GradStaging.zero_grad``)."""
+        self.early.check_no_early_update("zero_grad() without optimizer.step()")
+        self.staging.zero_grad(set_to_none, param_ids)
+
+    # ---- optimizer ----------------------------------------------------------------------------
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Queue the update of ``optimizer``'s offloaded params (default: the first bound
@@ -263,42 +236,36 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
         optimizer = optimizer if optimizer is not None else self.optimizer
         if optimizer is None or not any(o is optimizer for o in self.optimizers):
             return
-        owned = {pid for pid, o in self.optimizer_of_param.items() if o is optimizer}
-        if self.clip_coef != 1.0 and not self.covers_all(owned):
-            self.host_grads()  # the pending coefficient covers other optimizers' grads too
+        owned = {pid for pid, o in self.twins.optimizer_of_param.items() if o is optimizer}
+        norms = self.grad_norms
+        if norms.clip_coef != 1.0 and not norms.covers_all(owned):
+            norms.host_grads()  # the pending coefficient covers other optimizers' grads too
+        clip_coef = norms.clip_coef
         queued = False
         on_gpu: list[tuple[Chunk, torch.optim.Optimizer, list[dict], Future | None]] = []
         gpu_ok = bool(self.gpu_chunks) and self.gpu_path_problem(optimizer) is None
         for chunk in self.manager.chunks:
             if chunk.index in self.manager.persistent or not chunk.trainable_slots:
                 continue
-            twin = self._twin(chunk, optimizer)
+            twin = self.twins.twin(chunk, optimizer)
             if twin is None:
                 continue
-            hyper = self._hyper(chunk, optimizer)
-            if gpu_ok and chunk.index in self.gpu_chunks and chunk.index not in self.early:
+            hyper = self.twins.hyper(chunk, optimizer)
+            early = chunk.index in self.early.offloaded
+            if gpu_ok and chunk.index in self.gpu_chunks and not early:
                 self.manager.before_host_write(chunk.index)
-                on_gpu.append((chunk, twin, hyper, self.grads_busy.get(chunk.index)))
+                on_gpu.append((chunk, twin, hyper, self.staging.grads_busy.get(chunk.index)))
                 continue
             # Only a chunk's one owner updates it early, and it has the chunk's only twin.
-            early = self.early.pop(chunk.index, None)
-            if early is not None:
-                if early[1] != hyper:
-                    raise UpdateInBackwardError(
-                        f"optimizer.step() runs chunk {chunk.index} with hyperparameters"
-                        f" {hyper} but the update in the backward"
-                        f" ({self.update_in_backward_origin}) updated it during backward with"
-                        f" {early[1]}; change them before backward (schedulers stepping after"
-                        " optimizer.step() do) or set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
-                    )
+            if self.early.settle(chunk.index, hyper):
                 continue  # updated in the backward
-            self._queue_update(chunk, twin, hyper, self.clip_coef)
+            self._queue_update(chunk, twin, hyper, clip_coef)
             queued = True
         if on_gpu:
-            futures = self.gpu.queue(on_gpu, self.clip_coef)
+            futures = self.gpu.queue(on_gpu, clip_coef)
             for (chunk, *_), future in zip(on_gpu, futures, strict=True):
-                self.manager.host_busy[chunk.index] = future
-                self._hold_staging(chunk.index, future)
+                self.manager.host_busy.set(chunk.index, future)
+                self.staging.hold_staging(chunk.index, future)
             # The worker's next tasks (zero_grad's clear, the next backward's gradients, the
             # next updates) touch the gradients and staging these read: they wait for them.
             flush = self.gpu.last_flush
@@ -306,7 +273,7 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
             self.worker.submit(flush.result)
         if queued and self.manager.is_cuda:
             openmp.warn_if_spinning()  # once per process
-        self.clip_coef = 1.0
+        norms.reset_clip()
 
     def gpu_path_problem(
         self, optimizer: torch.optim.Optimizer, in_backward: bool = False
@@ -323,7 +290,7 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
             return "the optimizer is differentiable"
         if self.sharding is not None and not in_backward:
             return "the optimizer state is sharded across ranks"
-        if in_backward and self.manager.data_parallel is not None and self.sharding is None:
+        if in_backward and self.manager.grads.data_parallel is not None and self.sharding is None:
             # Each rank would update its replica alone: one taking the CPU for a chunk (a
             # gradient it lacks) would round otherwise than the others.
             return "the optimizer state is replicated across ranks (AUTOOFFLOAD_SHARD_OPTIMIZER)"
@@ -334,6 +301,13 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
             return "fp32 master weights are on (AUTOOFFLOAD_MASTER_WEIGHTS)"
         return None
 
+    def _gpu_problem_in_backward(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """``gpu_path_problem`` in the backward, found once per binding of ``optimizer``."""
+        key = id(optimizer)
+        if key not in self._gpu_problems:
+            self._gpu_problems[key] = self.gpu_path_problem(optimizer, in_backward=True)
+        return self._gpu_problems[key]
+
     def _queue_update(
         self, chunk: Chunk, twin: torch.optim.Optimizer, hyper: list[dict], clip_coef: float
     ) -> None:
@@ -341,9 +315,8 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
         state-dict aliases of them are copied out first) and reads its staging."""
         self.manager.before_host_write(chunk.index)
         future = self.worker.submit(self._update, chunk, twin, hyper, clip_coef)
-        self.manager.host_busy[chunk.index] = future
-        self.grads_busy[chunk.index] = future
-        self._hold_staging(chunk.index, future)
+        self.manager.host_busy.set(chunk.index, future)
+        self.staging.read_by(chunk.index, future)
 
     def _update(
         self, chunk: Chunk, twin: torch.optim.Optimizer, hyper: list[dict], clip_coef: float
@@ -375,16 +348,14 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
                     masters.append(master)
         if hosts:
             torch._foreach_copy_(hosts, masters)  # one op: see _accumulate
-        elapsed = time.perf_counter() - start
-        self.busy_s += elapsed
-        self.update_s += elapsed
+        self.update_s += time.perf_counter() - start
         self.updated_params += n_updated
         self.updates += 1
 
     def _copy_back(self, chunk: Chunk) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
         """(host view or None, master) of every ``chunk`` param with a master, made once; the
         host view is None where the master is the host store's bytes (nothing to write)."""
-        pairs = self.copy_back.get(chunk.index)
+        pairs = self._copy_backs.get(chunk.index)
         if pairs is None:
             pairs = []
             for slot in chunk.slots:
@@ -393,33 +364,19 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
                     continue
                 host = self.manager.host_view(slot, chunk)
                 pairs.append((host if master.data_ptr() != host.data_ptr() else None, master))
-            self.copy_back[chunk.index] = pairs
+            self._copy_backs[chunk.index] = pairs
         return pairs
 
     def release_chunk(self, chunk: Chunk) -> dict[int, dict]:
         """Stop managing ``chunk`` (it became persistent): drop its masters, host grads and
         twins; return the twins' state per param id, for the user's optimizer to take over."""
         self.wait()
-        states: dict[int, dict] = {}
-        for key in [k for k in self.twins if k[0] == chunk.index]:
-            twin = self.twins.pop(key)
-            self.twin_group_index.pop(key, None)
-            for slot in chunk.slots:
-                master = self.masters.get(id(slot.param))
-                if master is not None and master in twin.state:
-                    states[id(slot.param)] = dict(twin.state[master])
-        self.aliased.discard(chunk.index)
-        self.copy_back.pop(chunk.index, None)
-        self.grads_busy.pop(chunk.index, None)
+        states = self.twins.release(chunk)
+        self.staging.forget_chunk(chunk)
+        self._copy_backs.pop(chunk.index, None)
         for slot in chunk.slots:
-            self.staged_views.pop(id(slot.param), None)
-            self.add_views.pop(id(slot.param), None)
             self.offloaded_ids.discard(id(slot.param))
             self.masters.pop(id(slot.param), None)
-            self.grad_buffers.pop(id(slot.param), None)
-            self.accumulations.pop(id(slot.param), None)
-            self.device_norms.pop(id(slot.param), None)
-            self.norm_of_sum.discard(id(slot.param))
         return states
 
     def promote_chunk(self, chunk: Chunk, device: torch.device) -> None:
@@ -434,10 +391,10 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
             states = {id(s.param): by_name[s.name] for s in chunk.trainable_slots}
         for slot in chunk.trainable_slots:
             state = states.get(id(slot.param))
-            optimizer = self.optimizer_of_param.get(id(slot.param))
+            optimizer = self.twins.optimizer_of_param.get(id(slot.param))
             if not state or optimizer is None:
                 continue
-            group = optimizer.param_groups[self.group_of_param[id(slot.param)]]
+            group = optimizer.param_groups[self.twins.group_of_param[id(slot.param)]]
             on_device = bool(group.get("fused") or group.get("capturable"))
             moved = {}
             for key, value in state.items():
@@ -472,16 +429,10 @@ class CpuOptimizer(GradStaging, BackwardUpdates, HostGradNorms):
         it: after detach the pinned memory is freed at once, not at the next cyclic gc."""
         self.worker.shutdown(wait=True)
         self.gpu.shutdown()
-        self.manager.connect_update(None, None, None, None)
-        tables = (self.masters, self.grad_buffers, self.twins, self.twin_group_index)
-        for table in (*tables, self.staged_views, self.add_views, self.copy_back):
-            table.clear()
-        self.grads_busy.clear()
+        self.manager.grads.connect_update(None, None, None, None)
+        self.masters.clear()
+        self._copy_backs.clear()
+        self.twins.clear()
+        self.staging.clear()
+        self.grad_norms.clear()
         self.early.clear()
-        self.persistent_early.clear()
-        self.aliased.clear()
-        self.device_norms.clear()
-        self.norm_of_sum.clear()
-        self.accumulations.clear()
-        self.optimizers.clear()
-        self.optimizer_of_param.clear()

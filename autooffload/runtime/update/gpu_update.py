@@ -189,7 +189,7 @@ class GpuUpdater:
         compute stream's pool, where the backward frees activations)."""
         if chunk.index in self.loaded:
             return
-        busy = self.manager.host_busy[chunk.index]
+        busy = self.manager.host_busy.get(chunk.index)
         if busy is not None:
             busy.result()  # a CPU update of the chunk (a step without this path) writes the state
         arena = self._arena(chunk, twin)

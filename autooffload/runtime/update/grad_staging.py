@@ -4,7 +4,7 @@ host gradients on the worker, aliased to the staging where they can be, and clea
 The first backward after ``zero_grad`` leaves a chunk's gradients in its staging, and where the
 masters have the gradients' dtype the host gradients are the staging itself (``aliased``): no
 copy. A later backward (gradient accumulation) would overwrite that staging: the aliased
-gradients are copied out first (``_before_staging_write``, queued on the worker, at the next
+gradients are copied out first (``before_staging_write``, queued on the worker, at the next
 forward already: ``release_staging``), and the new gradients are added on the worker. Under
 accumulation on the GPU the staging keeps the running sum, which the device adds to.
 """
@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from autooffload.errors import UpdateInBackwardError
 from autooffload.runtime.chunks.layout import Chunk, ParamSlot
-from autooffload.runtime.update.twins import twin_group
 
 if TYPE_CHECKING:
-    from autooffload.runtime.chunks.store import ChunkManager
+    from autooffload.runtime.chunks.grad_offload import GradientOffload
+    from autooffload.runtime.update.host_grads import HostGradNorms
 
 # Gradient accumulation adds a micro-batch's staged gradients (the model's dtype) onto fp32
 # host gradients. torch adds mixed dtypes by casting the whole staged tensor into a new fp32
@@ -33,45 +32,61 @@ ACCUMULATE_BLOCK = 1 << 20
 
 
 class GradStaging:
-    """Host gradients of a model's offloaded params, from the staging (state owned by
-    ``CpuOptimizer``)."""
+    """Host gradients of a model's offloaded params, from the staging: aliased to it where they
+    can be, accumulated on the worker, cleared at ``zero_grad``."""
 
-    manager: ChunkManager
-    worker: ThreadPoolExecutor
-    masters: dict[int, torch.Tensor]
-    optimizers: list[torch.optim.Optimizer]
-    accumulations: dict[int, int]
-    device_norms: dict[int, torch.Tensor]
-    norm_of_sum: set[int]
-    aliased: set[int]
-    grads_busy: dict[int, Future]
-    grad_buffers: dict[int, torch.Tensor]
-    staged_views: dict[int, torch.Tensor]
-    add_views: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]
-    early: dict[int, tuple[torch.optim.Optimizer, list[dict]]]
-    accumulate_on_gpu: bool
-    update_in_backward: bool
-    update_in_backward_origin: str
-    observing: bool
-    hyper_at_backward: dict[int, list[dict]] | None
-    backward_since_step: bool
-    clip_coef: float
-    busy_s: float
-    add_s: float
-    added_params: int
-    copied_params: int
+    def __init__(
+        self,
+        offload: GradientOffload,
+        worker: ThreadPoolExecutor,
+        masters: dict[int, torch.Tensor],
+        grad_norms: HostGradNorms,
+    ) -> None:
+        """``offload``: the store's gradient side, whose staging this reads; ``worker``: the CPU
+        optimizer's thread, which runs every task on host gradients in order; ``masters``: the
+        CPU optimizer's (read here; each one's ``.grad`` is its host gradient)."""
+        self._offload = offload
+        self._worker = worker
+        self._masters = masters
+        self._grad_norms = grad_norms
+        self.grad_buffers: dict[int, torch.Tensor] = {}
+        # Per param id, the pinned gradient staging as a view made once.
+        self._staged_views: dict[int, torch.Tensor] = {}
+        # Per param id: (host gradient, staging) split in ACCUMULATE_BLOCK views for the adds
+        # of mixed dtypes, made once per host gradient buffer.
+        self.add_views: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]
+        self.add_views = {}
+        # Chunks whose host gradients are their pinned staging itself (main thread's view): the
+        # first backward after zero_grad needs no copy out of staging when the dtypes agree
+        # (no fp32 masters). The staging is then released before it is written again
+        # (``before_staging_write``), at the update (``hold_staging``) or at zero_grad.
+        self.aliased: set[int] = set()
+        # Per param: backward passes accumulated since zero_grad.
+        self.accumulations: dict[int, int] = {}
+        # Gradient accumulation on the GPU (the plan's ``accumulate_on_gpu``): a chunk whose
+        # host gradients are its staging (``aliased``) gets the next backward's gradients added
+        # to them on the device (``GradientOffload._sum_on_device``), so the worker adds nothing.
+        self.accumulate_on_gpu = False
+        # Per chunk: the worker's last task that reads or writes its host gradients (an
+        # accumulation, an update), which a GPU update of them waits for; the worker runs its
+        # tasks in order, so it also covers every earlier task on the chunk. Unlike the
+        # store's ``host_busy`` (work on the chunk's weights or state), an accumulation does
+        # not hold back the next forward's gather of the weights.
+        self.grads_busy: dict[int, Future] = {}
+        # Seconds the worker spent on host gradients; of them, gradient accumulation's adds (a
+        # micro-batch's gradients onto the earlier ones') and their elements, for the cost
+        # model's ``cpu_accumulate_params_per_s``; of those, the elements copied out of an
+        # aliased staging (``_unalias``).
+        self.busy_s = 0.0
+        self.add_s = 0.0
+        self.added_params = 0
+        self.copied_params = 0
 
-    if TYPE_CHECKING:  # CpuOptimizer's and its other parts'
+    def set_accumulate_on_gpu(self, on: bool) -> None:
+        """Whether the plan sums gradient accumulation on the GPU (``device_sums``)."""
+        self.accumulate_on_gpu = on
 
-        def _update_now(self, chunk: Chunk) -> None: ...
-
-        def check_no_early_update(self, what: str) -> None: ...
-
-        def covers_all(self, param_ids: set[int]) -> bool: ...
-
-        def host_grads(self) -> list[torch.Tensor]: ...
-
-    def _grads_ready(
+    def receive(
         self,
         chunk: Chunk,
         slots: list[ParamSlot],
@@ -80,26 +95,21 @@ class GradStaging:
         presence: torch.Tensor | None = None,
         summed: bool = False,
     ) -> None:
-        """``presence`` (data parallel): per slot, 0 where no rank had a gradient, read once
+        """``chunk``'s gradients of ``slots`` are on their way into the staging (done at
+        ``event``, taken with ``norms`` on the device): queue them into the host gradients.
+        ``presence`` (data parallel): per slot, 0 where no rank had a gradient, read once
         ``event`` is done; those slots get no host gradient. ``summed``: the staging holds
         every backward's sum since zero_grad (``device_sums``): it stays the host gradient."""
-        self._note_gradients(chunk)
         for slot, norm in zip(slots, norms, strict=False):
             pid = id(slot.param)
             self.accumulations[pid] = self.accumulations.get(pid, 0) + 1
-            self.device_norms[pid] = norm
-            if summed:
-                self.norm_of_sum.add(pid)
-            else:
-                self.norm_of_sum.discard(pid)
+            self._grad_norms.record(pid, norm, whole=summed or self.accumulations[pid] == 1)
         alias = summed or all(self._aliasable(slot) for slot in slots)
         if alias:
             self.aliased.add(chunk.index)
-        future = self.worker.submit(self._accumulate, chunk, slots, event, alias, presence)
-        self.manager.staging_busy[chunk.index] = future
+        future = self._worker.submit(self._accumulate, chunk, slots, event, alias, presence)
+        self._offload.staging_busy.set(chunk.index, future)
         self.grads_busy[chunk.index] = future
-        if self.update_in_backward:
-            self._update_now(chunk)
 
     def device_sums(self, chunk: Chunk, slots: list[ParamSlot]) -> list[bool] | None:
         """Under GPU accumulation, for ``chunk``'s gradients about to leave the device: per
@@ -120,29 +130,13 @@ class GradStaging:
         if self.accumulate_on_gpu:
             return
         for index in sorted(self.aliased, reverse=True):
-            self._before_staging_write(index)
-
-    def _note_gradients(self, chunk: Chunk) -> None:
-        """Gradients of ``chunk`` are in: raise if it was updated in this step's backward
-        already; note the backward (and, observing, the hyperparameters now)."""
-        if chunk.index in self.early:
-            raise UpdateInBackwardError(
-                f"a second backward reached chunk {chunk.index} before optimizer.step(), but"
-                f" the update in the backward ({self.update_in_backward_origin}) already"
-                " applied its update in the first: gradient accumulation needs"
-                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
-            )
-        if self.observing and self.hyper_at_backward is None:
-            self.hyper_at_backward = {
-                id(o): [twin_group(g, type(o)) for g in o.param_groups] for o in self.optimizers
-            }
-        self.backward_since_step = True
+            self.before_staging_write(index)
 
     def _aliasable(self, slot: ParamSlot) -> bool:
         """Whether ``slot``'s host gradient can be its staging: the first backward since
         zero_grad (nothing to add to) and a master of the gradient's dtype."""
         pid = id(slot.param)
-        master = self.masters.get(pid)
+        master = self._masters.get(pid)
         first = self.accumulations.get(pid) == 1
         return first and master is not None and master.dtype == slot.dtype
 
@@ -166,7 +160,7 @@ class GradStaging:
         added: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         added_slots: list[ParamSlot] = []
         for slot in slots:
-            master = self.masters[id(slot.param)]
+            master = self._masters[id(slot.param)]
             staged = self._staged(slot, chunk)
             if alias:
                 master.grad = staged  # read in place by the update: one pass less
@@ -221,21 +215,21 @@ class GradStaging:
 
     def _staged(self, slot: ParamSlot, chunk: Chunk) -> torch.Tensor:
         """``slot``'s pinned gradient staging (a view made once: each view is ops too)."""
-        view = self.staged_views.get(id(slot.param))
+        view = self._staged_views.get(id(slot.param))
         if view is None:
-            view = self.manager.staging_view(slot, chunk)
-            self.staged_views[id(slot.param)] = view
+            view = self._offload.staging_view(slot, chunk)
+            self._staged_views[id(slot.param)] = view
         return view
 
-    def _before_staging_write(self, index: int) -> None:
+    def before_staging_write(self, index: int) -> None:
         """Chunk ``index``'s staging is about to be overwritten (a second backward before
         ``zero_grad``): copy the gradients aliased to it out first, on the worker in order."""
         if index not in self.aliased:
             return
         self.aliased.discard(index)
-        chunk = self.manager.chunks[index]
-        future = self.worker.submit(self._unalias, chunk)
-        self.manager.staging_busy[index] = future
+        chunk = self._offload.chunks[index]
+        future = self._worker.submit(self._unalias, chunk)
+        self._offload.staging_busy.set(index, future)
         self.grads_busy[index] = future
 
     def _unalias(self, chunk: Chunk) -> None:
@@ -247,7 +241,7 @@ class GradStaging:
         start = time.perf_counter()
         masters, buffers, staged = [], [], []
         for slot in chunk.trainable_slots:
-            master = self.masters.get(id(slot.param))
+            master = self._masters.get(id(slot.param))
             view = self._staged(slot, chunk)
             if master is None or master.grad is None or master.grad.data_ptr() != view.data_ptr():
                 continue
@@ -273,11 +267,17 @@ class GradStaging:
             self.grad_buffers[id(slot.param)] = buffer
         return buffer
 
-    def _hold_staging(self, index: int, future: Future) -> None:
+    def hold_staging(self, index: int, future: Future) -> None:
         """An aliased chunk's staging is read by ``future`` (its update, or the zero_grad clear):
         the next write into it waits for that."""
         if index in self.aliased:
-            self.manager.staging_busy[index] = future
+            self._offload.staging_busy.set(index, future)
+
+    def read_by(self, index: int, future: Future) -> None:
+        """Chunk ``index``'s host gradients are read by ``future``, a task of the worker (its
+        update): later work on them, and on an aliased staging, waits for it."""
+        self.grads_busy[index] = future
+        self.hold_staging(index, future)
 
     def zero_grad(self, set_to_none: bool = True, param_ids: set[int] | None = None) -> None:
         """Forget the accumulated host gradients (the user's ``zero_grad``); returns at once.
@@ -289,37 +289,34 @@ class GradStaging:
         forward overlaps them: waiting here (as ``step(); zero_grad()`` loops call it right
         after the step) put the whole CPU update on the critical path (3.2B: a 308 ms idle GPU
         per step). Everything that reads host gradients waits for the worker first."""
-
-        self.check_no_early_update("zero_grad() without optimizer.step()")
-        if param_ids is not None and not self.covers_all(param_ids):
+        if param_ids is not None and not self._grad_norms.covers_all(param_ids):
             self._zero_some(set_to_none, param_ids)
             return
+        masters = self._masters
 
         def clear() -> None:
-            for master in self.masters.values():
+            for master in masters.values():
                 if set_to_none:
                     master.grad = None
                 elif master.grad is not None:
                     master.grad.zero_()
 
-        future = self.worker.submit(clear)
+        future = self._worker.submit(clear)
         # The clear drops (or zeroes) gradients aliased to staging: the next writes wait for it.
         for index in self.aliased:
-            self.manager.staging_busy[index] = future
+            self._offload.staging_busy.set(index, future)
         self.aliased.clear()
         self.accumulations.clear()
-        self.device_norms.clear()
-        self.norm_of_sum.clear()
-        self.clip_coef = 1.0
+        self._grad_norms.clear()
 
     def _zero_some(self, set_to_none: bool, param_ids: set[int]) -> None:
         """``zero_grad`` of part of the offloaded params: the others keep accumulating."""
-        self.host_grads()  # a pending clipping coefficient applies to the kept ones too
-        for chunk in self.manager.chunks:
+        self._grad_norms.host_grads()  # a pending clipping coefficient applies to the kept ones too
+        for chunk in self._offload.chunks:
             # The kept gradients must not be the staging the next backward writes into.
             if chunk.index in self.aliased:
-                self._before_staging_write(chunk.index)
-        cleared = [m for pid, m in self.masters.items() if pid in param_ids]
+                self.before_staging_write(chunk.index)
+        cleared = [m for pid, m in self._masters.items() if pid in param_ids]
 
         def clear() -> None:
             for master in cleared:
@@ -328,8 +325,26 @@ class GradStaging:
                 elif master.grad is not None:
                     master.grad.zero_()
 
-        self.worker.submit(clear)
+        self._worker.submit(clear)
         for pid in param_ids:
             self.accumulations.pop(pid, None)
-            self.device_norms.pop(pid, None)
-            self.norm_of_sum.discard(pid)
+        self._grad_norms.forget(param_ids)
+
+    def forget_chunk(self, chunk: Chunk) -> None:
+        """``chunk`` left the CPU optimizer (it became persistent): drop its host gradients."""
+        self.aliased.discard(chunk.index)
+        self.grads_busy.pop(chunk.index, None)
+        for slot in chunk.slots:
+            pid = id(slot.param)
+            self._staged_views.pop(pid, None)
+            self.add_views.pop(pid, None)
+            self.grad_buffers.pop(pid, None)
+            self.accumulations.pop(pid, None)
+        self._grad_norms.forget({id(slot.param) for slot in chunk.slots})
+
+    def clear(self) -> None:
+        """Detach: drop every host tensor held here (views of the pinned staging included)."""
+        for table in (self.grad_buffers, self._staged_views, self.add_views, self.grads_busy):
+            table.clear()
+        self.aliased.clear()
+        self.accumulations.clear()

@@ -1,11 +1,13 @@
-"""The update in the backward: offloaded chunks updated as their gradients arrive (on the worker,
-or on the GPU while still resident), persistent chunks stepped with their optimizers, and the
-checks that ``optimizer.step()`` then applies the same update.
+"""The update in the backward: what it updated before ``optimizer.step()`` and the checks that the
+step then applies the same update (``EarlyUpdates``), and its updates that do not run on the
+worker: offloaded chunks on the GPU while still resident, persistent chunks with their own
+optimizers (``BackwardUpdates``). The worker's updates in the backward are queued by
+``CpuOptimizer`` as the gradients arrive.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,94 +16,245 @@ from autooffload.errors import UpdateInBackwardError
 from autooffload.runtime.chunks.layout import Chunk, ParamSlot
 from autooffload.runtime.chunks.store import Residency
 from autooffload.runtime.update.persistent_update import step_params
-from autooffload.runtime.update.twins import twin_group
+from autooffload.runtime.update.twins import Twins, twin_group
 
 if TYPE_CHECKING:
     from autooffload.runtime.chunks.store import ChunkManager
     from autooffload.runtime.distributed import Reduction
     from autooffload.runtime.update.gpu_update import GpuUpdater
+    from autooffload.runtime.update.host_grads import HostGradNorms
+
+Optimizer = torch.optim.Optimizer
+
+
+class EarlyUpdates:
+    """The chunks updated in this backward, before ``optimizer.step()``, and the checks that the
+    step then applies the same update; and what the loop did between a backward and its step
+    that such an update could not honour (the auto mode's evidence, ``update_mode.py``)."""
+
+    def __init__(self, twins: Twins) -> None:
+        self._twins = twins
+        # Offloaded chunks updated in this backward: the optimizer and hyperparameters used.
+        self.offloaded: dict[int, tuple[Optimizer, list[dict]]] = {}
+        # Persistent chunks stepped in this backward (runtime/update/persistent_update.py): per
+        # chunk, each owner, the indices of its groups stepped and their hyperparameters.
+        self.persistent: dict[int, list[tuple[Optimizer, list[int], list[dict]]]] = {}
+        # What turned the update in the backward on (named in the errors).
+        self.origin = "AUTOOFFLOAD_UPDATE_IN_BACKWARD=1"
+        # The loop as the auto mode observes it: a backward since the last step, what the loop
+        # did between a backward and its step that an update in the backward could not honour,
+        # and (while ``observing``) the hyperparameters of every bound optimizer when the
+        # step's first gradients arrived.
+        self.backward_since_step = False
+        self.loop_reasons: set[str] = set()
+        self.observing = False
+        self._hyper_at_backward: dict[int, list[dict]] | None = None
+
+    @property
+    def count(self) -> int:
+        """Chunks updated in this backward, offloaded and persistent."""
+        return len(self.offloaded) + len(self.persistent)
+
+    def set_origin(self, origin: str) -> None:
+        """Name what turned the update in the backward on (the setting, or the auto mode)."""
+        self.origin = origin
+
+    def observe(self, on: bool) -> None:
+        """Start or stop noting the hyperparameters at each step's first gradients."""
+        self.observing = on
+
+    def add_reason(self, reason: str) -> None:
+        """The loop did something the update in the backward could not honour."""
+        self.loop_reasons.add(reason)
+
+    def step_done(self) -> None:
+        """The runtime's step ended: a new stretch between a backward and its step begins (the
+        reasons seen stay while observing, for the auto mode to decide on)."""
+        if not self.observing:
+            self.loop_reasons.clear()
+        self.backward_since_step = False
+        self._hyper_at_backward = None
+
+    def discard_backward(self) -> None:
+        """The backward since the last step was discarded (an OOM retry clears its gradients):
+        what comes next is not between a backward and its step."""
+        self.backward_since_step = False
+
+    def note_gradients(self, chunk: Chunk) -> None:
+        """Gradients of ``chunk`` are in: raise if it was updated in this step's backward
+        already; note the backward (and, observing, the hyperparameters now)."""
+        if chunk.index in self.offloaded:
+            raise UpdateInBackwardError(
+                f"a second backward reached chunk {chunk.index} before optimizer.step(), but"
+                f" the update in the backward ({self.origin}) already"
+                " applied its update in the first: gradient accumulation needs"
+                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
+            )
+        if self.observing and self._hyper_at_backward is None:
+            self._hyper_at_backward = {
+                id(o): [twin_group(g, type(o)) for g in o.param_groups]
+                for o in self._twins.optimizers
+            }
+        self.backward_since_step = True
+
+    def check_no_early_update(self, what: str) -> None:
+        """Raise if a chunk was updated in this backward: ``what`` needs the gradients before
+        any update. Between a backward and its step, ``what`` is also a reason the loop cannot
+        take the update in the backward (``loop_reasons``, for the auto mode)."""
+        if self.backward_since_step:
+            self.loop_reasons.add(what)
+        if self.count:
+            raise UpdateInBackwardError(
+                f"{what} after a backward in which the update in the backward"
+                f" ({self.origin}) already updated {self.count}"
+                " chunks with that backward's raw gradients (not unscaled by a GradScaler, not"
+                " clipped); optimizer.step() applies the rest of that update, and"
+                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 suits loops that clip, use a GradScaler, skip"
+                " steps or read the gradients before step()"
+            )
+
+    def record(self, index: int, optimizer: Optimizer, hyper: list[dict]) -> None:
+        """Offloaded chunk ``index`` is being updated in this backward, with ``hyper``."""
+        self.offloaded[index] = (optimizer, hyper)
+
+    def record_persistent(
+        self, index: int, entries: list[tuple[Optimizer, list[int], list[dict]]]
+    ) -> None:
+        """Persistent chunk ``index`` was stepped in this backward (per owner: its groups
+        stepped and their hyperparameters)."""
+        self.persistent[index] = entries
+
+    def settle(self, index: int, hyper: list[dict]) -> bool:
+        """At ``optimizer.step()``, chunk ``index``'s update with ``hyper``: True if the update
+        in the backward made it already (raise if with other hyperparameters)."""
+        early = self.offloaded.pop(index, None)
+        if early is None:
+            return False
+        if early[1] != hyper:
+            raise UpdateInBackwardError(
+                f"optimizer.step() runs chunk {index} with hyperparameters"
+                f" {hyper} but the update in the backward"
+                f" ({self.origin}) updated it during backward with"
+                f" {early[1]}; change them before backward (schedulers stepping after"
+                " optimizer.step() do) or set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
+            )
+        return True
+
+    def settle_persistent(self, optimizer: Optimizer) -> None:
+        """At ``optimizer.step()``: its persistent params were stepped in the backward (the
+        step skipped them, having no gradient); raise if that used other hyperparameters."""
+        for index in list(self.persistent):
+            kept = []
+            for owner, groups, hyper in self.persistent[index]:
+                if owner is not optimizer:
+                    kept.append((owner, groups, hyper))
+                    continue
+                now = [twin_group(optimizer.param_groups[g], type(optimizer)) for g in groups]
+                if now != hyper:
+                    del self.persistent[index]
+                    raise UpdateInBackwardError(
+                        f"optimizer.step() runs with hyperparameters {now} but the update in the"
+                        f" backward ({self.origin}) stepped persistent chunk"
+                        f" {index} during backward with {hyper}; change them before backward"
+                        " (schedulers stepping after optimizer.step() do) or set"
+                        " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
+                    )
+            if kept:
+                self.persistent[index] = kept
+            else:
+                del self.persistent[index]
+
+    def note_step_hyper(self, optimizer: Optimizer) -> None:
+        """At ``optimizer.step()`` while observing: hyperparameters changed since the step's
+        first gradients arrived are a reason against the update in the backward (it would
+        have used the old ones)."""
+        before = (self._hyper_at_backward or {}).get(id(optimizer))
+        if before is None:
+            return
+        now = [twin_group(g, type(optimizer)) for g in optimizer.param_groups]
+        if now != before:
+            self.loop_reasons.add("hyperparameters changed between backward and optimizer.step()")
+
+    def clear(self) -> None:
+        """Detach: forget the chunks updated early."""
+        self.offloaded.clear()
+        self.persistent.clear()
 
 
 class BackwardUpdates:
-    """Updates in the backward of a model's chunks (state owned by ``CpuOptimizer``)."""
+    """The updates in the backward that do not run on the worker (offloaded chunks on the GPU,
+    persistent chunks with their optimizers), armed step by step (``update_mode.py``)."""
 
-    manager: ChunkManager
-    worker: ThreadPoolExecutor
-    gpu: GpuUpdater
-    masters: dict[int, torch.Tensor]
-    optimizer_of_param: dict[int, torch.optim.Optimizer]
-    twin_group_index: dict[tuple[int, int], list[int]]
-    backward_gpu_chunks: set[int]
-    _gpu_problems: dict[int, str | None]
-    early: dict[int, tuple[torch.optim.Optimizer, list[dict]]]
-    persistent_early: dict[int, list[tuple[torch.optim.Optimizer, list[int], list[dict]]]]
-    update_in_backward: bool
-    update_in_backward_origin: str
-    backward_since_step: bool
-    loop_reasons: set[str]
-    hyper_at_backward: dict[int, list[dict]] | None
-    clip_coef: float
-    updates_in_backward: int
+    def __init__(
+        self,
+        manager: ChunkManager,
+        gpu: GpuUpdater,
+        twins: Twins,
+        masters: dict[int, torch.Tensor],
+        early: EarlyUpdates,
+        grad_norms: HostGradNorms,
+        gpu_problem: Callable[[Optimizer], str | None],
+    ) -> None:
+        """``gpu_problem``: why an optimizer's chunks cannot take the GPU path in the backward
+        (``CpuOptimizer.gpu_path_problem``), None if they can."""
+        self._manager = manager
+        self._gpu = gpu
+        self._twins = twins
+        self._masters = masters
+        self._early = early
+        self._grad_norms = grad_norms
+        self._gpu_problem = gpu_problem
+        # AUTOOFFLOAD_UPDATE_IN_BACKWARD: armed by the runtime once the plan is searched, for
+        # offloaded chunks (the worker's too) and for persistent ones.
+        self.armed = False
+        self.persistent_armed = False
+        # The chunks the GPU updates at the end of their backward, weights and gradients still
+        # resident (plan/update_split.backward_split).
+        self.gpu_chunks: set[int] = set()
 
-    if TYPE_CHECKING:  # CpuOptimizer's and its other parts'
+    def arm(self, offloaded: bool | None = None, persistent: bool | None = None) -> None:
+        """Turn the update in the backward of offloaded chunks and of persistent chunks on or
+        off (None: leave it as it is)."""
+        if offloaded is not None:
+            self.armed = offloaded
+        if persistent is not None:
+            self.persistent_armed = persistent
 
-        def _note_gradients(self, chunk: Chunk) -> None: ...
+    def set_gpu_chunks(self, indices: set[int]) -> None:
+        """The offloaded chunks the GPU updates in the backward (the plan's lowest ones)."""
+        self.gpu_chunks = indices
 
-        def _twin(
-            self, chunk: Chunk, optimizer: torch.optim.Optimizer
-        ) -> torch.optim.Optimizer | None: ...
-
-        def _queue_update(
-            self, chunk: Chunk, twin: torch.optim.Optimizer, hyper: list[dict], clip_coef: float
-        ) -> None: ...
-
-        def gpu_path_problem(
-            self, optimizer: torch.optim.Optimizer, in_backward: bool = False
-        ) -> str | None: ...
-
-    def _device_update_owner(
-        self, chunk: Chunk
-    ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer] | None:
+    def _device_update_owner(self, chunk: Chunk) -> tuple[Optimizer, Optimizer] | None:
         """(optimizer, twin) when the GPU updates ``chunk`` in this backward: the plan gives
         it the chunk, the update in the backward is armed, one bound optimizer owns it and
         the GPU path can run it; None where the chunk's gradients go to the CPU instead (which
         trains alike)."""
-        if not self.update_in_backward or chunk.index not in self.backward_gpu_chunks:
+        if not self.armed or chunk.index not in self.gpu_chunks:
             return None
-        if self.clip_coef != 1.0 or chunk.index in self.manager.persistent:
+        if self._grad_norms.clip_coef != 1.0 or self._manager.is_persistent(chunk.index):
             return None
-        optimizer = self._sole_owner(chunk)
-        if optimizer is None:
+        optimizer = self._twins.sole_owner(chunk)
+        if optimizer is None or self._gpu_problem(optimizer) is not None:
             return None
-        if id(optimizer) not in self._gpu_problems:
-            self._gpu_problems[id(optimizer)] = self.gpu_path_problem(optimizer, in_backward=True)
-        if self._gpu_problems[id(optimizer)] is not None:
-            return None
-        twin = self._twin(chunk, optimizer)
+        twin = self._twins.twin(chunk, optimizer)
         return None if twin is None else (optimizer, twin)
-
-    def _sole_owner(self, chunk: Chunk) -> torch.optim.Optimizer | None:
-        """The one bound optimizer owning every trainable param of ``chunk``; None when none
-        is bound yet or several share it (an update in the backward is then left to step())."""
-        owners = {self.optimizer_of_param.get(id(s.param)) for s in chunk.trainable_slots}
-        return owners.pop() if len(owners) == 1 else None
 
     def load_state(self, chunk: Chunk) -> None:
         """The backward nears ``chunk``: if the GPU updates it there, start copying its
         optimizer state in (``GpuUpdater.load_state``)."""
-        if chunk.index in self.early or chunk.index in self.gpu.loaded:
+        if chunk.index in self._early.offloaded or chunk.index in self._gpu.loaded:
             return
         found = self._device_update_owner(chunk)
         if found is not None:
-            self.gpu.load_state(chunk, found[1])
+            self._gpu.load_state(chunk, found[1])
 
     def update_on_device(self, chunk: Chunk) -> bool:
         """``chunk``'s backward is complete: update it on the GPU now if the plan gives it
         to the GPU in the backward (``GpuUpdater.update_resident``), its gradients dropped;
         False where its gradients go to the host as usual."""
-        if self.manager.state[chunk.index] != Residency.RESIDENT:
+        if self._manager.state[chunk.index] != Residency.RESIDENT:
             return False
-        if self.manager.data_parallel is not None:
+        if self._manager.grads.data_parallel is not None:
             return False  # after the average: ``update_averaged_on_device``
         slots = [s for s in chunk.trainable_slots if s.param.grad is not None]
         found = self._device_update_owner(chunk) if slots else None
@@ -122,7 +275,7 @@ class BackwardUpdates:
         ``update_on_device`` does on one process); False where its averaged gradients go to
         the host as usual."""
         found = self._device_update_owner(chunk)
-        if found is None or self.manager.state[chunk.index] != Residency.RESIDENT:
+        if found is None or self._manager.state[chunk.index] != Residency.RESIDENT:
             return False
         self._update_resident(
             chunk,
@@ -137,64 +290,20 @@ class BackwardUpdates:
     def _update_resident(
         self,
         chunk: Chunk,
-        optimizer: torch.optim.Optimizer,
-        twin: torch.optim.Optimizer,
+        optimizer: Optimizer,
+        twin: Optimizer,
         slots: list[ParamSlot],
         **kwargs: Any,
     ) -> None:
         """Start ``GpuUpdater.update_resident`` of ``chunk``'s ``slots`` (``kwargs``: its
         gradients, when not their ``.grad``) as an update in this backward."""
-        self._note_gradients(chunk)
-        hyper = self._hyper(chunk, optimizer)
-        self.early[chunk.index] = (optimizer, hyper)
-        self.manager.before_host_write(chunk.index)
-        pairs = [(self.masters[id(s.param)], s) for s in slots]
-        future = self.gpu.update_resident(chunk, twin, hyper, pairs, **kwargs)
-        self.manager.host_busy[chunk.index] = future
-
-    def _update_now(self, chunk: Chunk) -> None:
-        """Queue ``chunk``'s update right behind its gradients (ProTrain's overlap of the CPU
-        update with the backward): exact when ``step()`` follows this backward with the same
-        hyperparameters and nothing between them reads or scales the gradients, which
-        ``step``, ``clip_``, ``host_grads`` and ``zero_grad`` check."""
-        optimizer = self._sole_owner(chunk)
-        if optimizer is None:
-            return  # no optimizer bound yet, or several: left to step()
-        twin = self._twin(chunk, optimizer)
-        if twin is None or self.clip_coef != 1.0:
-            return
-        hyper = self._hyper(chunk, optimizer)
-        self.early[chunk.index] = (optimizer, hyper)
-        self._queue_update(chunk, twin, hyper, 1.0)
-        self.updates_in_backward += 1
-
-    def _hyper(self, chunk: Chunk, optimizer: torch.optim.Optimizer) -> list[dict]:
-        """The user's hyperparameters for ``chunk``'s twin groups, as the twin takes them."""
-        return [
-            twin_group(optimizer.param_groups[g], type(optimizer))
-            for g in self.twin_group_index[(chunk.index, id(optimizer))]
-        ]
-
-    def check_no_early_update(self, what: str) -> None:
-        """Raise if a chunk was updated in this backward: ``what`` needs the gradients before
-        any update. Between a backward and its step, ``what`` is also a reason the loop cannot
-        take the update in the backward (``loop_reasons``, for the auto mode)."""
-        if self.backward_since_step:
-            self.loop_reasons.add(what)
-        if self.early_count:
-            raise UpdateInBackwardError(
-                f"{what} after a backward in which the update in the backward"
-                f" ({self.update_in_backward_origin}) already updated {self.early_count}"
-                " chunks with that backward's raw gradients (not unscaled by a GradScaler, not"
-                " clipped); optimizer.step() applies the rest of that update, and"
-                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 suits loops that clip, use a GradScaler, skip"
-                " steps or read the gradients before step()"
-            )
-
-    @property
-    def early_count(self) -> int:
-        """Chunks updated in this backward, offloaded and persistent."""
-        return len(self.early) + len(self.persistent_early)
+        self._early.note_gradients(chunk)
+        hyper = self._twins.hyper(chunk, optimizer)
+        self._early.record(chunk.index, optimizer, hyper)
+        self._manager.before_host_write(chunk.index)
+        pairs = [(self._masters[id(s.param)], s) for s in slots]
+        future = self._gpu.update_resident(chunk, twin, hyper, pairs, **kwargs)
+        self._manager.host_busy.set(chunk.index, future)
 
     def update_persistent(self, chunk: Chunk) -> None:
         """Persistent ``chunk``'s backward is complete: step its params that have a gradient
@@ -202,16 +311,16 @@ class BackwardUpdates:
         with_grad = [s.param for s in chunk.trainable_slots if s.param.grad is not None]
         if not with_grad:
             return
-        if chunk.index in self.persistent_early:
+        if chunk.index in self._early.persistent:
             raise UpdateInBackwardError(
                 f"gradients reached persistent chunk {chunk.index} after the update in the"
-                f" backward ({self.update_in_backward_origin}) applied its update (a second"
+                f" backward ({self._early.origin}) applied its update (a second"
                 " backward before optimizer.step(), as gradient accumulation runs): set"
                 " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
             )
-        by_owner: dict[int, tuple[torch.optim.Optimizer, set[int]]] = {}
+        by_owner: dict[int, tuple[Optimizer, set[int]]] = {}
         for param in with_grad:
-            owner = self.optimizer_of_param.get(id(param))
+            owner = self._twins.optimizer_of_param.get(id(param))
             if owner is not None:
                 by_owner.setdefault(id(owner), (owner, set()))[1].add(id(param))
         entries = []
@@ -223,39 +332,4 @@ class BackwardUpdates:
                 if id(param) in ids:
                     param.grad = None
         if entries:
-            self.persistent_early[chunk.index] = entries
-
-    def settle_persistent(self, optimizer: torch.optim.Optimizer) -> None:
-        """At ``optimizer.step()``: its persistent params were stepped in the backward (the
-        step skipped them, having no gradient); raise if that used other hyperparameters."""
-        for index in list(self.persistent_early):
-            kept = []
-            for owner, groups, hyper in self.persistent_early[index]:
-                if owner is not optimizer:
-                    kept.append((owner, groups, hyper))
-                    continue
-                now = [twin_group(optimizer.param_groups[g], type(optimizer)) for g in groups]
-                if now != hyper:
-                    del self.persistent_early[index]
-                    raise UpdateInBackwardError(
-                        f"optimizer.step() runs with hyperparameters {now} but the update in the"
-                        f" backward ({self.update_in_backward_origin}) stepped persistent chunk"
-                        f" {index} during backward with {hyper}; change them before backward"
-                        " (schedulers stepping after optimizer.step() do) or set"
-                        " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
-                    )
-            if kept:
-                self.persistent_early[index] = kept
-            else:
-                del self.persistent_early[index]
-
-    def note_step_hyper(self, optimizer: torch.optim.Optimizer) -> None:
-        """At ``optimizer.step()`` while observing: hyperparameters changed since the step's
-        first gradients arrived are a reason against the update in the backward (it would
-        have used the old ones)."""
-        before = (self.hyper_at_backward or {}).get(id(optimizer))
-        if before is None:
-            return
-        now = [twin_group(g, type(optimizer)) for g in optimizer.param_groups]
-        if now != before:
-            self.loop_reasons.add("hyperparameters changed between backward and optimizer.step()")
+            self._early.record_persistent(chunk.index, entries)

@@ -7,7 +7,7 @@ every backward and nothing between them reads or changes what the update uses: n
 GradScaler, no gradient accumulation, no zero_grad without a step, no hyperparameter change.
 
 ``AUTOOFFLOAD_UPDATE_IN_BACKWARD=auto`` (the default) watches the profiling steps (or the first
-step of a fixed plan) for those events (``CpuOptimizer.check_no_early_update`` records each one
+step of a fixed plan) for those events (``EarlyUpdates.check_no_early_update`` records each one
 seen between a backward and its step; ``observe`` adds accumulation and hyperparameter
 changes). For a loop that showed none, the first search is run both ways and the update in the
 backward is taken only when it is predicted ``CHOOSE_GAIN`` faster (``choose``): it makes the
@@ -72,13 +72,13 @@ class BackwardUpdateMode:
         self.trained_numel = 0
         # The auto mode's first search: predicted step seconds with and without it.
         self.predicted: tuple[float, float] | None = None
-        cpu_optim = runtime.cpu_optim
+        early = runtime.cpu_optim.early
         if self.setting is None:
-            cpu_optim.update_in_backward_origin = AUTO_ORIGIN
+            early.set_origin(AUTO_ORIGIN)
             static = self._static_reasons()
             if static:
                 self._settle(False, static)
-        cpu_optim.observing = self.decided is None
+        early.observe(self.decided is None)
 
     def _static_reasons(self) -> list[str]:
         reasons = []
@@ -94,11 +94,11 @@ class BackwardUpdateMode:
 
     def observe(self, optimizer: torch.optim.Optimizer, backwards: int) -> None:
         """At ``optimizer.step()``, first: what this step did that the auto mode must know."""
-        cpu_optim = self.runtime.cpu_optim
-        if cpu_optim.observing:
-            cpu_optim.note_step_hyper(optimizer)
+        early = self.runtime.cpu_optim.early
+        if early.observing:
+            early.note_step_hyper(optimizer)
         if backwards > 1:
-            cpu_optim.loop_reasons.add(
+            early.add_reason(
                 f"{backwards} backward passes per optimizer step (gradient accumulation)"
             )
 
@@ -106,7 +106,7 @@ class BackwardUpdateMode:
         """End of the observation (the profile is about to be built): on when nothing seen
         so far argues against it."""
         if self.decided is None:
-            reasons = self.runtime.cpu_optim.loop_reasons | set(self._unstepped())
+            reasons = self.runtime.cpu_optim.early.loop_reasons | set(self._unstepped())
             dp = self.runtime.data_parallel
             if dp is not None:
                 # A collective (every rank decides at the same step): on only where no rank
@@ -122,8 +122,7 @@ class BackwardUpdateMode:
         check."""
         if self.runtime.data_parallel is not None:
             return []
-        cpu_optim = self.runtime.cpu_optim
-        owners = cpu_optim.optimizer_of_param
+        owners = self.runtime.cpu_optim.twins.optimizer_of_param
         for chunk in self.runtime.layout.chunks:
             for slot in chunk.trainable_slots:
                 owner = owners.get(id(slot.param))
@@ -170,13 +169,12 @@ class BackwardUpdateMode:
             False,
             [f"predicted {with_s * 1e3:.0f} ms per step with it, {without_s * 1e3:.0f} ms without"],
         )
-        self.runtime.cpu_optim.update_in_backward = False
-        self.runtime.cpu_optim.persistent_in_backward = False
+        self.runtime.cpu_optim.in_backward.arm(offloaded=False, persistent=False)
         return without_request, without_profile, plan if without is None else without
 
     def _settle(self, on: bool, reasons: list[str] | set[str]) -> None:
         self.decided = on
-        self.runtime.cpu_optim.observing = False
+        self.runtime.cpu_optim.early.observe(False)
         if not on:
             logger.debug("update in the backward off: %s", "; ".join(sorted(reasons)))
 
@@ -184,20 +182,20 @@ class BackwardUpdateMode:
         """A forward of the whole model (``OomRetry``): no update in the backward of a batch
         larger than any trained, so an OOM there can be retried."""
         if self.setting is None and input_numel > self.trained_numel:
-            self.runtime.cpu_optim.update_in_backward = False
+            self.runtime.cpu_optim.in_backward.arm(offloaded=False)
 
     def end_step(self, input_numel: int) -> None:
         """At the end of the runtime's step: settle the auto mode, arm the next step."""
         runtime = self.runtime
-        cpu_optim = runtime.cpu_optim
+        early = runtime.cpu_optim.early
         profiling = runtime.control.profiling
         if self.decided is None and not profiling:
             self.decide()  # a fixed plan: no profiling steps, the first step decides
-        elif self.setting is None and self.decided and cpu_optim.loop_reasons:
+        elif self.setting is None and self.decided and early.loop_reasons:
             # Seen in a step that updated nothing early (else it raised): off from now on. Such
             # a step stepped no persistent chunk either (they stay armed), so none had
             # gradients: keeping them to step() from now on needs no memory the plan lacks.
-            reasons = "; ".join(sorted(cpu_optim.loop_reasons))
+            reasons = "; ".join(sorted(early.loop_reasons))
             logger.info(
                 "autooffload: offloaded chunks are updated at optimizer.step() from now on: the"
                 " loop did this between a backward and its step: %s",
@@ -205,15 +203,14 @@ class BackwardUpdateMode:
             )
             self.decided = False
             runtime.control.without_update_in_backward()
-        if not cpu_optim.observing:
-            cpu_optim.loop_reasons.clear()
-        cpu_optim.backward_since_step = False
-        cpu_optim.hyper_at_backward = None
+        early.step_done()
         self.trained_numel = max(self.trained_numel, input_numel)
         # Updates in the backward start once the conservative profiling steps are over.
-        cpu_optim.update_in_backward = self.on and not profiling
         # Persistent chunks are stepped in every backward under it, larger batches too: the
         # plan counts on their gradients being dropped, and they are stepped late in the
         # backward, when an OOM is least likely (the retry refuses a backward after them).
         # Under data parallelism they are stepped at step(), once averaged across ranks.
-        cpu_optim.persistent_in_backward = self.on and runtime.data_parallel is None
+        runtime.cpu_optim.in_backward.arm(
+            offloaded=self.on and not profiling,
+            persistent=self.on and runtime.data_parallel is None,
+        )
