@@ -18,6 +18,7 @@ DS_MAX_LIVE_PARAMETERS = 10**9
 DS_PREFETCH_BUCKET_SIZE = 5 * 10**7
 DS_PERSISTENCE_THRESHOLD = 10**5
 DS_REDUCE_BUCKET_SIZE = 5 * 10**8
+MASTERS = ("fp32", "bf16")
 
 
 class DeepSpeedOptionError(ValueError):
@@ -43,12 +44,32 @@ class DeepSpeedConfig:
     """``stage3_param_persistence_threshold``: tensors smaller than this stay on the GPU."""
     bucket: int = DS_REDUCE_BUCKET_SIZE
     """``reduce_bucket_size`` (and stage 2's ``allgather_bucket_size``), in elements."""
+    clip: float = 0.0
+    """``gradient_clipping`` (global norm). DeepSpeed clips at 1.0 unless told; the other peers
+    do not clip, so 0 (off) unless a run asks for it."""
+    masters: str = "fp32"
+    """Master weights and AdamW state: "fp32" (DeepSpeed's default with bf16) or "bf16"
+    (``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``: pure bf16, like vanilla's
+    AdamW on bf16 parameters)."""
+    zero_init: bool = True
+    """Stage 3: partition the built model with ``deepspeed.zero.Init(module=...)`` before
+    ``deepspeed.initialize`` (what ``from_pretrained`` does under ZeRO-3), so the whole model is
+    never on the GPU; False: ``deepspeed.initialize`` moves it to the GPU whole first."""
 
     def __post_init__(self) -> None:
         if self.stage not in (2, 3):
             raise DeepSpeedOptionError(
                 f"deepspeed option stage={self.stage!r} is not offered; use stage=2 (ZeRO-Offload)"
                 " or stage=3 (weights offloaded too)"
+            )
+        if self.masters not in MASTERS:
+            raise DeepSpeedOptionError(
+                f"deepspeed option masters={self.masters!r} is not offered; use masters=fp32 or"
+                " masters=bf16"
+            )
+        if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or self.clip < 0:
+            raise DeepSpeedOptionError(
+                f"deepspeed option clip={self.clip!r} must be a gradient norm >= 0 (0: no clipping)"
             )
         for name in ("live", "prefetch", "persist", "bucket"):
             value = getattr(self, name)
@@ -79,7 +100,8 @@ class DeepSpeedConfig:
         default = DeepSpeedConfig()
         out = {k: v for k, v in asdict(self).items() if v != getattr(default, k) or k == "stage"}
         if self.stage == 2:  # the stage-3 knobs do nothing at stage 2
-            out = {k: v for k, v in out.items() if k not in ("live", "prefetch", "persist")}
+            stage3 = ("live", "prefetch", "persist", "zero_init")
+            out = {k: v for k, v in out.items() if k not in stage3}
         return out
 
     def with_gc(self, workload_gc: bool) -> DeepSpeedConfig:
@@ -87,7 +109,9 @@ class DeepSpeedConfig:
         return self if self.gc is not None else replace(self, gc=workload_gc)
 
     def engine_config(self, bs: int, accum: int, lr: float, bf16: bool) -> dict[str, Any]:
-        """The ``deepspeed.initialize(config=...)`` dict: AdamW (weight decay 0) at ``lr``."""
+        """The ``deepspeed.initialize(config=...)`` dict: AdamW at ``lr`` with the other peers'
+        hyperparameters (DeepSpeedCPUAdam's betas 0.9/0.999, eps 1e-8 and bias correction are
+        torch's defaults; weight decay 0), gradient clipping only at ``clip``."""
         offload = {"device": "cpu", "pin_memory": self.pin}
         zero: dict[str, Any] = {
             "stage": self.stage,
@@ -103,10 +127,15 @@ class DeepSpeedConfig:
             zero["stage3_param_persistence_threshold"] = self.persist
         else:
             zero["allgather_bucket_size"] = self.bucket
+        precision: dict[str, Any] = {"enabled": bf16}
+        if bf16 and self.masters == "bf16":
+            precision["bf16_master_weights_and_grads"] = True
+            precision["bf16_optimizer_states"] = True
         return {
             "train_micro_batch_size_per_gpu": bs,
             "gradient_accumulation_steps": accum,
-            "bf16": {"enabled": bf16},
+            "bf16": precision,
+            "gradient_clipping": float(self.clip),
             "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
             "steps_per_print": 10**9,
@@ -114,10 +143,11 @@ class DeepSpeedConfig:
 
     def residency(self) -> tuple[int, ...]:
         """How much of the model the GPU holds, as a vector ordered componentwise: a stage-2
-        configuration holds every weight, so it is above every stage-3 one."""
+        configuration holds every weight, so it is above every stage-3 one (and a stage-3 one
+        without ``zero_init`` holds them all while it starts)."""
         if self.stage == 2:
-            return (1, self.bucket, 0, 0, 0)
-        return (0, self.bucket, self.live, self.prefetch, self.persist)
+            return (1, self.bucket, 0, 0, 0, 0)
+        return (0, self.bucket, self.live, self.prefetch, self.persist, int(not self.zero_init))
 
     def needs_at_least_the_memory_of(self, other: DeepSpeedConfig) -> bool:
         """Whether this configuration holds at least what ``other`` holds on the GPU (pinning

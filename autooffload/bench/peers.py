@@ -457,13 +457,25 @@ def _setup_deepspeed(ctx: PeerContext, config: DeepSpeedConfig) -> Trainee:
         import deepspeed
     except Exception as exc:
         raise PeerUnavailable(f"deepspeed not importable: {exc!r}") from exc
+    # Under torchrun the worker's process group exists already and init_distributed keeps it.
     _single_process_env()
     deepspeed.init_distributed(dist_backend="nccl")
     model = build_model(replace(ctx.workload, gc=bool(config.gc)), seed=ctx.seed)
     workload = ctx.workload
-    engine_config = config.engine_config(
-        workload.bs, workload.accum, workload.lr, bf16=workload.dtype == "bfloat16"
-    )
+    bf16 = workload.dtype == "bfloat16"
+    engine_config = config.engine_config(workload.bs, workload.accum, workload.lr, bf16=bf16)
+    if config.stage == 3 and config.zero_init:
+        if bf16:  # what deepspeed.initialize casts (LoRA's fp32 adapters) when it partitions
+            for param in model.parameters():
+                if param.is_floating_point() and param.dtype != torch.bfloat16:
+                    param.data = param.data.to(torch.bfloat16)
+        # Partitioned one parameter at a time, as under from_pretrained with ZeRO-3.
+        deepspeed.zero.Init(module=model, config_dict_or_path=engine_config)
+        # deepspeed.initialize leaves a partitioned model where it is: the buffers (rotary
+        # inv_freq) go to the GPU here, as they would be made there inside zero.Init.
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buffer.to(ctx.device))
     params = [p for p in model.parameters() if p.requires_grad]
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=engine_config

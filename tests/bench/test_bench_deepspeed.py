@@ -16,6 +16,7 @@ from autooffload.bench.deepspeed_configs import (
     SWEEP,
     DeepSpeedConfig,
     DeepSpeedOptionError,
+    label,
     skip_reason,
 )
 from autooffload.bench.runner import PeerSpec, parse_peers, plan_runs
@@ -34,6 +35,8 @@ def test_stage_2_offloads_the_optimizer_only_and_stage_3_the_weights_too() -> No
     assert z2["gradient_accumulation_steps"] == 2 and z2["train_micro_batch_size_per_gpu"] == 4
     assert z2["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
     assert z2["bf16"] == {"enabled": True}
+    # DeepSpeed clips the global gradient norm at 1.0 unless told; no other peer clips.
+    assert z2["gradient_clipping"] == 0.0
 
     z3 = Z3_SMALL_GC.engine_config(bs=4, accum=1, lr=1e-4, bf16=False)["zero_optimization"]
     assert z3["stage"] == 3
@@ -48,10 +51,14 @@ def test_options_are_checked_and_command_line_floats_become_counts() -> None:
     config = DeepSpeedConfig.from_options({"stage": 3, "live": 1e9, "gc": False})
     assert config.live == 10**9 and isinstance(config.live, int)
     assert DeepSpeedConfig.from_options(config.options()) == config
-    with pytest.raises(DeepSpeedOptionError, match="valid: bucket, gc, live"):
+    with pytest.raises(DeepSpeedOptionError, match="valid: bucket, clip, gc, live, masters"):
         DeepSpeedConfig.from_options({"stage3_max_live_parameters": 1})
     with pytest.raises(DeepSpeedOptionError, match="stage=1"):
         DeepSpeedConfig(stage=1)
+    with pytest.raises(DeepSpeedOptionError, match="masters=fp32 or masters=bf16"):
+        DeepSpeedConfig(masters="fp16")
+    with pytest.raises(DeepSpeedOptionError, match="clip=-1"):
+        DeepSpeedConfig(clip=-1)
     with pytest.raises(ValueError, match="unknown deepspeed option"):
         parse_peers("deepspeed[offload=nvme]")
 
@@ -186,3 +193,25 @@ def test_where_no_configuration_fits_the_row_says_so_with_the_memory_it_needs() 
     table = report.format_table(rows)
     assert "| w | 8GiB | deepspeed | OOM |" in table
     assert "- autooffload: runs; no configuration fits 8GiB; needs 11.5 GiB" in table
+
+
+def test_clipping_and_bf16_masters_are_options_for_the_loss_comparison() -> None:
+    config = DeepSpeedConfig.from_options({"stage": 2, "clip": 1.0, "masters": "bf16"})
+    engine = config.engine_config(bs=4, accum=1, lr=1e-3, bf16=True)
+    assert engine["gradient_clipping"] == 1.0
+    assert engine["bf16"] == {
+        "enabled": True,
+        "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True,
+    }
+    assert label(config) == "stage=2,clip=1.0,masters=bf16"
+    # zero_init is a stage-3 knob: not in a stage-2 label.
+    assert label(DeepSpeedConfig(stage=2, zero_init=False)) == "stage=2"
+    assert label(DeepSpeedConfig(zero_init=False)) == "stage=3,zero_init=False"
+
+
+def test_stage_3_without_zero_init_needs_the_whole_model_on_the_gpu_first() -> None:
+    with_init = DeepSpeedConfig(gc=True)
+    without = DeepSpeedConfig(gc=True, zero_init=False)
+    assert without.needs_at_least_the_memory_of(with_init)
+    assert not with_init.needs_at_least_the_memory_of(without)
