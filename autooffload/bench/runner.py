@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from autooffload.atomic import write_text_atomic
-from autooffload.bench.deepspeed_configs import DEVICE_OOM, FAILED, FITS, HOST_OOM
+from autooffload.bench.deepspeed_configs import DEVICE_OOM, FAILED, FITS, HOST_OOM, HostNeed
 from autooffload.bench.peers import get_peer
 from autooffload.bench.workloads import UnknownNameError, Workload, get_workload, workload_to_dict
+from autooffload.runtime.chunks.host import host_memory
 
 GiB = 1 << 30
+HOST_MEMORY_PREFIX = "host memory:"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOG_TAIL_LINES = 15
 
@@ -193,23 +195,28 @@ def plan_runs(
                             continue
                         runs += [
                             RunSpec(workload, spec, cap, rep, nproc, sweep)
-                            for spec, sweep in _configurations(peer)
+                            for spec, sweep in _configurations(peer, workload, cap)
                         ]
     return runs
 
 
-def _configurations(peer: PeerSpec) -> list[tuple[PeerSpec, str | None]]:
+def _configurations(
+    peer: PeerSpec, workload: Workload, cap: int | None
+) -> list[tuple[PeerSpec, str | None]]:
     """The peer itself, or each configuration of its sweep when it has one and no options."""
     sweep = get_peer(peer.name).sweep
     if sweep is None or peer.options:
         return [(peer, None)]
-    return [(PeerSpec(peer.name, dict(options)), peer.name) for options in sweep.candidates]
+    candidates = sweep.candidates(workload, cap)
+    return [(PeerSpec(peer.name, dict(options)), peer.name) for options in candidates]
 
 
 @dataclass
 class CommonSettings:
-    """What every run shares: device, steps, seed, timeout, where worker logs go, and the
-    ``time.monotonic()`` after which no run starts (``deadline``; None: no limit)."""
+    """What every run shares: device, steps, seed, timeout, where worker logs go, the
+    ``time.monotonic()`` after which no run starts (``deadline``; None: no limit), and the host
+    memory a run's estimated need is checked against (``host_memory_bytes``; None: what the
+    host has available before each run; ``check_host_memory=False``: no check)."""
 
     device: str
     steps: int
@@ -219,6 +226,8 @@ class CommonSettings:
     log_dir: Path | None = None
     verbose: bool = False
     deadline: float | None = None
+    host_memory_bytes: int | None = None
+    check_host_memory: bool = True
 
 
 def _free_port() -> int:
@@ -255,12 +264,56 @@ def _record(run: RunSpec, common: CommonSettings, index: int) -> dict[str, Any]:
     }
 
 
+def host_available_bytes(common: CommonSettings) -> int | None:
+    """The host memory a run may take now (None: unknown, or the check is off)."""
+    if not common.check_host_memory:
+        return None
+    if common.host_memory_bytes is not None:
+        return common.host_memory_bytes
+    memory = host_memory()
+    return memory.available_bytes if memory is not None else None
+
+
+def _gib_text(nbytes: float) -> str:
+    gib = nbytes / GiB
+    return f"{gib:.0f}" if gib >= 10 else f"{gib:.1f}"
+
+
+def host_memory_reason(need: HostNeed, available: int) -> str:
+    """``host memory: needs ~X GiB, the host has Y GiB available`` (the ranks when several)."""
+    ranks = f" ({need.ranks} ranks x {_gib_text(need.per_rank)})" if need.ranks > 1 else ""
+    return (
+        f"{HOST_MEMORY_PREFIX} needs ~{_gib_text(need.total)} GiB{ranks}, the host has"
+        f" {_gib_text(available)} GiB available"
+    )
+
+
+def host_check(run: RunSpec, common: CommonSettings) -> tuple[dict[str, Any], str | None]:
+    """What the run's host memory estimate records, and why it must not start (None: it may)."""
+    need = get_peer(run.peer.name).host_need(run.workload, run.peer.options, run.nproc)
+    if need is None:
+        return {}, None
+    fields: dict[str, Any] = {
+        "host_need_gib": need.total / GiB,
+        "host_need_parts_gib": {k: v / GiB for k, v in need.parts.items()},
+    }
+    available = host_available_bytes(common)
+    if available is None:
+        return fields, None
+    fields["host_available_gib"] = available / GiB
+    return fields, host_memory_reason(need, available) if need.total > available else None
+
+
 def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> dict[str, Any]:
     """Run ``run`` in a fresh ``python -m autooffload.bench._worker`` process; its result dict."""
     record = _record(run, common, index)
     reason = get_peer(run.peer.name).unavailable(run.workload, common.device)
     if reason:
         return {**record, "status": "skipped", "reason": reason}
+    host_fields, reason = host_check(run, common)
+    record.update(host_fields)
+    if reason:
+        return {**record, "status": "skipped", "reason": reason, "message": reason}
     spec_path = workdir / f"run{index:03d}.spec.json"
     result_path = workdir / f"run{index:03d}.result.json"
     log_dir = common.log_dir or workdir
