@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="start no run after this many seconds (the rest are recorded as skipped)",
     )
     parser.add_argument(
+        "--end-by",
+        type=float,
+        metavar="SECONDS",
+        help="kill a run still going this many seconds after the start (status timeout)",
+    )
+    parser.add_argument(
         "--host-memory",
         metavar="SIZE",
         help="host memory a run's estimated need (DeepSpeed peers) is checked against: a size,"
@@ -193,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.deadline is not None:
         common.deadline = started + args.deadline
+    if args.end_by is not None:
+        common.end = started + args.end_by
     if args.host_memory is not None:
         try:
             common.host_memory_bytes = parse_size(args.host_memory)

@@ -39,6 +39,7 @@ SUMMARY_NUMBERS = (
     "peak_timed_allocated_gib",
     "peak_timed_reserved_gib",
     "host_rss_peak_gib",
+    "host_rss_total_gib",
     "loss_first",
     "loss_final",
 )
@@ -438,8 +439,8 @@ def _pair(predicted: float | None, measured: float | None) -> str:
 
 
 def _host_rss(row: dict[str, Any]) -> str:
-    """The worker's peak RSS, and the host memory estimated before the run."""
-    measured = row.get("host_rss_peak_gib")
+    """The host's peak RSS (every rank's summed), and the estimate made before the run."""
+    measured = row.get("host_rss_total_gib") or row.get("host_rss_peak_gib")
     estimate = row.get("host_need_gib")
     return _fmt(measured, ".1f") + (f" (est {estimate:.1f})" if estimate is not None else "")
 

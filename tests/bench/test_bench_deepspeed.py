@@ -344,4 +344,5 @@ def test_a_configuration_that_fits_the_host_runs_with_its_estimate_beside_its_rs
     payload = _host_sweep(tmp_path, "--host-memory", "64GiB")
     ran = [r for r in payload["runs"] if r["sweep"] and r["status"] == "ok"]
     assert ran and all(r["host_need_gib"] > 1 for r in ran)
+    assert ran[0]["host_rss_total_gib"] == ran[0]["host_rss_peak_gib"]
     assert " (est " in capsys.readouterr().out
