@@ -17,9 +17,11 @@ from autooffload.bench.peers import PEERS, public_peers
 from autooffload.bench.runner import (
     CommonSettings,
     cap_label,
+    host_check,
     parse_caps,
     parse_options,
     parse_peers,
+    parse_size,
     plan_runs,
     resolve_workloads,
     run_all,
@@ -102,6 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="start no run after this many seconds (the rest are recorded as skipped)",
     )
+    parser.add_argument(
+        "--end-by",
+        type=float,
+        metavar="SECONDS",
+        help="kill a run still going this many seconds after the start (status timeout)",
+    )
+    parser.add_argument(
+        "--host-memory",
+        metavar="SIZE",
+        help="host memory a run's estimated need (DeepSpeed peers) is checked against: a size,"
+        " or none (no check); default: what the host has available before each run",
+    )
     parser.add_argument("--log-dir", type=Path, help="keep each worker's output here")
     parser.add_argument("--verbose", action="store_true", help="stream worker output")
     parser.add_argument(
@@ -180,6 +194,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = args.device or _default_device()
     runs = plan_runs(workloads, caps, peers, args.repeat, vanilla_caps, args.nproc)
+    common = CommonSettings(
+        device, args.steps, args.warmup, args.seed, args.timeout, args.log_dir, args.verbose
+    )
+    if args.deadline is not None:
+        common.deadline = started + args.deadline
+    if args.end_by is not None:
+        common.end = started + args.end_by
+    if args.host_memory is not None:
+        try:
+            common.host_memory_bytes = parse_size(args.host_memory)
+        except ValueError as exc:
+            print(f"error: --host-memory: {exc}", file=sys.stderr)
+            return 2
+        common.check_host_memory = common.host_memory_bytes is not None
     date = dt.datetime.now()
     out = (
         args.out or RESULTS_DIR / f"{'+'.join(w.name for w in workloads)}-{date:%Y%m%d-%H%M%S}.json"
@@ -192,7 +220,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {workload.describe()}")
         for index, run in enumerate(runs):
             reason = PEERS[run.peer.name].unavailable(run.workload, device)
-            print(f"  [{index}] {run.describe()}" + (f"  (skipped: {reason})" if reason else ""))
+            host, too_large = host_check(run, common)
+            reason = reason or too_large
+            note = f"  (skipped: {reason})" if reason else ""
+            if host and not reason:
+                note = f"  (host memory ~{host['host_need_gib']:.1f} GiB)"
+            print(f"  [{index}] {run.describe()}{note}")
         print(f"would write {out}")
         return 0
     meta: dict[str, Any] = {
@@ -212,11 +245,6 @@ def main(argv: list[str] | None = None) -> int:
         },
         "workloads": {w.name: report.workload_meta(w) for w in workloads},
     }
-    common = CommonSettings(
-        device, args.steps, args.warmup, args.seed, args.timeout, args.log_dir, args.verbose
-    )
-    if args.deadline is not None:
-        common.deadline = started + args.deadline
 
     def save(results: list[dict[str, Any]]) -> None:
         report.write_json(out, report.build_payload(results, meta))

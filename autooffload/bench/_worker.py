@@ -256,7 +256,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     result = run(spec)
-    if int(os.environ.get("RANK", "0")) != 0:
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        # The host holds every rank: the runner adds this rank's peak to rank 0's.
+        rss = {"host_rss_peak_gib": result.get("host_rss_peak_gib")}
+        write_text_atomic(Path(f"{spec['result_path']}.rank{rank}"), json.dumps(rss))
         return 0
     path = Path(spec["result_path"])
     write_text_atomic(path, json.dumps(result, default=str))

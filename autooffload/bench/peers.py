@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autooffload.bench.deepspeed_configs import SWEEP, DeepSpeedConfig
+from autooffload.bench.deepspeed_configs import SWEEP, DeepSpeedConfig, HostNeed, host_need
 from autooffload.bench.deepspeed_configs import label as deepspeed_label
 from autooffload.bench.deepspeed_configs import skip_reason as deepspeed_skip_reason
+from autooffload.bench.deepspeed_configs import sweep_order as deepspeed_sweep_order
 from autooffload.bench.frontier import candidates_of
 from autooffload.bench.models import base_model, build_model, decoder_blocks
 from autooffload.bench.workloads import UnknownNameError, Workload
@@ -457,13 +458,25 @@ def _setup_deepspeed(ctx: PeerContext, config: DeepSpeedConfig) -> Trainee:
         import deepspeed
     except Exception as exc:
         raise PeerUnavailable(f"deepspeed not importable: {exc!r}") from exc
+    # Under torchrun the worker's process group exists already and init_distributed keeps it.
     _single_process_env()
     deepspeed.init_distributed(dist_backend="nccl")
     model = build_model(replace(ctx.workload, gc=bool(config.gc)), seed=ctx.seed)
     workload = ctx.workload
-    engine_config = config.engine_config(
-        workload.bs, workload.accum, workload.lr, bf16=workload.dtype == "bfloat16"
-    )
+    bf16 = workload.dtype == "bfloat16"
+    engine_config = config.engine_config(workload.bs, workload.accum, workload.lr, bf16=bf16)
+    if config.stage == 3 and config.zero_init:
+        if bf16:  # what deepspeed.initialize casts (LoRA's fp32 adapters) when it partitions
+            for param in model.parameters():
+                if param.is_floating_point() and param.dtype != torch.bfloat16:
+                    param.data = param.data.to(torch.bfloat16)
+        # Partitioned one parameter at a time, as under from_pretrained with ZeRO-3.
+        deepspeed.zero.Init(module=model, config_dict_or_path=engine_config)
+        # deepspeed.initialize leaves a partitioned model where it is: the buffers (rotary
+        # inv_freq) go to the GPU here, as they would be made there inside zero.Init.
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buffer.to(ctx.device))
     params = [p for p in model.parameters() if p.requires_grad]
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=engine_config
@@ -475,14 +488,24 @@ def _check_deepspeed_options(options: dict[str, Any]) -> None:
     DeepSpeedConfig.from_options(options)
 
 
+def _deepspeed_host_need(base: dict[str, Any]) -> Callable[[Workload, dict[str, Any], int], Any]:
+    """The host memory of the DeepSpeed peer whose options default to ``base``."""
+
+    def need(workload: Workload, options: dict[str, Any], ranks: int) -> HostNeed | None:
+        config = DeepSpeedConfig.from_options({**base, **options}).with_gc(workload.gc)
+        return host_need(config, workload, ranks)
+
+    return need
+
+
 @dataclass(frozen=True)
 class PeerSweep:
-    """The configurations (option dicts) a peer tries for each workload and cap, fastest first,
-    and ``skip_reason(workload, options, done)``: why one is pointless given the outcomes
-    (``deepspeed_configs.FITS``, ``DEVICE_OOM``, ``HOST_OOM``, ``FAILED``) of those already
-    run, or None."""
+    """``candidates(workload, cap)``: the configurations (option dicts) a peer tries for a
+    workload and cap, the one likely to fit and fastest first; ``skip_reason(workload, options,
+    done)``: why one is pointless given the outcomes (``deepspeed_configs.FITS``,
+    ``DEVICE_OOM``, ``HOST_OOM``, ``FAILED``) of those already run, or None."""
 
-    candidates: tuple[dict[str, Any], ...]
+    candidates: Callable[[Workload, int | None], tuple[dict[str, Any], ...]]
     skip_reason: Callable[[Workload, dict[str, Any], list[tuple[dict[str, Any], str]]], str | None]
 
 
@@ -495,7 +518,11 @@ def _deepspeed_skip_reason(
     return deepspeed_skip_reason(resolve(options), [(resolve(o), out) for o, out in done])
 
 
-DEEPSPEED_SWEEP = PeerSweep(tuple(c.options() for c in SWEEP), _deepspeed_skip_reason)
+def _deepspeed_candidates(workload: Workload, cap: int | None) -> tuple[dict[str, Any], ...]:
+    return tuple(c.options() for c in deepspeed_sweep_order(SWEEP, workload, cap))
+
+
+DEEPSPEED_SWEEP = PeerSweep(_deepspeed_candidates, _deepspeed_skip_reason)
 
 
 # --- test-only peers ---------------------------------------------------------------------------
@@ -536,7 +563,9 @@ class PeerDef:
 
     ``takes_options``: it takes ``name[k=v,...]``; ``check_options`` rejects bad ones before any
     run; ``autooffload_settings``: it also gets ``--autooffload-opt``; ``sweep``: without options
-    it runs as several configurations, and the report keeps the best that fits."""
+    it runs as several configurations, and the report keeps the best that fits; ``host_need(
+    workload, options, ranks)``: the host memory a run takes with ``ranks`` ranks on the host
+    (a ``deepspeed_configs.HostNeed``), or None where it is not estimated."""
 
     setup: Callable[[PeerContext], Trainee]
     description: str
@@ -546,6 +575,9 @@ class PeerDef:
     check_options: Callable[[dict[str, Any]], None] = lambda options: None
     autooffload_settings: bool = False
     sweep: PeerSweep | None = None
+    host_need: Callable[[Workload, dict[str, Any], int], HostNeed | None] = (
+        lambda workload, options, ranks: None
+    )
 
 
 PEERS: dict[str, PeerDef] = {
@@ -571,6 +603,7 @@ PEERS: dict[str, PeerDef] = {
         takes_options=True,
         check_options=_check_deepspeed_options,
         sweep=DEEPSPEED_SWEEP,
+        host_need=_deepspeed_host_need({}),
     ),
     "deepspeed_zero2": PeerDef(
         _deepspeed_peer({"stage": 2}),
@@ -578,6 +611,7 @@ PEERS: dict[str, PeerDef] = {
         unavailable=_deepspeed_unavailable,
         takes_options=True,
         check_options=_check_deepspeed_options,
+        host_need=_deepspeed_host_need({"stage": 2}),
     ),
     "deepspeed_offload": PeerDef(
         _deepspeed_peer({"stage": 3}),
@@ -585,6 +619,7 @@ PEERS: dict[str, PeerDef] = {
         unavailable=_deepspeed_unavailable,
         takes_options=True,
         check_options=_check_deepspeed_options,
+        host_need=_deepspeed_host_need({"stage": 3}),
     ),
     "autooffload": PeerDef(
         _setup_autooffload,
@@ -619,6 +654,7 @@ PEERS: dict[str, PeerDef] = {
         takes_options=True,
         check_options=_check_deepspeed_options,
         sweep=DEEPSPEED_SWEEP,
+        host_need=_deepspeed_host_need({}),
     ),
 }
 

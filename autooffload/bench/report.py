@@ -10,7 +10,7 @@ from typing import Any
 
 from autooffload.atomic import atomic_write, write_text_atomic
 from autooffload.bench.frontier import is_planned, plot_frontier
-from autooffload.bench.runner import failure_message
+from autooffload.bench.runner import HOST_MEMORY_PREFIX, failure_message
 from autooffload.plan.profile_types import need_from_peaks
 
 GiB = 1 << 30
@@ -39,6 +39,7 @@ SUMMARY_NUMBERS = (
     "peak_timed_allocated_gib",
     "peak_timed_reserved_gib",
     "host_rss_peak_gib",
+    "host_rss_total_gib",
     "loss_first",
     "loss_final",
 )
@@ -160,6 +161,8 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for k, _ in PREDICTED_TERMS
         }
         row["timed_alloc_retries"] = _median([_timed_retries(r) for r in ok])
+        # Estimated before the run, whatever its outcome.
+        row["host_need_gib"] = _median([r.get("host_need_gib") for r in runs])
         row["nproc"] = max([r.get("nproc") or 1 for r in runs])
         row["sweep"] = runs[0].get("sweep")
         rows.append(row)
@@ -201,8 +204,10 @@ def _config_of(row: dict[str, Any]) -> str:
 
 def _sweep_best(group: list[dict[str, Any]], every: list[dict[str, Any]]) -> dict[str, Any]:
     """The sweep's row: the fastest ok configuration's numbers, its configuration, the ones
-    that ran out of memory and, when none fits, the least GPU memory a configuration needed
-    at another cap of the same run (``need_gib``, ``need_cap``; None when none was measured)."""
+    that ran out of memory or were not run for host memory and, when none fits, the least GPU
+    memory a configuration needed at another cap of the same run (``need_gib``, ``need_cap``;
+    None when none was measured), or, when the host could hold none, the least host memory
+    one needs (the row is ``skipped`` with that reason)."""
     first = group[0]
     sweep, nproc = first["sweep"], first.get("nproc") or 1
     ok = [r for r in group if r["status"] == "ok" and r.get("tokens_per_s")]
@@ -225,7 +230,15 @@ def _sweep_best(group: list[dict[str, Any]], every: list[dict[str, Any]]) -> dic
     row["configs_oom"] = [_config_of(r) for r in group if "OOM" in r["status"]]
     row["configs_run"] = sum(r["status"] != "skipped" for r in group)
     row["need_gib"] = row["need_cap"] = None
-    if best is None:
+    host = [r for r in group if (r.get("message") or "").startswith(HOST_MEMORY_PREFIX)]
+    row["configs_host_memory"] = [_config_of(r) for r in host]
+    if best is None and host and not row["configs_run"]:
+        # The host cannot hold any: the least demanding one says by how much.
+        least = min(host, key=lambda r: r.get("host_need_gib") or 0.0)
+        row["status"], row["message"] = "skipped", least["message"]
+        row["host_need_gib"] = least.get("host_need_gib")
+        row["loss_check"] = "n/a"
+    elif best is None:
         statuses = {r["status"] for r in group}
         row["status"] = "OOM" if row["configs_oom"] else "/".join(sorted(statuses))
         same = (first["workload"], nproc, sweep)
@@ -245,7 +258,8 @@ def _sweep_best(group: list[dict[str, Any]], every: list[dict[str, Any]]) -> dic
             if elsewhere
             else "; the memory it needs was not measured"
         )
-        row["message"] = f"no configuration fits {first['cap']}{need}"
+        skipped = f"; {len(host)} not run for host memory" if host else ""
+        row["message"] = f"no configuration fits {first['cap']}{need}{skipped}"
         row["loss_check"] = "n/a"
     return row
 
@@ -424,6 +438,13 @@ def _pair(predicted: float | None, measured: float | None) -> str:
     return "-" if predicted is None else f"{predicted:.2f} / {_fmt(measured)}"
 
 
+def _host_rss(row: dict[str, Any]) -> str:
+    """The host's peak RSS (every rank's summed), and the estimate made before the run."""
+    measured = row.get("host_rss_total_gib") or row.get("host_rss_peak_gib")
+    estimate = row.get("host_need_gib")
+    return _fmt(measured, ".1f") + (f" (est {estimate:.1f})" if estimate is not None else "")
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table (pastes into BENCHMARKS.md) plus notes with the reason of each failure."""
     lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
@@ -438,7 +459,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 f"- {row['workload']} / {row['cap']} / {row['peer_label']}: {status}: {first}"
             )
             if status == "skipped":
-                status = f"skipped: {first[:60]}"
+                status = f"skipped: {first[:80]}"
         bd = row["breakdown"]
         breakdown = (
             "/".join(_fmt(bd[k], ".0f", 1e3) for k in ("h2d_s", "d2h_s", "cpu_optim_s", "stall_s"))
@@ -466,7 +487,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             _fmt(row["alloc_err_pct"], "+.1f"),
             _pair(row["predicted_peak_gib"], row["measured_peak_gib"]),
             _fmt(row["peak_err_pct"], "+.1f"),
-            _fmt(row["host_rss_peak_gib"], ".1f"),
+            _host_rss(row),
             _fmt(row["loss_final"], ".4f"),
             loss_vs,
             breakdown,

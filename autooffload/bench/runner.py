@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from autooffload.atomic import write_text_atomic
-from autooffload.bench.deepspeed_configs import DEVICE_OOM, FAILED, FITS, HOST_OOM
+from autooffload.bench.deepspeed_configs import DEVICE_OOM, FAILED, FITS, HOST_OOM, HostNeed
 from autooffload.bench.peers import get_peer
 from autooffload.bench.workloads import UnknownNameError, Workload, get_workload, workload_to_dict
+from autooffload.runtime.chunks.host import host_memory
 
 GiB = 1 << 30
+HOST_MEMORY_PREFIX = "host memory:"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOG_TAIL_LINES = 15
 
@@ -193,23 +195,29 @@ def plan_runs(
                             continue
                         runs += [
                             RunSpec(workload, spec, cap, rep, nproc, sweep)
-                            for spec, sweep in _configurations(peer)
+                            for spec, sweep in _configurations(peer, workload, cap)
                         ]
     return runs
 
 
-def _configurations(peer: PeerSpec) -> list[tuple[PeerSpec, str | None]]:
+def _configurations(
+    peer: PeerSpec, workload: Workload, cap: int | None
+) -> list[tuple[PeerSpec, str | None]]:
     """The peer itself, or each configuration of its sweep when it has one and no options."""
     sweep = get_peer(peer.name).sweep
     if sweep is None or peer.options:
         return [(peer, None)]
-    return [(PeerSpec(peer.name, dict(options)), peer.name) for options in sweep.candidates]
+    candidates = sweep.candidates(workload, cap)
+    return [(PeerSpec(peer.name, dict(options)), peer.name) for options in candidates]
 
 
 @dataclass
 class CommonSettings:
-    """What every run shares: device, steps, seed, timeout, where worker logs go, and the
-    ``time.monotonic()`` after which no run starts (``deadline``; None: no limit)."""
+    """What every run shares: device, steps, seed, timeout, where worker logs go, the
+    ``time.monotonic()`` after which no run starts (``deadline``) and the one at which a run
+    still going is killed (``end``; None: no limit), and the host memory a run's estimated need
+    is checked against (``host_memory_bytes``; None: what the host has available before each
+    run; ``check_host_memory=False``: no check)."""
 
     device: str
     steps: int
@@ -219,6 +227,9 @@ class CommonSettings:
     log_dir: Path | None = None
     verbose: bool = False
     deadline: float | None = None
+    end: float | None = None
+    host_memory_bytes: int | None = None
+    check_host_memory: bool = True
 
 
 def _free_port() -> int:
@@ -255,12 +266,67 @@ def _record(run: RunSpec, common: CommonSettings, index: int) -> dict[str, Any]:
     }
 
 
+def host_available_bytes(common: CommonSettings) -> int | None:
+    """The host memory a run may take now (None: unknown, or the check is off)."""
+    if not common.check_host_memory:
+        return None
+    if common.host_memory_bytes is not None:
+        return common.host_memory_bytes
+    memory = host_memory()
+    return memory.available_bytes if memory is not None else None
+
+
+def _gib_text(nbytes: float) -> str:
+    gib = nbytes / GiB
+    return f"{gib:.0f}" if gib >= 10 else f"{gib:.1f}"
+
+
+def host_memory_reason(need: HostNeed, available: int) -> str:
+    """``host memory: needs ~X GiB, the host has Y GiB available`` (the ranks when several)."""
+    ranks = f" ({need.ranks} ranks x {_gib_text(need.per_rank)})" if need.ranks > 1 else ""
+    return (
+        f"{HOST_MEMORY_PREFIX} needs ~{_gib_text(need.total)} GiB{ranks}, the host has"
+        f" {_gib_text(available)} GiB available"
+    )
+
+
+def host_check(run: RunSpec, common: CommonSettings) -> tuple[dict[str, Any], str | None]:
+    """What the run's host memory estimate records, and why it must not start (None: it may)."""
+    need = get_peer(run.peer.name).host_need(run.workload, run.peer.options, run.nproc)
+    if need is None:
+        return {}, None
+    fields: dict[str, Any] = {
+        "host_need_gib": need.total / GiB,
+        "host_need_parts_gib": {k: v / GiB for k, v in need.parts.items()},
+    }
+    available = host_available_bytes(common)
+    if available is None:
+        return fields, None
+    fields["host_available_gib"] = available / GiB
+    return fields, host_memory_reason(need, available) if need.total > available else None
+
+
+def _rank_rss(result_path: Path, rank0_gib: Any) -> list[float]:
+    """Every rank's host RSS peak in GiB, rank 0's first (the other ranks write theirs beside
+    the result: ``_worker.main``)."""
+    ranks = [rank0_gib] if isinstance(rank0_gib, (int, float)) else []
+    for path in sorted(result_path.parent.glob(f"{result_path.name}.rank*")):
+        value = json.loads(path.read_text()).get("host_rss_peak_gib")
+        if isinstance(value, (int, float)):
+            ranks.append(value)
+    return ranks
+
+
 def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> dict[str, Any]:
     """Run ``run`` in a fresh ``python -m autooffload.bench._worker`` process; its result dict."""
     record = _record(run, common, index)
     reason = get_peer(run.peer.name).unavailable(run.workload, common.device)
     if reason:
         return {**record, "status": "skipped", "reason": reason}
+    host_fields, reason = host_check(run, common)
+    record.update(host_fields)
+    if reason:
+        return {**record, "status": "skipped", "reason": reason, "message": reason}
     spec_path = workdir / f"run{index:03d}.spec.json"
     result_path = workdir / f"run{index:03d}.result.json"
     log_dir = common.log_dir or workdir
@@ -283,46 +349,70 @@ def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> 
         "result_path": str(result_path),
     }
     write_text_atomic(spec_path, json.dumps(spec))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Every peer's worker waits passively in OpenMP, as a script run with python -m autooffload
-    # does (autooffload/openmp.py): the CPU-optimizer peers (FSDP2-offload too) all gain.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env = worker_env(run.nproc)
     cmd = [sys.executable, "-m", "autooffload.bench._worker", str(spec_path)]
     if run.nproc > 1:
         # One process per GPU under torchrun; rank 0 writes the result.
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={run.nproc}"]
         launcher.append(f"--master-port={_free_port()}")
         cmd = [*launcher, "-m", "autooffload.bench._worker", str(spec_path)]
+    timeout_s = common.timeout_s
+    if common.end is not None:
+        timeout_s = max(0.0, min(timeout_s, common.end - time.monotonic()))
     with open(log_path, "w") as log:
         out = None if common.verbose else log
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
-            code = proc.wait(timeout=common.timeout_s)
+            code = proc.wait(timeout=timeout_s)
         except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            return {
-                **record,
-                "status": "timeout",
-                "reason": f"killed after {common.timeout_s:.0f} s",
-            }
+            return {**record, "status": "timeout", "reason": f"killed after {timeout_s:.0f} s"}
     record["log"] = str(log_path) if common.log_dir else None
     if result_path.exists():
-        return {**record, **json.loads(result_path.read_text())}
+        result = {**record, **json.loads(result_path.read_text())}
+        ranks = _rank_rss(result_path, result.get("host_rss_peak_gib"))
+        if ranks:
+            result["host_rss_ranks_gib"] = ranks
+            result["host_rss_total_gib"] = sum(ranks)
+        return result
     tail = _tail(log_path)
+    reason = exit_reason(code, tail, run.nproc)
+    record["message"] = reason
+    return {**record, "status": "error", "reason": reason + ("\n" + tail if tail else "")}
+
+
+def worker_env(nproc: int) -> dict[str, str]:
+    """The environment of a worker process (of each rank's, for ``nproc`` > 1)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Every peer's worker waits passively in OpenMP, as a script run with python -m autooffload
+    # does (autooffload/openmp.py): the CPU-optimizer peers (FSDP2-offload too) all gain.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if nproc > 1:
+        # torchrun would set OMP_NUM_THREADS=1, leaving each rank's CPU optimizer
+        # (DeepSpeedCPUAdam, FSDP2's AdamW) one core: each rank gets its share instead.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (cores or 1) // nproc)))
+    return env
+
+
+def exit_reason(code: int, log_tail: str, nproc: int) -> str:
+    """Why a worker that wrote no result ended, from its exit code and the end of its log."""
     reason = f"worker exited with code {code} and wrote no result"
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
         hint = "; host out of memory?" if -code == signal.SIGKILL else ""
         reason += f" (killed by {name}{hint})"
-    record["message"] = reason
-    return {**record, "status": "error", "reason": reason + ("\n" + tail if tail else "")}
+    elif nproc > 1 and "SIGKILL" in log_tail:
+        # torchrun exits 1 when a rank dies; its summary names the signal.
+        reason += " (a rank was killed by SIGKILL; host out of memory?)"
+    return reason
 
 
 def run_all(

@@ -90,6 +90,16 @@ LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 
 
 @dataclass(frozen=True)
+class ParamTensor:
+    """One parameter of a workload's model, as the bench builds it."""
+
+    numel: int
+    trainable: bool
+    element_size: int
+    """Bytes per element as built: the workload's dtype, 4 for LoRA adapters (fp32)."""
+
+
+@dataclass(frozen=True)
 class Workload:
     """One benchmark workload: a model shape, a training mode and a batch shape.
 
@@ -137,6 +147,41 @@ class Workload:
             e = v["embed_dim"]
             vision = v["depth"] * (4 * e * e + 2 * e * e * v["mlp_ratio"]) + 4 * e * e * 4
         return n * per_layer + embed + vision
+
+    def parameter_tensors(self) -> list[ParamTensor] | None:
+        """Every parameter of the model the bench builds, in ``model.parameters()`` order,
+        computed from the dims (nothing is built); None for other architectures and QLoRA."""
+        if self.arch != "llama" or self.mode == "qlora":
+            return None
+        d = self.text_dims
+        h, i, vocab = d["hidden_size"], d["intermediate_size"], d["vocab_size"]
+        kv = d["num_key_value_heads"] * (h // d["num_attention_heads"])
+        base = 2 if self.dtype in ("bfloat16", "float16") else 4
+        lora = self.mode == "lora"
+        full = self.mode == "full"
+        # (name, in_features, out_features) of the block's linears, in module order.
+        linears = (
+            ("q_proj", h, h),
+            ("k_proj", h, kv),
+            ("v_proj", h, kv),
+            ("o_proj", h, h),
+            ("gate_proj", h, i),
+            ("up_proj", h, i),
+            ("down_proj", i, h),
+        )
+        tensors = [ParamTensor(vocab * h, full, base)]
+        for _ in range(d["num_hidden_layers"]):
+            for name, fan_in, fan_out in linears:
+                tensors.append(ParamTensor(fan_in * fan_out, full, base))
+                if lora and name in self.lora_targets:
+                    # PEFT's lora_A (r x in) and lora_B (out x r), kept in fp32.
+                    tensors.append(ParamTensor(self.lora_r * fan_in, True, 4))
+                    tensors.append(ParamTensor(fan_out * self.lora_r, True, 4))
+            tensors += [ParamTensor(h, full, base), ParamTensor(h, full, base)]  # the two norms
+        tensors.append(ParamTensor(h, full, base))  # the final norm
+        if not d.get("tie_word_embeddings"):
+            tensors.append(ParamTensor(vocab * h, full, base))
+        return tensors
 
     def describe(self) -> str:
         params = self.approx_params()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +12,9 @@ import pytest
 
 import autooffload
 from autooffload.bench.__main__ import main
+from autooffload.bench.deepspeed_configs import HOST_OOM
 from autooffload.bench.peers import _planned_profile
+from autooffload.bench.runner import exit_reason, sweep_outcome, worker_env
 from autooffload.plan.configuration import with_checkpoint_inputs_on_cpu
 from autooffload.plan.cost_memory import predict_peak_bytes
 from autooffload.plan.cost_time import predict_step_time
@@ -229,6 +232,11 @@ def test_nproc_runs_each_peer_data_parallel_and_reports_scaling(tmp_path: Path) 
     rows = {row["peer_label"]: row for row in payload["summary"]}
     assert rows["autooffload x2"]["scaling"] > 0
     assert rows["autooffload"]["scaling"] is None
+    # The host holds both ranks: each one's peak RSS is recorded, rank 0's first.
+    two = _run(payload, "vanilla x2")
+    assert len(two["host_rss_ranks_gib"]) == 2
+    assert two["host_rss_ranks_gib"][0] == two["host_rss_peak_gib"]
+    assert two["host_rss_total_gib"] == pytest.approx(sum(two["host_rss_ranks_gib"]))
 
 
 def test_bad_nproc_is_a_clear_error(capsys) -> None:
@@ -247,6 +255,34 @@ def test_runs_after_the_deadline_are_recorded_as_skipped(tmp_path: Path) -> None
     assert len(payload["runs"]) == 4
     assert {r["status"] for r in payload["runs"]} == {"skipped"}
     assert all("--deadline" in r["reason"] for r in payload["runs"])
+
+
+def test_a_run_still_going_at_the_end_is_killed(tmp_path: Path) -> None:
+    out = tmp_path / "end.json"
+    argv = ["--workload", "llama-tiny", "--device", "cpu", "--peers", "vanilla"]
+    assert main([*argv, "--end-by", "0", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert (run["status"], run["reason"]) == ("timeout", "killed after 0 s")
+
+
+def test_each_rank_gets_its_share_of_the_cores(monkeypatch) -> None:
+    """torchrun would leave every rank's CPU optimizer one OpenMP thread."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert worker_env(2)["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert "OMP_NUM_THREADS" not in worker_env(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert worker_env(2)["OMP_NUM_THREADS"] == "3"
+
+
+def test_a_rank_killed_under_torchrun_reads_as_a_host_oom() -> None:
+    tail = "rank      : 1 (local_rank: 1)\nexitcode  : -9 (pid: 4321)\n"
+    tail += "traceback : Signal 9 (SIGKILL) received by PID 4321"
+    reason = exit_reason(1, tail, nproc=2)
+    assert reason.endswith("(a rank was killed by SIGKILL; host out of memory?)")
+    assert sweep_outcome({"status": "error", "message": reason}) == HOST_OOM
+    assert exit_reason(-9, "", nproc=1).endswith("(killed by SIGKILL; host out of memory?)")
+    assert "SIGKILL" not in exit_reason(1, "ValueError: boom", nproc=2)
 
 
 def test_the_recorded_profile_is_the_planned_layout_variant() -> None:

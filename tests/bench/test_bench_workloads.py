@@ -82,3 +82,20 @@ def test_tiny_workloads_train_on_cpu(name: str) -> None:
         import bitsandbytes as bnb
 
         assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "llama-tiny-lora"])
+def test_the_parameter_list_is_the_built_models(name: str) -> None:
+    """What the host-memory estimate reads without building the model is what is built."""
+    workload = get_workload(name)
+    built = [
+        (p.numel(), p.requires_grad, p.element_size()) for p in build_model(workload).parameters()
+    ]
+    listed = [(t.numel, t.trainable, t.element_size) for t in workload.parameter_tensors()]
+    assert listed == built
+    assert get_workload("qwen2vl-tiny-lora").parameter_tensors() is None
+    assert get_workload("llama-tiny-qlora").parameter_tensors() is None
+    full = get_workload("llama-8b-full").parameter_tensors()
+    assert sum(t.numel for t in full) == pytest.approx(
+        get_workload("llama-8b-full").approx_params(), rel=1e-5
+    )
