@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from autooffload.plan.cost_time import predict_step_time, step_windows
+from autooffload.plan.replan import with_running_split
 from autooffload.runtime import runtime_of
-from autooffload.runtime.control.calibration import with_running_split
 from autooffload.setting_values import parse_size_or_fraction
 from devtools._workload import capped_workload, plain_workload
 

@@ -188,7 +188,7 @@ class Runtime:
             self.control.start_profiling()
             logger.debug("%s", self.plan.summary(self.device.type))
             # Two: a warm-up step that pays one-time costs, then the measured one
-            # (planning.profile_after_step).
+            # (PlanControl.profile_after_step).
             logger.info(
                 "attached %s: %d chunks of %s; the next 2 optimizer steps are profiling steps"
                 " under a conservative plan (%d chunks streamed from the host), then the plan"

@@ -14,7 +14,7 @@ import pytest
 from autooffload.bench.runner import CommonSettings, PeerSpec, RunSpec, cap_label, run_one
 from autooffload.bench.workloads import get_workload
 from autooffload.plan.profile_types import need_from_peaks
-from autooffload.runtime.control.calibration import REPLAN_GAIN
+from autooffload.plan.replan import REPLAN_GAIN
 from autooffload.runtime.control.planning import BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE
 
 pytestmark = pytest.mark.gpu

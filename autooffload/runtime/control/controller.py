@@ -158,7 +158,7 @@ class PlanControl:
 
     def before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Before the run's first update: refuse a budget no plan fits
-        (``planning.check_first_update_fits``)."""
+        (the search of the first profiling step's sizes)."""
         runtime = self._runtime
         profiler = self._profiler
         if profiler is None or profiler.warm or runtime.data_parallel is not None:

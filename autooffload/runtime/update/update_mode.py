@@ -158,7 +158,7 @@ class BackwardUpdateMode:
         keep = with_s <= (1 - CHOOSE_GAIN) * without_s
         if self.runtime.data_parallel is not None:
             # Rank 0's choice on every rank (profiles differ per rank; plans must not, and
-            # rank 0's plan is the one every rank runs: ``planning.switch_to_searched_plan``).
+            # rank 0's plan is the one every rank runs: ``PlanControl.switch_to_searched_plan``).
             with_s, without_s, keep = self.runtime.data_parallel.agree_object(
                 (with_s, without_s, keep)
             )
