@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 from torch import nn
 
-from autooffload.errors import AttachError, DetachStateError, PlanError
+from autooffload.errors import AttachError, DetachStateError
 from autooffload.log import logger, warn_once
 from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import Candidates, SearchRequest
@@ -21,10 +20,8 @@ from autooffload.runtime.activations import (
     restore_hf_gradient_checkpointing,
     take_over_hf_gradient_checkpointing,
 )
-from autooffload.runtime.adapters import adapter_params
 from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import Group, discover_groups
-from autooffload.runtime.chunks.layout import aligned_bytes, build_layout, default_chunk_size
 from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.control.controller import PlanControl
 from autooffload.runtime.control.oom import OomRetry
@@ -34,9 +31,17 @@ from autooffload.runtime.control.planning import (
     host_memory_now,
     initial_plan,
 )
-from autooffload.runtime.distributed import DataParallel, attach_data_parallel, local_world_size
+from autooffload.runtime.distributed import attach_data_parallel, local_world_size
 from autooffload.runtime.hooks import StepHooks
 from autooffload.runtime.host_vocab import HostVocab
+from autooffload.runtime.placement import (
+    chunk_layout,
+    host_param_bytes,
+    on_every_rank,
+    place_on_device,
+    resident_trainable_params,
+    return_from_device,
+)
 from autooffload.runtime.quantized import QuantizedParams
 from autooffload.runtime.sharding import Sharding, fetch_offloaded
 from autooffload.runtime.state import (
@@ -50,9 +55,6 @@ from autooffload.runtime.tiled_mlp import set_mlp_tiles
 from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
 from autooffload.runtime.update.update_mode import BackwardUpdateMode
 from autooffload.settings import Settings
-
-# Below this share of the model's bytes, trainable params stay resident (see Runtime).
-RESIDENT_TRAINABLE_SHARE = 0.1
 
 
 class Runtime:
@@ -82,19 +84,10 @@ class Runtime:
             logger.debug("no repeated blocks found; every module with parameters is a group")
         # bitsandbytes params' quant-state tensors, laid into the chunk right after their param.
         self.quantized = QuantizedParams.collect(model.modules())
-        self.resident_params = self._resident_trainable_params()
-        resident_ids = {id(p) for p in self.resident_params}
-        params_by_group = [
-            (g.index, [(n, p) for n, p in g.params() if id(p) not in resident_ids])
-            for g in self.groups
-        ]
-        block_bytes = [
-            aligned_bytes([t for _, p in params for t in (p, *self.quantized.of(p))])
-            for g, (_, params) in zip(self.groups, params_by_group, strict=True)
-            if g.is_block
-        ]
-        chunk_size = settings.chunk_size or default_chunk_size(block_bytes)
-        self.layout = build_layout(params_by_group, chunk_size, self.quantized.named())
+        self.resident_params = resident_trainable_params(model, self.quantized)
+        self.layout = chunk_layout(
+            self.groups, self.resident_params, self.quantized, settings.chunk_size
+        )
         self.control = PlanControl(self, initial_plan(self, settings))
         # Read before the first collective, so before any rank allocates its host store.
         memory = host_memory_now()
@@ -107,13 +100,13 @@ class Runtime:
                 " backward would update twice): set one of them to 0"
             )
         sharding = Sharding.create(settings, self.data_parallel, self.layout)
-        _everywhere(
+        on_every_rank(
             self.data_parallel,
             lambda: check_host_memory(
                 self.layout,
                 self.plan.n_persist,
                 settings,
-                _host_param_bytes(model),
+                host_param_bytes(model),
                 memory,
                 hosts=None if sharding is None else sharding.hosts,
                 local_ranks=1 if self.data_parallel is None else local_world_size(),
@@ -135,21 +128,9 @@ class Runtime:
                 max(c.trainable_bytes for c in self.layout.chunks),
                 sharded=self.manager.sharding is not None,
             )
-        # Under data parallelism every replica starts as rank 0's (as DDP makes it when it
-        # wraps a model): a sharded chunk's only copy is its owner's, and replicas built from
-        # different seeds (PEFT's random adapter init) would otherwise train apart.
-        dp = self.data_parallel
-        self.manager.adopt_params(sync=None if dp is None else lambda t: dp.broadcast_([t]))
-        self.quantized.bind_aliases(model.parameters())
-        for param in self.resident_params:
-            param.data = param.data.to(device)
-        for module in model.modules():
-            for name, buffer in list(module._buffers.items()):
-                if buffer is not None:
-                    module._buffers[name] = buffer.to(device)
-        if dp is not None:
-            dp.broadcast_([p.data for p in self.resident_params])
-            dp.broadcast_([b for b in model.buffers() if b is not None])
+        place_on_device(
+            model, self.manager, self.quantized, self.resident_params, self.data_parallel
+        )
         self.cpu_optim = CpuOptimizer(self.manager, settings.master_weights, settings.cpu_threads)
         if settings.accumulate_on == "gpu":
             accumulate_mode(self)  # a clear error now where it cannot run
@@ -204,23 +185,6 @@ class Runtime:
         self.attached_frozen = not any(p.requires_grad for p in model.parameters())
         if self.attached_frozen:
             logger.info("%s", frozen_summary(self))
-
-    def _resident_trainable_params(self) -> list[nn.Parameter]:
-        """Trainable params kept on the GPU outside chunks: adapters of a mostly frozen model.
-
-        When under ``RESIDENT_TRAINABLE_SHARE`` of the bytes train (LoRA, DoRA, prompt tuning),
-        streaming them would put the CPU optimizer on the critical path for a few MB; kept
-        resident they are updated by the user's optimizer, and frozen chunks need H2D only.
-        PEFT adapters count as trainable whether active or not (``set_adapter`` switches them).
-        """
-        params = list(dict.fromkeys(self.model.parameters()))
-        total = sum(p.numel() * p.element_size() for p in params) + self.quantized.nbytes
-        switchable = {id(p) for p in adapter_params(self.model)}
-        trainable = [p for p in params if p.requires_grad or id(p) in switchable]
-        trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
-        if not trainable or trainable_bytes >= RESIDENT_TRAINABLE_SHARE * total:
-            return []
-        return trainable
 
     # ---- activations and plan switches -----------------------------------------------------
 
@@ -523,15 +487,9 @@ class Runtime:
         self.host_vocab.stop()
         if self.hf_checkpointing_taken:
             restore_hf_gradient_checkpointing(self.model)
-        self.manager.materialize(target, fetched)
-        self.quantized.bind_aliases(self.model.parameters())
-        self.quantized.restore(target)
-        for param in self.resident_params:
-            param.data = param.data.to(target)
-        for module in self.model.modules():
-            for name, buffer in list(module._buffers.items()):
-                if buffer is not None:
-                    module._buffers[name] = buffer.to(target)
+        return_from_device(
+            self.model, self.manager, self.quantized, self.resident_params, target, fetched
+        )
         try:
             # The user's optimizer keeps training the returned model: the offloaded params'
             # state (in the CPU twins) becomes its own, as when a re-plan promotes a chunk. Done
@@ -569,27 +527,3 @@ def frozen_summary(runtime: Runtime) -> str:
         f" {plan.n_buffer} GPU buffers in every forward; it is planned like a trained model"
         " if something in it trains (AUTOOFFLOAD_OFFLOAD_FROZEN=0 keeps such models whole)"
     )
-
-
-def _everywhere(data_parallel: DataParallel | None, check: Callable[[], None]) -> None:
-    """Run an attach-time ``check``; under data parallelism a failure on any rank fails every
-    rank's attach with it (a rank left attaching alone would hang in the next collective)."""
-    try:
-        check()
-        problem = None
-    except PlanError as error:
-        problem = error
-    if data_parallel is not None:
-        messages = data_parallel.gather_object(None if problem is None else str(problem))
-        failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
-        if failed and problem is None:
-            rank, message = failed[0]
-            raise PlanError(f"rank {rank}: {message}")
-    if problem is not None:
-        raise problem
-
-
-def _host_param_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters in host memory now (the host store replaces them)."""
-    params = dict.fromkeys(model.parameters())
-    return sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
