@@ -188,7 +188,7 @@ class AutoOffloadTrainee(Trainee):
 
     def settled(self) -> bool:
         runtime = _safe(lambda: _runtime_of(self.model))
-        return runtime is None or bool(getattr(runtime, "plan_settled", True))
+        return runtime is None or runtime.plan_settled
 
     def _stats(self) -> dict[str, Any] | None:
         runtime = _safe(lambda: _runtime_of(self.model))
@@ -227,8 +227,11 @@ class AutoOffloadTrainee(Trainee):
         out["predicted_breakdown"] = dict(getattr(plan, "breakdown", None) or {}) or None
         out["model_profile"] = _safe(lambda: _planned_profile(runtime, plan).to_dict())
         out["hardware"] = _safe(lambda: runtime.search_request.hw.to_dict())
-        out["expandable_segments"] = getattr(runtime, "expandable_segments", None)
-        out["profiling_peak_bytes"] = getattr(runtime, "profiling_peak_bytes", None)
+        # Read directly: a renamed attribute must fail the bench's tests, not record None.
+        out["expandable_segments"] = runtime.expandable_segments if runtime is not None else None
+        out["profiling_peak_bytes"] = (
+            runtime.control.profiling_peak_bytes if runtime is not None else None
+        )
         stats = self._stats()
         out["stats"] = stats
         out["breakdown"] = _per_step_breakdown(self.stats_at_start, stats, timed_steps)
