@@ -110,7 +110,7 @@ def fsdp2_wrap(model: Any, min_num_params: int = 100_000_000, **kwargs: Any) -> 
 def no_sync(model: Any) -> contextlib.AbstractContextManager[None]:
     """Skip cross-rank gradient averaging of ``model``'s persistent and resident params for the
     backward passes inside (gradient accumulation under torchrun, like ``DDP.no_sync``)."""
-    from autooffload.runtime.distributed import no_sync as _no_sync
+    from autooffload.runtime.parallel.distributed import no_sync as _no_sync
 
     return _no_sync(model)
 
@@ -124,7 +124,7 @@ def consolidate(model: Any, to: int | None = 0) -> None:
     no-op without sharding. HF ``Trainer`` and accelerate's ``save_state`` call it for you.
     """
     from autooffload import runtime as rt
-    from autooffload.runtime.sharding import consolidate as _consolidate
+    from autooffload.runtime.parallel.sharding import consolidate as _consolidate
 
     for runtime in rt.runtimes_in(model):
         _consolidate(runtime, to)

@@ -32,7 +32,7 @@ class DetachStateError(AutoOffloadError):
 
 class OutOfStepError(AutoOffloadError):
     """Data-parallel ranks under sharded model states started different forwards or backwards,
-    or issued different chunk collectives (``runtime/lockstep.py``)."""
+    or issued different chunk collectives (``runtime/parallel/lockstep.py``)."""
 
 
 class MissingExtraError(AutoOffloadError, ImportError):

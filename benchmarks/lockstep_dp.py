@@ -1,4 +1,5 @@
-"""Cost of the ranks' start-of-phase exchange under sharded state (``runtime/lockstep.py``).
+"""Cost of the ranks' start-of-phase exchange under sharded state
+(``runtime/parallel/lockstep.py``).
 
 Run under ``torchrun --nproc-per-node 2`` (CPU, gloo):
 
@@ -28,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import autooffload
 from autooffload import runtime as rt
-from autooffload.runtime import lockstep, sharding
+from autooffload.runtime.parallel import lockstep, sharding
 
 
 def micro(exchanges: int) -> float:

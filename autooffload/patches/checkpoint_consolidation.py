@@ -1,6 +1,6 @@
 """HF Trainer and accelerate checkpoints of sharded runs: consolidate on every rank first.
 
-With the CPU optimizer state sharded across data-parallel ranks (``runtime/sharding.py``),
+With the CPU optimizer state sharded across data-parallel ranks (``runtime/parallel/sharding.py``),
 writing a checkpoint needs one collective on every rank before the saving rank reads the
 weights and the optimizer state. ``Trainer._save_checkpoint`` runs on every rank and saves the
 optimizer on rank 0 only: it consolidates to rank 0. ``Accelerator.save_state`` asks every
@@ -40,7 +40,7 @@ def _accelerator_save_state(wrapped: Any, instance: Any, args: tuple, kwargs: di
 
 def _accelerator_load_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     from autooffload import runtime as rt
-    from autooffload.runtime.sharding import shapes_only
+    from autooffload.runtime.parallel.sharding import shapes_only
 
     runtimes = [r for m in getattr(instance, "_models", []) for r in rt.runtimes_in(m)]
     with shapes_only(runtimes):

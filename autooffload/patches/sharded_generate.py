@@ -2,8 +2,8 @@
 every rank's forwards in step (``synced_gpus``), as transformers does itself for DeepSpeed
 ZeRO-3 and FSDP.
 
-Under sharded state (``runtime/sharding.py``) every gather of an offloaded trainable chunk is a
-collective: each rank must run the same number of forwards. Ranks generating from their own
+Under sharded state (``runtime/parallel/sharding.py``) every gather of an offloaded trainable chunk
+is a collective: each rank must run the same number of forwards. Ranks generating from their own
 prompts stop at different lengths (one reaches EOS first) and would then pair one rank's
 gathers with another's next forward, or hang. With ``synced_gpus=True`` a rank that finished
 keeps running forwards until every rank has; transformers turns it on only when it detects

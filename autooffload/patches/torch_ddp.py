@@ -1,7 +1,7 @@
 """DistributedDataParallel over an attached model: DDP must not reduce what autooffload reduces.
 
-An attached model averages its chunk-managed gradients itself (``runtime/distributed.py``), and
-its offloaded parameters have no device storage between uses, which DDP's reducer and its
+An attached model averages its chunk-managed gradients itself (``runtime/parallel/distributed.py``),
+and its offloaded parameters have no device storage between uses, which DDP's reducer and its
 start-up broadcast cannot handle. Wrapping such a model (by the script, ``accelerate``, or HF
 ``Trainer``) therefore:
 
@@ -36,7 +36,7 @@ def _runtimes(module: nn.Module) -> list[Any]:
     """The runtimes attached inside ``module``, each once (sync_replica broadcasts the whole
     model per runtime). Under a group of several ranks each must average its gradients."""
     from autooffload import runtime as rt
-    from autooffload.runtime.distributed import world
+    from autooffload.runtime.parallel.distributed import world
 
     runtimes = rt.runtimes_in(module)
     _, size = world()
@@ -88,7 +88,7 @@ def _forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     # DDP decides at forward time whether the coming backward synchronises (no_sync()).
     for runtime in runtimes:
         if runtime.data_parallel is not None:
-            runtime.data_parallel.sync = instance.require_backward_grad_sync
+            runtime.data_parallel.set_sync(instance.require_backward_grad_sync)
     return instance.module(*args, **kwargs)
 
 

@@ -4,8 +4,8 @@ Every transformers causal LM computes its loss as ``self.loss_function(logits=..
 vocab_size=..., **kwargs)``, where the ``PreTrainedModel.loss_function`` property returns the
 model's own ``_loss_function`` if one was set, else ``LOSS_MAPPING[loss_type]``. The property is
 wrapped: when what it returns is transformers' ``ForCausalLMLoss`` itself, the call goes to
-:func:`autooffload.runtime.chunked_ce.chunked_causal_lm_loss` (same arguments, same math); any
-other loss function (a user's, a model's own) is called unchanged. ``LOSS_MAPPING`` and
+:func:`autooffload.runtime.activations.chunked_ce.chunked_causal_lm_loss` (same arguments, same
+math); any other loss function (a user's, a model's own) is called unchanged. ``LOSS_MAPPING`` and
 ``ForCausalLMLoss`` stay untouched, so code that compares against them by identity (the
 Trainer's ``num_items_in_batch`` counting does) sees no difference. Setting
 ``AUTOOFFLOAD_CHUNKED_LOSS=0`` leaves the property alone.
@@ -38,7 +38,7 @@ def _loss_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     """Called with ``wrapped`` = the loss function the property returned for ``instance``."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from autooffload.runtime.chunked_ce import chunked_causal_lm_loss
+    from autooffload.runtime.activations.chunked_ce import chunked_causal_lm_loss
 
     if wrapped is not ForCausalLMLoss:
         return wrapped(*args, **kwargs)

@@ -98,8 +98,8 @@ def with_checkpoint_inputs_on_cpu(profile: ModelProfile, hw: HardwareProfile) ->
 
 def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
     """The layout's variant where every block's MLP runs in tiles of ``tile_tokens`` tokens
-    (``runtime/tiled_mlp.py``): its forward saves only its input, its backward runs the forward
-    again tile by tile. Apply it before ``with_checkpoint_inputs_on_cpu``.
+    (``runtime/activations/tiled_mlp.py``): its forward saves only its input, its backward runs the
+    forward again tile by tile. Apply it before ``with_checkpoint_inputs_on_cpu``.
 
     With T = ``batch_tokens``, r = min(1, tile_tokens / T), and per block with a tileable MLP
     (A = ``mlp_act_bytes``, its intermediates; F, B = ``mlp_fwd/bwd_transient_bytes``, the MLP's

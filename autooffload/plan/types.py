@@ -71,7 +71,7 @@ class Plan:
     source: str = "search"
     update: UpdatePlacement | None = None
     mlp_tile_tokens: int = 0
-    """Tokens per tile of the blocks' MLPs (``runtime/tiled_mlp.py``); 0: untiled."""
+    """Tokens per tile of the blocks' MLPs (``runtime/activations/tiled_mlp.py``); 0: untiled."""
     host_served_chunks: tuple[int, ...] = ()
     """Chunks served from the host store, never gathered whole (``runtime/host_vocab.py``: a
     frozen embedding's rows, a frozen head's tiles); neither persistent nor streamed, whatever

@@ -26,7 +26,7 @@ from autooffload.log import logger, warn_once
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
 from autooffload.runtime.chunks.store import Residency
-from autooffload.runtime.lockstep import (
+from autooffload.runtime.parallel.lockstep import (
     BACKWARD,
     BACKWARD_END,
     FORWARD_NO_GRAD,

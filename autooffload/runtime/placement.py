@@ -23,7 +23,7 @@ from autooffload.runtime.quantized import QuantizedParams
 
 if TYPE_CHECKING:
     from autooffload.runtime.chunks.store import ChunkManager
-    from autooffload.runtime.distributed import DataParallel
+    from autooffload.runtime.parallel.distributed import DataParallel
 
 # Below this share of the model's bytes, trainable params stay resident.
 RESIDENT_TRAINABLE_SHARE = 0.1

@@ -13,13 +13,14 @@ from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import Candidates, SearchRequest
 from autooffload.plan.types import Plan, format_bytes
 from autooffload.runtime import allocator
-from autooffload.runtime.activations import (
+from autooffload.runtime.activations.policies import (
     ActivationSwapper,
     apply_policy,
     remove_policy,
     restore_hf_gradient_checkpointing,
     take_over_hf_gradient_checkpointing,
 )
+from autooffload.runtime.activations.tiled_mlp import set_mlp_tiles
 from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.chunks.store import ChunkManager
@@ -31,9 +32,10 @@ from autooffload.runtime.control.planning import (
     host_memory_now,
     initial_plan,
 )
-from autooffload.runtime.distributed import attach_data_parallel, local_world_size
 from autooffload.runtime.hooks import StepHooks
 from autooffload.runtime.host_vocab import HostVocab
+from autooffload.runtime.parallel.distributed import attach_data_parallel, local_world_size
+from autooffload.runtime.parallel.sharding import Sharding, fetch_offloaded
 from autooffload.runtime.placement import (
     chunk_layout,
     host_param_bytes,
@@ -43,7 +45,6 @@ from autooffload.runtime.placement import (
     return_from_device,
 )
 from autooffload.runtime.quantized import QuantizedParams
-from autooffload.runtime.sharding import Sharding, fetch_offloaded
 from autooffload.runtime.state import (
     ModelStateHooks,
     adopt_existing_state,
@@ -51,7 +52,6 @@ from autooffload.runtime.state import (
     twin_states,
 )
 from autooffload.runtime.step_state import StepState
-from autooffload.runtime.tiled_mlp import set_mlp_tiles
 from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
 from autooffload.runtime.update.update_mode import BackwardUpdateMode
 from autooffload.settings import Settings

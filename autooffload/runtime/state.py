@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from autooffload.runtime.chunks.layout import Chunk, ParamSlot
 from autooffload.runtime.chunks.store import Residency
-from autooffload.runtime.sharding import consolidated_states
+from autooffload.runtime.parallel.sharding import consolidated_states
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime

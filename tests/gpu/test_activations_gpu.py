@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from autooffload.runtime.activations import ActivationSwapper, apply_policy
-from autooffload.runtime.tiled_mlp import tile_mlp
+from autooffload.runtime.activations.policies import ActivationSwapper, apply_policy
+from autooffload.runtime.activations.tiled_mlp import tile_mlp
 
 pytestmark = pytest.mark.gpu
 

@@ -324,7 +324,7 @@ def test_ddp_over_a_model_attached_with_data_parallel_off_under_several_ranks_ra
     enable_cpu(force_attach=True, data_parallel="off")
     model = tiny_llama().to("cpu")
     assert rt.runtime_of(model).data_parallel is None
-    monkeypatch.setattr("autooffload.runtime.distributed.world", lambda: (0, 2))
+    monkeypatch.setattr("autooffload.runtime.parallel.distributed.world", lambda: (0, 2))
     with pytest.raises(AttachError, match="AUTOOFFLOAD_DATA_PARALLEL=auto"):
         nn.parallel.DistributedDataParallel(model)
 

@@ -10,7 +10,7 @@ from transformers.modeling_utils import PreTrainedModel
 
 import autooffload
 from autooffload.errors import SettingsError
-from autooffload.runtime import chunked_ce
+from autooffload.runtime.activations import chunked_ce
 
 
 def tiny_llama() -> LlamaForCausalLM:

@@ -25,7 +25,7 @@ from runtime_models import CHUNK_SIZE, batches, tiny_llama  # noqa: E402
 
 import autooffload  # noqa: E402
 from autooffload import runtime as rt  # noqa: E402
-from autooffload.runtime import lockstep  # noqa: E402
+from autooffload.runtime.parallel import lockstep  # noqa: E402
 
 TIMEOUT_S = 8
 

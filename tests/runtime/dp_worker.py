@@ -58,7 +58,8 @@ def sharding_facts(model: torch.nn.Module) -> dict:
         "updates_in_backward": runtime.cpu_optim.updates_in_backward,
         "gradient_bps": runtime.data_parallel.gradient_bps,
         "allreduce_bps": runtime.data_parallel.allreduce_bps,
-        # Start-of-phase exchanges (runtime/lockstep.py): forwards, backward starts and ends.
+        # Start-of-phase exchanges (runtime/parallel/lockstep.py): forwards, backward starts and
+        # ends.
         "lockstep_exchanges": (
             runtime.manager.sharding.lockstep.exchanges if runtime.manager.sharding else 0
         ),
@@ -321,7 +322,7 @@ def case_calibrate(device, dtype, rank, world):
     from autooffload import runtime as rt
     from autooffload.runtime.control import controller
     from autooffload.runtime.control.calibration import calibrate_after_steps
-    from autooffload.runtime.distributed import DataParallel
+    from autooffload.runtime.parallel.distributed import DataParallel
 
     # The CPU rate and the collectives' rates measured on this tiny model are noise (latency);
     # fixed ones keep the plans the same.

@@ -1,6 +1,6 @@
 """One rank (``torchrun --nproc-per-node 1``) on a CUDA default group: the lockstep exchange's
-gloo group (runtime/lockstep.py) takes the default group's timeout from its NCCL backend, and
-an exchange runs. Writes ``<out>/rank0.json``."""
+gloo group (runtime/parallel/lockstep.py) takes the default group's timeout from its NCCL backend,
+and an exchange runs. Writes ``<out>/rank0.json``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autooffload.runtime.lockstep import FORWARD_WITH_GRAD, Lockstep, group_timeout
+from autooffload.runtime.parallel.lockstep import FORWARD_WITH_GRAD, Lockstep, group_timeout
 
 TIMEOUT = datetime.timedelta(seconds=17)
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from dp_worker import STEPS, case_dp, case_resume, max_diff, train_plain, weights  # noqa: E402
 
-from autooffload.runtime.distributed import local_world_size  # noqa: E402
+from autooffload.runtime.parallel.distributed import local_world_size  # noqa: E402
 
 
 def main() -> None:

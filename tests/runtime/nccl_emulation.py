@@ -132,7 +132,7 @@ def rejects_host_tensors() -> bool:
 
 def install() -> None:
     """Make this process's data-parallel runtime take and check the NCCL branches."""
-    from autooffload.runtime.distributed import DataParallel
+    from autooffload.runtime.parallel.distributed import DataParallel
 
     for name in WRAPPED:
         setattr(dist, name, _wrap(name, getattr(dist, name)))

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from autooffload.errors import PlanError
-from autooffload.runtime.activations import (
+from autooffload.runtime.activations.policies import (
     ActivationSwapper,
     apply_policy,
     hf_checkpointed_modules,

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from autooffload.runtime.chunked_ce import chunked_causal_lm_loss, rows_per_chunk
+from autooffload.runtime.activations.chunked_ce import chunked_causal_lm_loss, rows_per_chunk
 
 VOCAB = 97
 

@@ -39,7 +39,7 @@ def test_two_ranks_train_like_one_process_averaging_the_halves(cpu_run):
     reports, _ = cpu_run
     for report in reports:
         assert report["world"] == 2
-        # Every forward, every backward's start and end exchanged (runtime/lockstep.py).
+        # Every forward, every backward's start and end exchanged (runtime/parallel/lockstep.py).
         assert report["sharding"]["lockstep_exchanges"] == 3 * STEPS
         assert report["replicated"]["lockstep_exchanges"] == 0
         assert report["dp_vs_averaged"] < TOL
@@ -461,7 +461,7 @@ def test_lockstep_group_takes_the_timeout_of_an_nccl_default_group(tmp_path, bac
 def test_each_rank_takes_its_share_of_the_cores(monkeypatch, local_world, threads, expected):
     """torchrun's OMP_NUM_THREADS=1 would leave the CPU optimizer on one core: each of the
     node's ranks takes cores // local_world_size, unless the user set more."""
-    from autooffload.runtime import distributed
+    from autooffload.runtime.parallel import distributed
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
     monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: set(range(8)))

@@ -15,7 +15,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 import autooffload
 from autooffload import runtime as rt
 from autooffload.plan import search as plan_search
-from autooffload.runtime.tiled_mlp import find_mlp, is_tiled, set_mlp_tiles
+from autooffload.runtime.activations.tiled_mlp import find_mlp, is_tiled, set_mlp_tiles
 from tests.runtime.runtime_models import BATCH, SEQ, enable_cpu
 from tests.runtime.test_offload_equivalence import ATOL, RTOL, adamw, assert_same_training, train
 

@@ -17,7 +17,7 @@ from plan_profiles import make_hardware, make_profile  # noqa: E402
 from autooffload.plan.cost_time import predict_step_time  # noqa: E402
 from autooffload.plan.profile_types import HardwareProfile  # noqa: E402
 from autooffload.plan.types import Knobs  # noqa: E402
-from autooffload.runtime.sharding import NotConsolidatedError, Sharding  # noqa: E402
+from autooffload.runtime.parallel.sharding import NotConsolidatedError, Sharding  # noqa: E402
 
 
 def chunks(trainable: list[bool]) -> SimpleNamespace:
@@ -72,7 +72,7 @@ def test_per_rank_hardware_view_divides_cpu_work_and_adds_the_broadcast():
 def test_gradients_cost_their_collective_then_the_owners_copy():
     """A gradient byte: the collective (every rank takes part), then the D2H copy (under
     sharding the owner's, 1/N of the chunks per rank)."""
-    from autooffload.runtime.distributed import DataParallel
+    from autooffload.runtime.parallel.distributed import DataParallel
 
     dp = object.__new__(DataParallel)
     dp.gradient_bps, dp.allreduce_bps = 100e9, 80e9
@@ -115,7 +115,7 @@ def test_shapes_only_placeholders_keep_tied_parameters_one_storage():
     from safetensors.torch import _remove_duplicate_names
 
     from autooffload.runtime.chunks.layout import ParamSlot
-    from autooffload.runtime.sharding import Sharding, shapes_only
+    from autooffload.runtime.parallel.sharding import Sharding, shapes_only
 
     weight = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
     slot = ParamSlot(weight, "embed.weight", 0, 48, weight.shape, weight.dtype)

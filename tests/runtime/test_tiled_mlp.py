@@ -10,8 +10,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from autooffload.errors import PlanError
-from autooffload.runtime.activations import apply_policy, is_recomputing
-from autooffload.runtime.tiled_mlp import is_tiled, tile_mlp, untile_mlp
+from autooffload.runtime.activations.policies import apply_policy, is_recomputing
+from autooffload.runtime.activations.tiled_mlp import is_tiled, tile_mlp, untile_mlp
 from tests.runtime.test_activations import assert_same_step, tiny_llama, train_step
 
 
@@ -78,7 +78,7 @@ def test_untile_restores_forward() -> None:
 
 @pytest.mark.parametrize("policy", ["keep", "checkpoint", "swap"])
 def test_tiled_mlp_inside_a_llama_with_block_policies(policy: str) -> None:
-    from autooffload.runtime.activations import ActivationSwapper
+    from autooffload.runtime.activations.policies import ActivationSwapper
 
     model = tiny_llama()
     expected = train_step(model)

@@ -22,8 +22,8 @@ from autooffload.runtime.chunks.layout import ALIGN, Chunk, ParamSlot, slot_view
 from autooffload.runtime.chunks.transfers import ChunkFutures, CopyStats
 
 if TYPE_CHECKING:
-    from autooffload.runtime.distributed import DataParallel, Reduction
-    from autooffload.runtime.sharding import Sharding
+    from autooffload.runtime.parallel.distributed import DataParallel, Reduction
+    from autooffload.runtime.parallel.sharding import Sharding
 
 
 GradsReady = Callable[
@@ -101,8 +101,8 @@ class GradientOffload:
         self._device_sums: Callable[[Chunk, list[ParamSlot]], list[bool] | None] | None = None
         self._sum_stream: torch.cuda.Stream | None = None
         self._sum_scratch: torch.Tensor | None = None
-        # Data parallelism (runtime/distributed.py): the reducer, and per chunk the backward
-        # pass whose gradients it last reduced (each chunk is reduced once per backward).
+        # Data parallelism (runtime/parallel/distributed.py): the reducer, and per chunk the
+        # backward pass whose gradients it last reduced (each chunk is reduced once per backward).
         self.data_parallel: DataParallel | None = None
         self._reduced: dict[int, int] = {}
         # Data parallel: the order every rank reduces chunk gradients in (``set_reduce_order``).
@@ -161,7 +161,7 @@ class GradientOffload:
 
         The CPU optimizer side is told (``connect_update``'s ``grads_ready``) with the event to
         wait on. Under data parallelism the gradients are averaged across ranks first (a persistent
-        chunk's in place, finished at the end of backward; see ``runtime/distributed.py``).
+        chunk's in place, finished at the end of backward; see ``runtime/parallel/distributed.py``).
         """
         chunk = self.chunks[index]
         if self.data_parallel is not None and self.reduce_order is not None:

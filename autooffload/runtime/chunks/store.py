@@ -39,7 +39,7 @@ from autooffload.runtime.chunks.layout import Chunk, ChunkLayout, ParamSlot, slo
 from autooffload.runtime.chunks.transfers import ChunkFutures, CopyStats
 
 if TYPE_CHECKING:
-    from autooffload.runtime.sharding import Sharding
+    from autooffload.runtime.parallel.sharding import Sharding
 
 
 class Residency(enum.Enum):
@@ -89,8 +89,8 @@ class ChunkManager:
         self.is_cuda = device.type == "cuda"
         self.persistent = set(persistent)
         self.n_buffer = max(1, n_buffer)
-        # Sharded CPU optimizer state (runtime/sharding.py): chunks other ranks own get their
-        # weights by broadcast and send their gradients by reduce; this rank keeps neither
+        # Sharded CPU optimizer state (runtime/parallel/sharding.py): chunks other ranks own get
+        # their weights by broadcast and send their gradients by reduce; this rank keeps neither
         # their host bytes nor their gradient staging.
         self.sharding = sharding
         self.host = HostArena(
@@ -282,12 +282,13 @@ class ChunkManager:
         return index in self.persistent
 
     def is_sharded(self, index: int) -> bool:
-        """Whether chunk ``index`` comes from its owning rank (runtime/sharding.py)."""
+        """Whether chunk ``index`` comes from its owning rank (runtime/parallel/sharding.py)."""
         return self.sharding is not None and self.sharding.applies(index, self.persistent)
 
     def _start_copy_in(self, index: int) -> None:
         """Start filling chunk ``index``'s device storage on the H2D stream. A sharded chunk
-        (``runtime/sharding.py``) is copied in by its owner alone, then broadcast to the rest."""
+        (``runtime/parallel/sharding.py``) is copied in by its owner alone, then broadcast to the
+        rest."""
         chunk = self.chunks[index]
         flat = self.gpu_flat[index]
         sharded = self.is_sharded(index)

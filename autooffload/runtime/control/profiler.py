@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from autooffload.plan.profile_types import ChunkProfile, ModelProfile, UnitProfile
-from autooffload.runtime import activations
-from autooffload.runtime.tiled_mlp import find_mlp
+from autooffload.runtime.activations import policies as activations
+from autooffload.runtime.activations.tiled_mlp import find_mlp
 
 if TYPE_CHECKING:
     from autooffload.runtime.blocks import Group

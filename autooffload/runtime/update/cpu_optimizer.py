@@ -64,7 +64,7 @@ class CpuOptimizer:
         # fp32, or master weights off). The parts below read it; only this class writes it.
         self.masters: dict[int, torch.Tensor] = {}
         # Every offloaded trainable param, on every rank (masters exist only for the chunks
-        # this rank owns when the state is sharded: runtime/sharding.py).
+        # this rank owns when the state is sharded: runtime/parallel/sharding.py).
         self.offloaded_ids: set[int] = set()
         self.sharding = manager.sharding
         self.twins = Twins(self.masters)

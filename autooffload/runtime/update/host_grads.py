@@ -6,7 +6,7 @@ gradients left it (``device_norms``), wherever such a norm is the norm of the wh
 gradient (``whole_norms``: the first backward since ``zero_grad``, or a sum the GPU added before
 taking it); clipping over all of them is a lazy coefficient (``clip_coef``) that the update task
 applies, so neither needs a pass over host memory in the common case. Under sharded state
-(``runtime/sharding.py``) the norm is a collective over every rank's share.
+(``runtime/parallel/sharding.py``) the norm is a collective over every rank's share.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from autooffload.runtime.sharding import Sharding
+    from autooffload.runtime.parallel.sharding import Sharding
     from autooffload.runtime.update.in_backward import EarlyUpdates
 
 

@@ -20,7 +20,7 @@ from autooffload.runtime.update.twins import Twins, twin_group
 
 if TYPE_CHECKING:
     from autooffload.runtime.chunks.store import ChunkManager
-    from autooffload.runtime.distributed import Reduction
+    from autooffload.runtime.parallel.distributed import Reduction
     from autooffload.runtime.update.gpu_update import GpuUpdater
     from autooffload.runtime.update.host_grads import HostGradNorms
 

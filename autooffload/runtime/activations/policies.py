@@ -18,7 +18,7 @@ backward; while it runs, :func:`is_recomputing` is true in that thread and the o
 ``on_recompute_start(block)`` callback has been called, so hooks on sub-modules can tell a
 recompute from a first forward.
 
-The swap protocol is described in :mod:`autooffload.runtime.swap`.
+The swap protocol is described in :mod:`autooffload.runtime.activations.swap`.
 
 Nesting: a swap block entered while other saved-tensor hooks are active (an outer
 ``torch.utils.checkpoint``, ``save_on_cpu``, or a checkpoint's recompute) runs as ``keep``: the
@@ -42,13 +42,13 @@ from torch.utils.checkpoint import checkpoint
 
 from autooffload.errors import PlanError
 from autooffload.log import logger
-from autooffload.runtime.forward_wrap import install_forward, remove_forward
-from autooffload.runtime.swap import (  # noqa: F401 - re-exported
+from autooffload.runtime.activations.swap import (  # noqa: F401 - re-exported
     DEFAULT_MIN_SWAP_BYTES,
     ActivationSwapper,
     HostBufferPool,
     _outer_hooks_active,
 )
+from autooffload.runtime.forward_wrap import install_forward, remove_forward
 
 Policy = Literal["keep", "checkpoint", "swap", "checkpoint_cpu"]
 POLICIES: tuple[str, ...] = ("keep", "checkpoint", "swap", "checkpoint_cpu")

@@ -82,7 +82,7 @@ class DataParallel:
         self.nccl = "nccl" in self.backend
         self.device = device
         # False inside no_sync: persistent and resident gradients accumulate locally.
-        self.sync = True
+        self._sync = True
         self._pending: list[Reduction] = []
         self.reduced_bytes = 0
         # Bytes/s of one chunk's gradient collective, and of the all-reduce of a persistent
@@ -136,6 +136,16 @@ class DataParallel:
         box = [value if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=self.global_rank(0), group=self.group)
         return box[0]  # type: ignore[return-value]
+
+    @property
+    def sync(self) -> bool:
+        """Whether the coming backward averages gradients (False inside ``no_sync``)."""
+        return self._sync
+
+    def set_sync(self, sync: bool) -> None:
+        """Average the coming backward's gradients (``sync``) or let them accumulate locally
+        (``no_sync``, DDP's ``require_backward_grad_sync``)."""
+        self._sync = sync
 
     def gather_object(self, value: T) -> list[T]:
         """Every rank's ``value``, in rank order, on every rank."""
@@ -326,7 +336,7 @@ class DataParallel:
     def end_backward(self, resident: list[torch.nn.Parameter]) -> None:
         """End of a backward pass: average the resident trainable params' gradients (adapters),
         then write every pending average into ``.grad``."""
-        if self.sync:
+        if self._sync:
             grads = [p.grad for p in resident if p.grad is not None]
             self.reduce_in_place(grads, flatten=True)
         self.finish()
@@ -397,12 +407,12 @@ def no_sync(model: torch.nn.Module) -> Iterator[None]:
     reducers = [r.data_parallel for r in registry.runtimes_in(model) if r.data_parallel is not None]
     before = [r.sync for r in reducers]
     for reducer in reducers:
-        reducer.sync = False
+        reducer.set_sync(False)
     try:
         yield
     finally:
         for reducer, sync in zip(reducers, before, strict=True):
-            reducer.sync = sync
+            reducer.set_sync(sync)
 
 
 def local_world_size() -> int:

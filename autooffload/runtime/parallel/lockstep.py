@@ -1,7 +1,7 @@
 """Ranks in step under sharded model states: a clear error instead of mis-paired collectives.
 
-Under sharding (runtime/sharding.py) each offloaded chunk's bytes live on one rank, and every
-gather, in a forward or a backward, is a broadcast from that owner. Collectives pair by their
+Under sharding (runtime/parallel/sharding.py) each offloaded chunk's bytes live on one rank, and
+every gather, in a forward or a backward, is a broadcast from that owner. Collectives pair by their
 order alone, so a forward that runs on some ranks only (``if rank == 0: model.generate(...)``,
 an extra eval batch on one rank) pairs its broadcasts with the other ranks' next ones: those of
 a training forward (the right chunks, by luck of the same order), then of a backward (other

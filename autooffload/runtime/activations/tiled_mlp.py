@@ -13,8 +13,8 @@ forward a custom autograd function (the idea of Arctic Long Sequence Training's 
 
 Peak MLP memory is one tile's intermediates instead of the whole sequence's. Gradients equal the
 untiled ones up to summation order. The recompute runs with
-:func:`autooffload.runtime.activations.is_recomputing` true. Only for MLPs that treat every token
-independently (not capacity-routed MoE) and whose ``forward(x)`` returns one tensor; with
+:func:`autooffload.runtime.activations.policies.is_recomputing` true. Only for MLPs that treat every
+token independently (not capacity-routed MoE) and whose ``forward(x)`` returns one tensor; with
 dropout inside the MLP the masks are drawn per tile, so they differ from the untiled ones.
 """
 
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from autooffload.errors import PlanError
-from autooffload.runtime.activations import recomputing
+from autooffload.runtime.activations.policies import recomputing
 from autooffload.runtime.forward_wrap import install_forward, remove_forward
 
 _TILED_ATTR = "_autooffload_tiled_mlp"

@@ -34,12 +34,12 @@ import torch.distributed as dist
 
 from autooffload.errors import AutoOffloadError
 from autooffload.log import logger
-from autooffload.runtime.lockstep import Lockstep
+from autooffload.runtime.parallel.lockstep import Lockstep
 
 if TYPE_CHECKING:
     from autooffload.plan.profile_types import HardwareProfile
     from autooffload.runtime.chunks.layout import ChunkLayout, ParamSlot
-    from autooffload.runtime.distributed import DataParallel
+    from autooffload.runtime.parallel.distributed import DataParallel
     from autooffload.runtime.runtime import Runtime
     from autooffload.settings import Settings
 
@@ -71,7 +71,7 @@ class Sharding:
 
         # Measured at attach (Sharding.create); used by the planner's cost model.
         self.broadcast_bps = float("inf")
-        # The start-of-phase exchange (runtime/lockstep.py), made at attach.
+        # The start-of-phase exchange (runtime/parallel/lockstep.py), made at attach.
         self.lockstep: Lockstep | None = None
 
     def hold_consolidated(self, weights: dict[int, torch.Tensor]) -> None:
@@ -136,7 +136,7 @@ class Sharding:
     def check_in_step(self, phase: int, persistent: set[int]) -> None:
         """Where the plan gathers sharded chunks, every rank starts ``phase`` (a forward with or
         without gradients, a backward, a backward's end) after the same chunk collectives, or
-        all raise (runtime/lockstep.py)."""
+        all raise (runtime/parallel/lockstep.py)."""
         if self.lockstep is not None and not self.indices <= persistent:
             self.lockstep.check(phase)
 
