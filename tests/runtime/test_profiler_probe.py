@@ -35,7 +35,7 @@ def test_the_probe_runs_blocks_through_call_with_the_runtimes_hooks_muted(
     assert runtime.profile is not None and len(runtime.profile.blocks) == 4
     # The block's own pre-hook saw the probe's runs (muted; PROBE_RUNS of them) between the
     # steps' calls (not muted): the probe went through __call__, and the hooks are live again.
-    from autooffload.runtime.control.profiler import PROBE_RUNS
+    from autooffload.runtime.control.probe import PROBE_RUNS
 
     assert seen.count(True) == PROBE_RUNS
     assert seen[-1] is False and not runtime.step_state.hooks_muted

@@ -6,17 +6,16 @@ user's real first batch; ``plan/`` receives only the resulting ``ModelProfile``.
 The first step runs under a conservative plan (no persistent chunks, every block
 checkpointed) so it cannot run out of memory; its update is real. While it runs the runtime
 reports group boundaries here; memory is read from the caching allocator at each boundary.
-After the step, one block of each block class is re-run once with its activations kept (the
-*probe*) to measure what keeping costs and how long a block takes without copy waits.
+After the step, one block of each block class is re-run with its activations kept (the
+*probe*, ``probe.py``) to measure what keeping costs and how long a block takes without copy
+waits.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -24,16 +23,12 @@ import torch
 from torch import nn
 
 from autooffload.plan.profile_types import ChunkProfile, ModelProfile, UnitProfile
-from autooffload.runtime.activations import policies as activations
-from autooffload.runtime.activations.tiled_mlp import find_mlp
+from autooffload.runtime.control.probe import BlockProbe, Clock, grad_bytes
 
 if TYPE_CHECKING:
     from autooffload.runtime.blocks import Group
     from autooffload.runtime.chunks.layout import Chunk
     from autooffload.runtime.runtime import Runtime
-
-
-PROBE_RUNS = 3
 
 
 def _persistent_extras(runtime: Runtime) -> int:
@@ -56,11 +51,6 @@ def _persistent_extras(runtime: Runtime) -> int:
                     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
                         tensors[value.data_ptr()] = value
     return sum(t.nbytes for t in tensors.values() if t.device.type != "cpu")
-
-
-def _grad_bytes(params: Iterable[torch.Tensor]) -> int:
-    """Bytes of the gradients of ``params`` (a gradient has its parameter's dtype and shape)."""
-    return sum(p.numel() * p.element_size() for p in params)
 
 
 def _tensor_bytes(values: Any) -> int:
@@ -97,56 +87,6 @@ def primary_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
         return args, kwargs
     rest = dict(kwargs)
     return (rest.pop(name),), rest
-
-
-@contextlib.contextmanager
-def _capture_input(mlp: nn.Module | None, inputs: list[torch.Tensor]) -> Iterator[None]:
-    """Keep the first tensor input of ``mlp``'s latest call in ``inputs`` (detached)."""
-    if mlp is None:
-        yield
-        return
-
-    def hook(_module: nn.Module, args: tuple) -> None:
-        if args and isinstance(args[0], torch.Tensor):
-            inputs[:] = [args[0].detach()]
-
-    handle = mlp.register_forward_pre_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-class _Clock:
-    """Wall time on CPU; stream-ordered CUDA events on the GPU (copy waits excluded when the
-    start is recorded after the stream waited for its chunks)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))
-            return event
-        return time.perf_counter()
-
-    def seconds(self, start: Any, end: Any) -> float:
-        if self.cuda:
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        return end - start
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
 
 
 # The marks kept from forwards before a step's first backward, per group: a model with
@@ -187,7 +127,7 @@ class StepProfiler:
     _chunked_ids: set[int] | None = None
 
     def __post_init__(self) -> None:
-        self.clock = _Clock(self.runtime.device)
+        self.clock = Clock(self.runtime.device)
         # The measured step starts after a step: persistent chunks (a pinned n_persist, a
         # re-profile that keeps them) have their optimizer state and maybe their gradients on
         # the device, which the cost model counts apart (static_bytes excludes them as it
@@ -250,150 +190,6 @@ class StepProfiler:
 
     # ---- after the step -------------------------------------------------------------------
 
-    def _probe(self, block: nn.Module, group_index: int, args: tuple, kwargs: dict) -> UnitProfile:
-        """Run one block on its own: saved bytes, transients, forward and backward times. The
-        block runs through its ``__call__`` (the hooks of HF and others with it; the runtime's
-        own step aside), as in the step: where the launching thread is the bottleneck (a small
-        block at a short batch), the call path is part of the time."""
-        runtime = self.runtime
-        policy = activations.policy_of(block)
-        activations.remove_policy(block)
-        chunks = runtime.layout.chunks_of_group[group_index]
-        for index in chunks:
-            runtime.manager.gather(index)
-        params = [p for p in block.parameters() if p.requires_grad]
-        # A KV cache the step's forward wrote to would be appended to again by every run.
-        kwargs = {k: v for k, v in kwargs.items() if not activations.is_kv_cache(k, v)}
-        if "use_cache" in kwargs:
-            kwargs["use_cache"] = False
-        saved = [0]
-        mlp = find_mlp(block)
-        mlp_inputs: list[torch.Tensor] = []
-        mlp_fields: dict[str, Any] = {}
-        try:
-            with runtime.step_state.probe():
-                # The first run pays one-time costs (allocator growth, kernel selection); the
-                # timings are the best of PROBE_RUNS, the memory figures those of the last run.
-                best = (float("inf"), float("inf"))
-                for _ in range(PROBE_RUNS):
-                    saved[0] = 0
-                    with _capture_input(mlp, mlp_inputs):
-                        measured = self._probe_once(
-                            block, self._inputs(args), kwargs, params, saved
-                        )
-                    fwd_s, bwd_s, kept, fwd_peak, bwd_peak = measured
-                    best = (min(best[0], fwd_s), min(best[1], bwd_s))
-                fwd_s, bwd_s = best
-                if mlp is not None and mlp_inputs:
-                    mlp_fields = self._probe_mlp(mlp, mlp_inputs[-1])
-        finally:
-            for index in chunks:
-                runtime.manager.release(index)
-            if policy != "keep":
-                runtime.apply_block_policy(block, policy)
-        # The probe's backward allocates the block's parameter gradients; the cost model adds
-        # them (offloaded and persistent grads per unit), so they leave the transient, which
-        # may go negative (down to -kept: activations are freed as the gradients are made).
-        bwd_transient = max(0, bwd_peak)
-        if self.clock.cuda:
-            bwd_transient = max(-int(kept), bwd_peak - _grad_bytes(self._chunked_trainable(params)))
-        return UnitProfile(
-            fwd_s=fwd_s,
-            bwd_s=bwd_s,
-            act_bytes_keep=int(kept),
-            act_bytes_checkpoint=self.input_bytes.get(group_index, 0),
-            fwd_transient_bytes=int(max(0, fwd_peak - kept)),
-            bwd_transient_bytes=int(bwd_transient),
-            name=type(block).__name__,
-            **mlp_fields,
-        )
-
-    def _probe_mlp(self, mlp: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-        """Run a block's MLP on its own, on the input it had in the block: the bytes it saves
-        beyond that input, its own transients and its forward time (``UnitProfile.mlp_*``)."""
-        params = [p for p in mlp.parameters() if p.requires_grad]
-        saved = [0]
-        best_s = float("inf")
-        for _ in range(2):
-            saved[0] = 0
-            inputs = self._inputs((x,))
-            fwd_s, _, kept, fwd_peak, bwd_peak = self._probe_once(
-                mlp, inputs, {}, params, saved, skip=inputs[0]
-            )
-            best_s = min(best_s, fwd_s)
-        bwd_transient = max(0, bwd_peak)
-        if self.clock.cuda:
-            bwd_transient = max(-int(kept), bwd_peak - _grad_bytes(self._chunked_trainable(params)))
-        return {
-            "mlp_act_bytes": int(kept),
-            "mlp_fwd_transient_bytes": int(max(0, fwd_peak - kept)),
-            "mlp_bwd_transient_bytes": int(bwd_transient),
-            "mlp_fwd_s": best_s,
-        }
-
-    @staticmethod
-    def _inputs(args: tuple) -> tuple:
-        """``args`` with the first input a fresh leaf that takes a gradient (as a block's input
-        does in the step), so each run's backward reaches it."""
-        if args and isinstance(args[0], torch.Tensor):
-            x = args[0].detach().requires_grad_(args[0].is_floating_point())
-            return (x, *args[1:])
-        return args
-
-    def _probe_once(
-        self,
-        block: nn.Module,
-        inputs: tuple,
-        kwargs: dict,
-        params: list,
-        saved: list[int],
-        skip: torch.Tensor | None = None,
-    ) -> tuple[float, float, int, int, int]:
-        """One forward and backward of ``block``: (fwd_s, bwd_s, kept, fwd_peak, bwd_peak).
-        ``saved`` counts the bytes autograd saves (CPU only: the GPU reads the allocator),
-        those of ``skip``'s storage aside."""
-        x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
-        skipped = skip.untyped_storage().data_ptr() if skip is not None else None
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if not isinstance(t, nn.Parameter) and (
-                skipped is None or t.untyped_storage().data_ptr() != skipped
-            ):
-                saved[0] += t.numel() * t.element_size()
-            return t
-
-        # On the GPU the allocator gives the saved bytes, and a Python hook per saved tensor
-        # would add host time the step does not have.
-        counting = (
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            if not self.clock.cuda
-            else contextlib.nullcontext()
-        )
-        base = self.clock.allocated()
-        self.clock.reset_peak()
-        start = self.clock.mark()
-        with torch.enable_grad(), counting:
-            out = block(*inputs, **kwargs)
-        end = self.clock.mark()
-        outs = out if isinstance(out, tuple) else (out,)
-        first = outs[0]
-        if self.clock.cuda:
-            kept = self.clock.allocated() - base - first.numel() * first.element_size()
-        else:
-            kept = saved[0]
-        fwd_peak = self.clock.peak() - base
-        grad_inputs = [x] + params if x is not None and x.requires_grad else params
-        self.clock.reset_peak()
-        before_bwd = self.clock.allocated()
-        bstart = self.clock.mark()
-        if grad_inputs and first.requires_grad:
-            torch.autograd.grad(first, grad_inputs, torch.ones_like(first))
-        bend = self.clock.mark()
-        bwd_peak = self.clock.peak() - before_bwd
-        fwd_s = self.clock.seconds(start, end)
-        bwd_s = self.clock.seconds(bstart, bend)
-        return fwd_s, bwd_s, int(kept), int(fwd_peak), int(bwd_peak)
-
     def build(
         self, optim_bytes_per_param: int, micro_batches: int = 1, optim_step_bytes: int = 0
     ) -> ModelProfile:
@@ -403,10 +199,18 @@ class StepProfiler:
         probes: dict[type, UnitProfile] = {}
         # The probes run blocks in train mode (dropout): the user's RNG streams must not move.
         devices = [runtime.device] if runtime.device.type == "cuda" else []
+        probe = BlockProbe(runtime, self.clock)
         with torch.random.fork_rng(devices=devices):
             for cls, (group_index, args, kwargs) in self.block_inputs.items():
                 module = runtime.groups[group_index].module
-                probes[cls] = self._probe(module, group_index, args, kwargs)
+                probes[cls] = probe.run(
+                    module,
+                    group_index,
+                    args,
+                    kwargs,
+                    self.input_bytes.get(group_index, 0),
+                    self._chunked_trainable,
+                )
         order = sorted(runtime.groups, key=lambda g: runtime.position(g.index))
         block_groups = [g for g in order if g.is_block]
         unit_of: dict[int, int] = {}
@@ -481,7 +285,7 @@ class StepProfiler:
             if not g.is_block and runtime.position(g.index) > last
             for _, p in g.params()
         }
-        return _grad_bytes(self._chunked_trainable(params.values()))
+        return grad_bytes(self._chunked_trainable(params.values()))
 
     def _chunked_trainable(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """Those of ``params`` whose gradients the cost model counts: trainable and in a chunk
