@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from autooffload.atomic import atomic_write, write_text_atomic
-from autooffload.bench import report
+from autooffload.bench import plots, report
 from autooffload.plan import hardware
 from autooffload.plan.profile_types import HardwareProfile
 
@@ -60,7 +60,7 @@ def test_bench_json_and_plot_keep_the_old_file(tmp_path: Path, failing_fsync: No
             else:
                 row = {"workload": "w", "peer": "p", "peer_label": "p", "cap": "none"}
                 rows = [{**row, "tokens_per_s": 1.0, "status": "ok", "peak_allocated_gib": 1.0}]
-                report.plot(rows, path)
+                plots.plot(rows, path)
         assert path.read_text() == OLD
         path.unlink()
     assert list(tmp_path.iterdir()) == []

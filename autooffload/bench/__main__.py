@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autooffload.bench import report
+from autooffload.bench import plots, report
 from autooffload.bench.peers import PEERS, public_peers
 from autooffload.bench.runner import (
     CommonSettings,
@@ -157,7 +157,7 @@ def _from_json(args: argparse.Namespace) -> int:
     print(report.format_table(payload["summary"]))
     plot_path = _plot_path(args, args.out or paths[0])
     if plot_path:
-        for path in report.write_plots(payload, plot_path, payload.get("command", "")):
+        for path in plots.write_plots(payload, plot_path, payload.get("command", "")):
             print(f"plot: {path}")
     return 0
 
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nresults: {out}")
     plot_path = _plot_path(args, out)
     if plot_path:
-        for path in report.write_plots(payload, plot_path, command):
+        for path in plots.write_plots(payload, plot_path, command):
             print(f"plot: {path}")
     return 0
 

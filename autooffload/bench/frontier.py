@@ -165,7 +165,7 @@ def plot_frontier(
         _plot_workload(ax, workload, by_cap, [r for r in rows if r["workload"] == workload])
     for ax in list(axes.flat)[len(sweeps) :]:
         ax.set_visible(False)
-    from autooffload.bench.report import save_figure
+    from autooffload.bench.plots import save_figure
 
     save_figure(fig, path, title, 140)
     return True

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from autooffload.bench import report
+from autooffload.bench import plots, report
 from autooffload.bench.runner import (
     PeerSpec,
     parse_caps,
@@ -123,8 +123,8 @@ def test_sweep_and_bar_plots_are_pngs(tmp_path: Path) -> None:
     report.annotate(results)
     rows = report.summarise(results)
     sweep, bars = tmp_path / "sweep.png", tmp_path / "bars.png"
-    report.plot(rows, sweep)
-    report.plot([r for r in rows if r["cap"] == "8GiB"], bars)
+    plots.plot(rows, sweep)
+    plots.plot([r for r in rows if r["cap"] == "8GiB"], bars)
     for path in (sweep, bars):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -204,7 +204,7 @@ def test_multi_gpu_rows_are_compared_with_vanilla_on_as_many_gpus(tmp_path: Path
     scaled = next(r for r in summary if r["peer_label"] == "autooffload x4")
     assert scaled["scaling"] == pytest.approx(3000 / (4 * 900))
     path = tmp_path / "bench.png"
-    written = report.write_plots({"summary": summary, "runs": rows}, path)
+    written = plots.write_plots({"summary": summary, "runs": rows}, path)
     assert tmp_path / "bench.scaling.png" in written
     assert (tmp_path / "bench.scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not report.plot_scaling([r for r in summary if r.get("nproc") == 1], path)
+    assert not plots.plot_scaling([r for r in summary if r.get("nproc") == 1], path)
