@@ -1,8 +1,10 @@
 """Side-by-side benchmarks of autooffload against its peers: ``python -m autooffload.bench``.
 
-Workloads live in :mod:`autooffload.bench.workloads`, peers in :mod:`autooffload.bench.peers`,
-one run per worker process (:mod:`autooffload.bench._worker`), orchestration in
-:mod:`autooffload.bench.runner` and tables / JSON / plots in :mod:`autooffload.bench.report`.
+Workloads live in :mod:`autooffload.bench.workloads`, peers in :mod:`autooffload.bench.peers`
+(built on :mod:`autooffload.bench.trainee`; the autooffload peer in
+:mod:`autooffload.bench.peer_autooffload`), one run per worker process
+(:mod:`autooffload.bench._worker`), orchestration in :mod:`autooffload.bench.runner`, tables and
+JSON in :mod:`autooffload.bench.report`, plots in :mod:`autooffload.bench.plots`.
 See ``docs/benchmarks.md``.
 """
 

@@ -12,7 +12,7 @@ import importlib.util
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,96 +22,26 @@ from autooffload.bench.deepspeed_configs import SWEEP, DeepSpeedConfig, HostNeed
 from autooffload.bench.deepspeed_configs import label as deepspeed_label
 from autooffload.bench.deepspeed_configs import skip_reason as deepspeed_skip_reason
 from autooffload.bench.deepspeed_configs import sweep_order as deepspeed_sweep_order
-from autooffload.bench.frontier import candidates_of
-from autooffload.bench.models import base_model, build_model, decoder_blocks
+from autooffload.bench.models import build_model, decoder_blocks
+from autooffload.bench.peer_autooffload import (
+    fixed_activation_mode,
+    setup_autooffload,
+)
+from autooffload.bench.trainee import (
+    PeerContext,
+    PeerUnavailable,
+    Trainee,
+    adamw,
+    data_parallel,
+)
 from autooffload.bench.workloads import UnknownNameError, Workload
-
-
-class PeerUnavailable(Exception):
-    """The peer cannot run here (missing dependency, unsupported mode); the message says why."""
-
-
-@dataclass
-class PeerContext:
-    """What a peer's setup gets: the workload, where to run, the memory cap and its options."""
-
-    workload: Workload
-    device: str
-    cap_bytes: int | None
-    seed: int
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-class Trainee:
-    """A model and optimizer ready to train; ``step`` runs ``accum`` forward/backward passes
-    (gradient accumulation: each loss scaled by 1/accum, the cross-rank gradient sync skipped
-    for all but the last, as HF Trainer and accelerate do), then one update."""
-
-    accum: int = 1
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model = model
-        self.optimizer = optimizer
-
-    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        total = None
-        for micro in range(self.accum):
-            with self.sync_context(last=micro == self.accum - 1):
-                loss = self.forward(batch)
-                (loss / self.accum if self.accum > 1 else loss).backward()
-            loss = loss.detach()
-            total = loss if total is None else total + loss
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total / self.accum
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One micro-batch's loss."""
-        return self.model(**batch).loss
-
-    def sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """Around a micro-batch's forward and backward: DDP's ``no_sync`` for all but the last."""
-        if not last and isinstance(self.model, nn.parallel.DistributedDataParallel):
-            return self.model.no_sync()
-        return contextlib.nullcontext()
-
-    def on_timing_start(self) -> None:
-        """Called after warm-up, before the first timed step."""
-
-    def on_step_end(self) -> None:
-        """Called after every step (warm-up included), once the device is synchronised."""
-
-    def settled(self) -> bool:
-        """Whether the peer has reached its steady state (the warm-up goes on until then, up
-        to a limit): autooffload's plan has passed its first checks."""
-        return True
-
-    def report(self, timed_steps: int) -> dict[str, Any]:
-        """Peer-specific fields for the result (breakdown, plan); never raises."""
-        return {}
-
-    def close(self) -> None:
-        """Release process-wide state (process groups, patches)."""
-
-
-def _adamw(model: nn.Module, ctx: PeerContext, fused: bool | None = None) -> torch.optim.AdamW:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if fused is None:
-        fused = ctx.device == "cuda"
-    return torch.optim.AdamW(params, lr=ctx.workload.lr, weight_decay=0.0, fused=fused)
-
-
-def _data_parallel() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _setup_vanilla(ctx: PeerContext) -> Trainee:
     model = build_model(ctx.workload, seed=ctx.seed)
     model.to(ctx.device)
-    optimizer = _adamw(model, ctx)
-    if _data_parallel():  # several GPUs: plain DDP is the reference
+    optimizer = adamw(model, ctx)
+    if data_parallel():  # several GPUs: plain DDP is the reference
         ids = [torch.cuda.current_device()] if ctx.device == "cuda" else None
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     return Trainee(model, optimizer)
@@ -121,7 +51,7 @@ def _setup_hf_gc(ctx: PeerContext) -> Trainee:
     # build_model turns on gradient_checkpointing_enable(use_reentrant=False) (+ PEFT input grads).
     model = build_model(replace(ctx.workload, gc=True), seed=ctx.seed)
     model.to(ctx.device)
-    return Trainee(model, _adamw(model, ctx))
+    return Trainee(model, adamw(model, ctx))
 
 
 class SaveOnCpuTrainee(Trainee):
@@ -140,195 +70,10 @@ def _setup_save_on_cpu(ctx: PeerContext) -> Trainee:
     model = build_model(replace(ctx.workload, gc=False), seed=ctx.seed)
     model.to(ctx.device)
     # Pinning needs an accelerator; CPU-only runs (tests) use pageable memory.
-    return SaveOnCpuTrainee(model, _adamw(model, ctx), pin=ctx.device == "cuda")
+    return SaveOnCpuTrainee(model, adamw(model, ctx), pin=ctx.device == "cuda")
 
 
 # --- autooffload -------------------------------------------------------------------------------
-
-
-def _safe(fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except Exception:
-        return None
-
-
-def _runtime_of(model: nn.Module) -> Any:
-    from autooffload import runtime as rt_module
-
-    runtime_of = getattr(rt_module, "runtime_of", None)
-    if runtime_of is None:
-        return None
-    for candidate in (model, base_model(model), next(iter(model.parameters()), None)):
-        found = _safe(lambda c=candidate: runtime_of(c)) if candidate is not None else None
-        if found is not None:
-            return found
-    return None
-
-
-STAT_KEYS = ("steps", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "cpu_optim_s", "stall_s")
-PLAN_FIELDS = ("chunk_size", "n_chunks", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
-
-
-class AutoOffloadTrainee(Trainee):
-    """The vanilla script under ``autooffload.enable()``; reports the runtime's stats, its plan
-    with the predictions, and a summary of the feasible configurations the plan was chosen from."""
-
-    stats_at_start: dict[str, Any] | None = None
-    tokens_per_step: int = 1
-    # The CPU worker's (busy seconds, params updated, seconds in the optimizer kernels) totals
-    # at the end of every step.
-    cpu_totals: list[tuple[float, int, float]] | None = None
-
-    def on_step_end(self) -> None:
-        cpu = getattr(_safe(lambda: _runtime_of(self.model)), "cpu_optim", None)
-        if cpu is not None:
-            totals = (cpu.busy_s, cpu.updated_params, cpu.kernel_s)
-            self.cpu_totals = [*(self.cpu_totals or []), totals]
-
-    def settled(self) -> bool:
-        runtime = _safe(lambda: _runtime_of(self.model))
-        return runtime is None or runtime.plan_settled
-
-    def _stats(self) -> dict[str, Any] | None:
-        runtime = _safe(lambda: _runtime_of(self.model))
-        stats = _safe(runtime.stats) if runtime is not None else None
-        return dict(stats) if isinstance(stats, dict) else None
-
-    def on_timing_start(self) -> None:
-        self.stats_at_start = self._stats()
-
-    def sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """Under data parallelism autooffload averages gradients at every backward unless in
-        ``autooffload.no_sync`` (the last micro-batch syncs)."""
-        if last or not _data_parallel():
-            return contextlib.nullcontext()
-        import autooffload
-
-        return autooffload.no_sync(self.model)
-
-    def report(self, timed_steps: int) -> dict[str, Any]:
-        import autooffload
-
-        runtime = _safe(lambda: _runtime_of(self.model))
-        out: dict[str, Any] = {"attached": runtime is not None}
-        plan = _safe(lambda: autooffload.last_plan())
-        out["plan_summary"] = _safe(plan.summary) if plan is not None else None
-        out["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
-        out["predicted_allocated_bytes"] = (getattr(plan, "breakdown", None) or {}).get(
-            "mem_allocated"
-        )
-        out["predicted_step_s"] = getattr(plan, "predicted_step_s", None)
-        out["plan"] = {k: _safe(lambda k=k: getattr(plan, k)) for k in PLAN_FIELDS}
-        out["plan"]["bottleneck"] = getattr(plan, "bottleneck", None)
-        out["plan"]["source"] = getattr(plan, "source", None)
-        # The plan's predicted breakdown (times, stalls, memory terms), and what the model ran
-        # on: re-running ``plan.cost_time`` on these offline shows where a prediction went wrong.
-        out["predicted_breakdown"] = dict(getattr(plan, "breakdown", None) or {}) or None
-        out["model_profile"] = _safe(lambda: _planned_profile(runtime, plan).to_dict())
-        out["hardware"] = _safe(lambda: runtime.search_request.hw.to_dict())
-        # Read directly: a renamed attribute must fail the bench's tests, not record None.
-        out["expandable_segments"] = runtime.expandable_segments if runtime is not None else None
-        out["profiling_peak_bytes"] = (
-            runtime.control.profiling_peak_bytes if runtime is not None else None
-        )
-        stats = self._stats()
-        out["stats"] = stats
-        out["breakdown"] = _per_step_breakdown(self.stats_at_start, stats, timed_steps)
-        out["cpu_per_step"] = _cpu_per_step(self.cpu_totals or [])
-        try:
-            out["candidates"] = candidates_of(runtime, plan, self.tokens_per_step)
-        except Exception as exc:  # the run's numbers stay valid without the summary
-            out["candidates"] = {"error": f"{type(exc).__name__}: {exc}"}
-        return out
-
-    def close(self) -> None:
-        import autooffload
-
-        disable = getattr(autooffload, "disable", None)
-        if callable(disable):
-            _safe(disable)
-
-
-def _planned_profile(runtime: Any, plan: Any) -> Any:
-    """The profile the plan's predictions were made on."""
-    from autooffload.runtime.control.planning import profile_for_plan
-
-    return profile_for_plan(runtime.profile, plan, runtime.search_request.hw)
-
-
-def _per_step_breakdown(
-    before: dict[str, Any] | None, after: dict[str, Any] | None, timed_steps: int
-) -> dict[str, float | None]:
-    """Per-step means of the runtime's counters over the timed steps (null where unknown)."""
-    breakdown: dict[str, float | None] = {}
-    for key in STAT_KEYS[1:]:
-        a = (after or {}).get(key)
-        b = (before or {}).get(key, 0) or 0
-        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and timed_steps > 0
-        breakdown[key] = (a - b) / timed_steps if ok else None
-    return breakdown
-
-
-def _cpu_per_step(totals: list[tuple[float, int, float]]) -> list[dict[str, float | None]]:
-    """Each step's CPU worker work, warm-up included: busy seconds, params updated and their
-    rate, and the seconds and rate of the optimizer kernels alone (the twins' ``step()``). A
-    step's update may still run when the step's end is read: it then counts in the next step,
-    so a rate is exact over several steps, approximate over one."""
-    out: list[dict[str, float | None]] = []
-    previous = (0.0, 0, 0.0)
-    for busy_s, params, kernel_s in totals:
-        d_busy, d_params, d_kernel = (
-            now - before for now, before in zip((busy_s, params, kernel_s), previous, strict=True)
-        )
-        out.append(
-            {
-                "busy_s": d_busy,
-                "params": d_params,
-                "params_per_s": d_params / d_busy if d_busy > 0 else None,
-                "kernel_s": d_kernel,
-                "kernel_params_per_s": d_params / d_kernel if d_kernel > 0 else None,
-            }
-        )
-        previous = (busy_s, params, kernel_s)
-    return out
-
-
-def _setup_autooffload(ctx: PeerContext) -> Trainee:
-    try:
-        import autooffload
-    except Exception as exc:  # the package itself failed to import
-        raise RuntimeError(f"import autooffload failed: {exc!r}") from exc
-    enable = getattr(autooffload, "enable", None)
-    if not callable(enable):
-        raise RuntimeError(
-            "autooffload.enable is missing (autooffload/__init__.py does not define it yet): "
-            "the runtime has not landed"
-        )
-    overrides = dict(ctx.workload.autooffload_defaults)
-    overrides.update(ctx.options)
-    if ctx.cap_bytes is not None:
-        overrides.setdefault("budget", ctx.cap_bytes)
-    if ctx.device == "cpu":
-        overrides["device"] = "cpu"
-    enable(**overrides)
-    model = build_model(ctx.workload, seed=ctx.seed)
-    model.to(ctx.device)
-    trainee = AutoOffloadTrainee(model, _adamw(model, ctx))
-    trainee.tokens_per_step = ctx.workload.tokens_per_step
-    return trainee
-
-
-def _fixed_activation_mode(mode: str) -> Callable[[PeerContext], Trainee]:
-    """The autooffload peer with ``activation_mode`` forced; everything else still planned."""
-
-    def setup(ctx: PeerContext) -> Trainee:
-        return _setup_autooffload(replace(ctx, options={**ctx.options, "activation_mode": mode}))
-
-    return setup
-
-
-# --- FSDP2 with CPUOffloadPolicy ---------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -394,7 +139,7 @@ def _fsdp2_trainee(ctx: PeerContext, fused: bool | None) -> Trainee:
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     # Sharded params live on the CPU, so the optimizer runs there.
     if fused:
-        optimizer = _adamw(model, ctx, fused=True)
+        optimizer = adamw(model, ctx, fused=True)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=ctx.workload.lr, weight_decay=0.0)
@@ -625,7 +370,7 @@ PEERS: dict[str, PeerDef] = {
         host_need=_deepspeed_host_need({"stage": 3}),
     ),
     "autooffload": PeerDef(
-        _setup_autooffload,
+        setup_autooffload,
         "autooffload.enable(budget=cap, **opts) + the vanilla script unchanged",
         takes_options=True,
         autooffload_settings=True,
@@ -640,7 +385,7 @@ PEERS: dict[str, PeerDef] = {
     ),
     **{
         f"autooffload_{short}": PeerDef(
-            _fixed_activation_mode(mode),
+            fixed_activation_mode(mode),
             f"autooffload with activation_mode={mode} for every block; the rest planned",
             takes_options=True,
             autooffload_settings=True,

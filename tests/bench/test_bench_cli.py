@@ -13,7 +13,7 @@ import pytest
 import autooffload
 from autooffload.bench.__main__ import main
 from autooffload.bench.deepspeed_configs import HOST_OOM
-from autooffload.bench.peers import _planned_profile
+from autooffload.bench.peer_autooffload import _planned_profile
 from autooffload.bench.runner import exit_reason, sweep_outcome, worker_env
 from autooffload.plan.configuration import with_checkpoint_inputs_on_cpu
 from autooffload.plan.cost_memory import predict_peak_bytes
