@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,11 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from autooffload.runtime.chunks.layout import Chunk, ChunkLayout, slot_view
+from autooffload.runtime.forward_wrap import install_forward, remove_forward
 
 if TYPE_CHECKING:
     from autooffload.runtime.blocks import Group
     from autooffload.runtime.chunks.store import ChunkManager
 
+# Where a served module keeps its ``forward_wrap`` state.
+_KEY = "_autooffload_host_vocab"
 # Bytes of one head tile: small enough that two of them are a fraction of a block, large enough
 # that a tile's matmul keeps the device busy (Llama-3 head: 16 tiles of 8016 rows).
 HEAD_TILE_BYTES = 64 << 20
@@ -139,8 +143,16 @@ class HostVocab:
         for index in wanted - self.served:
             served = self.servable[index]
             self.manager.release(index)
-            forward = _embedding_rows if served.kind == "rows" else _head_tiles
-            served.module.forward = _Forward(forward, self, served)  # type: ignore[method-assign]
+            module = served.module
+            state = SimpleNamespace(
+                inner_forward=module.forward,
+                prior_forward=module.__dict__.get("forward"),
+                active=True,
+                serve=_embedding_rows if served.kind == "rows" else _head_tiles,
+                vocab=self,
+                served=served,
+            )
+            install_forward(module, _KEY, state, _served_forward)
         self.served = wanted
 
     def stop(self) -> None:
@@ -150,8 +162,7 @@ class HostVocab:
 
     @staticmethod
     def _restore(module: nn.Module) -> None:
-        if "forward" in module.__dict__:
-            del module.forward
+        remove_forward(module, _KEY)
 
     def host_weight(self, served: ServedChunk) -> torch.Tensor:
         """The weight in the host store."""
@@ -163,15 +174,11 @@ class HostVocab:
         return self._pinned_rows
 
 
-class _Forward:
-    """A module's forward replaced by a served one (an instance attribute, so ``del`` restores
-    the class's)."""
-
-    def __init__(self, fn: Any, vocab: HostVocab, served: ServedChunk) -> None:
-        self.fn, self.vocab, self.served = fn, vocab, served
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(self.vocab, self.served, x)
+def _served_forward(state: SimpleNamespace, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The module's forward while served (``forward_wrap``): its own once it is no longer."""
+    if not state.active:
+        return state.inner_forward(*args, **kwargs)
+    return state.serve(state.vocab, state.served, *args, **kwargs)
 
 
 class _PinnedRows:
