@@ -37,6 +37,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEVICES = ("cuda", "cpu")
 DATA_PARALLEL_MODES = ("auto", "off")
 SHARD_OPTIMIZER_MODES = ("auto", "on", "off")
+CPU_BINDING_MODES = ("auto", "off")
 
 
 def _knob(
@@ -194,6 +195,12 @@ class Settings:
             memory, H2D copies and CPU update time per rank fall ~N-fold; saving then needs
             :func:`autooffload.consolidate` on every rank (HF ``Trainer`` and accelerate's
             ``save_state`` do it). ``off``: every rank keeps and updates all of it.
+        cpu_binding: Under data parallelism with several ranks on a host of several NUMA
+            nodes, ``auto``: each rank binds its threads to an exclusive share of the cores of
+            its GPU's node (its host store and optimizer state then live there) and runs its
+            CPU optimizer on that many threads, unless the launcher bound it already
+            (``runtime/parallel/affinity.py``); ``off``: threads stay where the launcher put
+            them, each rank taking cores // local ranks threads.
     """
 
     enabled: bool = _knob(True, "AUTOOFFLOAD", parse_bool, "master switch; 0 turns everything off")
@@ -379,6 +386,12 @@ class Settings:
         "AUTOOFFLOAD_SHARD_OPTIMIZER",
         enum_of(SHARD_OPTIMIZER_MODES),
         "auto/on (each data-parallel rank owns 1/N of the host weights and optimizer state) or off",
+    )
+    cpu_binding: str = _knob(
+        "auto",
+        "AUTOOFFLOAD_CPU_BINDING",
+        enum_of(CPU_BINDING_MODES),
+        "auto (each data-parallel rank on its share of its GPU's NUMA node's cores) or off",
     )
 
     def __post_init__(self) -> None:

@@ -35,7 +35,17 @@ def _runtime_of(model: nn.Module) -> Any:
     return None
 
 
-STAT_KEYS = ("steps", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "cpu_optim_s", "stall_s")
+STAT_KEYS = (
+    "steps",
+    "h2d_bytes",
+    "d2h_bytes",
+    "h2d_s",
+    "d2h_s",
+    "gather_s",
+    "broadcast_bytes",
+    "cpu_optim_s",
+    "stall_s",
+)
 PLAN_FIELDS = ("chunk_size", "n_chunks", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 
 

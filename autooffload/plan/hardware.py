@@ -3,9 +3,15 @@
 ``measure_hardware`` times pinned H2D, D2H and both-at-once copies with CUDA events, the CPU
 optimizer's update rate at the thread count in use (and the device optimizer's, for persistent
 chunks), and reads free/total device memory. The result is cached as JSON in the cache dir, keyed
-by hostname, device name, driver, torch version, CPU thread count and optimizer; free memory is
-re-read on every call. With ``device="cpu"`` (CPU simulation) the copies are host memcpy and the
-memory is host RAM: still measured, never constants.
+by hostname, device name, driver, torch version, CPU thread count, optimizer and the number of
+ranks sharing the host; free memory is re-read on every call. With ``device="cpu"`` (CPU
+simulation) the copies are host memcpy and the memory is host RAM: still measured, never
+constants.
+
+Data-parallel ranks on one host share its memory bandwidth, its PCIe switches and its cores, so
+each rank alone would measure a machine it never gets. With ``barrier`` (a collective every rank
+calls alike) every probe starts on all ranks at once: the copy and optimizer rates are each
+rank's share while all of them copy and update, as they do in training.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ def measure_hardware(
     cpu_optim_dtype: torch.dtype = torch.float32,
     device_optim_dtype: torch.dtype = torch.bfloat16,
     pinned: bool = True,
+    local_ranks: int = 1,
+    barrier: Callable[[], None] | None = None,
 ) -> HardwareProfile:
     """The machine's HardwareProfile: from the cache when its key matches, else measured (~1-3 s).
 
@@ -58,26 +66,31 @@ def measure_hardware(
     cannot be read or parsed is ignored and rewritten (atomically). ``cpu_optim_dtype`` is the
     dtype the CPU optimizer updates (fp32 master weights); ``device_optim_dtype`` the dtype of
     persistent parameters updated on the device. ``pinned=False`` times pageable copies (the
-    run's host store could not be pinned); it is cached under its own key.
+    run's host store could not be pinned); it is cached under its own key. ``local_ranks``:
+    data-parallel ranks measuring on this host at once, each calling ``barrier`` before every
+    probe (see the module docstring); the ranks must agree on ``reprofile`` (``cached_hardware``
+    tells each whether it would read the cache).
     """
     device = _normalise(torch.device(device))
-    key = cache_key(device, optimizer_cls, pinned)
+    key = cache_key(device, optimizer_cls, pinned, local_ranks)
     path = cache_path(cache_dir, key)
-    forced = reprofile or os.environ.get("AUTOOFFLOAD_REPROFILE", "").lower() in ("1", "true")
-    if not forced:
+    if not (reprofile or reprofile_forced()):
         cached = read_cache(path, key)
         if cached is not None:
             free, total = _memory(device)
             logger.debug("hardware profile from %s", path)
             return replace(cached, gpu_free_bytes=free, gpu_total_bytes=total)
+    together = barrier or (lambda: None)
     started = time.perf_counter()
     phases = [started]
     if device.type == "cuda":
-        h2d, d2h, duplex = _cuda_bandwidths(device, copy_bytes, pinned)
+        h2d, d2h, duplex = _cuda_bandwidths(device, copy_bytes, pinned, together)
         torch.cuda.empty_cache()  # give the copy buffers back before anything else allocates
     else:
+        together()
         h2d, d2h, duplex = _host_bandwidths(copy_bytes)
     phases.append(time.perf_counter())
+    together()
     cpu_rate, optim_name = optimizer_rate(optimizer_cls, torch.device("cpu"), cpu_optim_dtype)
     phases.append(time.perf_counter())
     device_rate, _ = optimizer_rate(optimizer_cls, device, device_optim_dtype)
@@ -116,9 +129,29 @@ def measure_hardware(
     return profile
 
 
-def cache_key(device: torch.device, optimizer_cls: type, pinned: bool = True) -> dict[str, Any]:
+def reprofile_forced() -> bool:
+    """``AUTOOFFLOAD_REPROFILE=1``: measure, whatever the cache holds."""
+    return os.environ.get("AUTOOFFLOAD_REPROFILE", "").lower() in ("1", "true")
+
+
+def cached_hardware(
+    device: str | torch.device,
+    cache_dir: str | os.PathLike[str] | None,
+    optimizer_cls: type[torch.optim.Optimizer],
+    pinned: bool = True,
+    local_ranks: int = 1,
+) -> HardwareProfile | None:
+    """The cached profile ``measure_hardware`` would return with these arguments, or None."""
+    device = _normalise(torch.device(device))
+    key = cache_key(device, optimizer_cls, pinned, local_ranks)
+    return read_cache(cache_path(cache_dir, key), key)
+
+
+def cache_key(
+    device: torch.device, optimizer_cls: type, pinned: bool = True, local_ranks: int = 1
+) -> dict[str, Any]:
     """What a cached profile must match: machine, device, driver, torch, threads, optimizer,
-    and whether host memory is pinned."""
+    whether host memory is pinned, and how many ranks share the host."""
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
     else:
@@ -132,6 +165,7 @@ def cache_key(device: torch.device, optimizer_cls: type, pinned: bool = True) ->
         "cpu_threads": torch.get_num_threads(),
         "optimizer": f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}",
         "pinned": pinned,
+        "local_ranks": local_ranks,
     }
 
 
@@ -224,10 +258,14 @@ def _make_optimizer(
 
 
 def _cuda_bandwidths(
-    device: torch.device, nbytes: int, pinned: bool = True
+    device: torch.device,
+    nbytes: int,
+    pinned: bool = True,
+    barrier: Callable[[], None] = lambda: None,
 ) -> tuple[float, float, float]:
     """(H2D, D2H, both-at-once aggregate) bytes/s of host copies (pinned unless ``pinned`` is
-    False, or pinning fails here too), median of CUDA-event timings."""
+    False, or pinning fails here too), median of CUDA-event timings; each direction starts
+    after ``barrier``."""
     nbytes = int(min(nbytes, torch.cuda.mem_get_info(device)[0] // 8))
     try:
         host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
@@ -262,6 +300,7 @@ def _cuda_bandwidths(
         return max(start.elapsed_time(end) for end in ends) / 1e3
 
     def median_seconds(copies: list[tuple[torch.cuda.Stream, Callable[[], None]]]) -> float:
+        barrier()
         timed(copies)  # warm-up
         return sorted(timed(copies) for _ in range(COPY_REPEATS))[COPY_REPEATS // 2]
 

@@ -442,6 +442,8 @@ class Runtime:
             "d2h_bytes": self.manager.stats["d2h_bytes"],
             "h2d_s": self.manager.stats["h2d_s"],
             "d2h_s": self.manager.stats["d2h_s"],
+            "gather_s": self.manager.stats["gather_s"],
+            "broadcast_bytes": self.manager.stats["broadcast_bytes"],
             "cpu_optim_s": self.cpu_optim.busy_s,
             "cpu_updates_in_backward": self.cpu_optim.updates_in_backward,
             "stall_s": self.manager.stats["stall_s"],

@@ -91,6 +91,26 @@ def test_cache_is_keyed_by_optimizer_and_threads(tmp_path, counted, monkeypatch)
     assert len(list(tmp_path.glob("hardware-*.json"))) == 3
 
 
+def test_ranks_sharing_a_host_are_cached_apart_and_probe_after_the_barrier(
+    tmp_path, counted, monkeypatch
+):
+    order = []
+    monkeypatch.setattr(
+        hardware, "_host_bandwidths", lambda nbytes: order.append("copies") or (1e10, 2e10, 3e10)
+    )
+    monkeypatch.setattr(
+        hardware, "optimizer_rate", lambda cls, device, dtype: order.append("optim") or (1e9, "x")
+    )
+    measure_hardware("cpu", tmp_path, local_ranks=4, barrier=lambda: order.append("barrier"))
+    # Every probe starts right after a barrier: all ranks of the host copy and update at once.
+    assert order[:4] == ["barrier", "copies", "barrier", "optim"]
+    assert hardware.cached_hardware("cpu", tmp_path, torch.optim.AdamW, local_ranks=4)
+    assert hardware.cached_hardware("cpu", tmp_path, torch.optim.AdamW, local_ranks=1) is None
+    measure_hardware("cpu", tmp_path, local_ranks=4, barrier=lambda: order.append("barrier"))
+    assert order.count("copies") == 1  # the second call read the cache: no barrier either
+    assert order.count("barrier") == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_measurement_is_plausible(tmp_path):

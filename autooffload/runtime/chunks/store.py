@@ -126,6 +126,10 @@ class ChunkManager:
         self._deferred_release: set[int] = set()
         if self.is_cuda:
             self.h2d_stream = torch.cuda.Stream(device)
+            # Waits for sharded chunks' broadcasts and records their ready events, so that the
+            # H2D stream is free for the next chunk's copy while a broadcast runs: chunks of
+            # different owners are then copied in at the same time on their owners.
+            self.gather_stream = torch.cuda.Stream(device) if sharding is not None else None
         # Device bytes of every chunk copy-in started (gathers and prefetches), for the
         # profiler to tell chunk storage from activations inside a window.
         self.copied_in_bytes = 0
@@ -308,13 +312,21 @@ class ChunkManager:
                 start.record(self.h2d_stream)
                 if local:
                     flat.copy_(self.host.view(index), non_blocking=True)
-                if sharded:
-                    # The collective waits for the copy queued on this stream; this stream (and
-                    # through the event, compute) waits for the collective.
-                    self.sharding.broadcast(flat, index).wait()  # type: ignore[union-attr]
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(self.h2d_stream)
-            self.stats.time("h2d_s", start, event)
+                    copied = torch.cuda.Event(enable_timing=True)
+                    copied.record(self.h2d_stream)
+                    self.stats.time("h2d_s", start, copied)
+                # The collective waits for the work queued on this stream: the owner's copy.
+                work = self.sharding.broadcast(flat, index) if sharded else None  # type: ignore[union-attr]
+            if work is None:
+                event = copied
+            else:
+                # Compute waits for the collective through the ready event; the H2D stream
+                # does not, and goes on to the next chunk's copy.
+                with torch.cuda.stream(self.gather_stream):
+                    work.wait()
+                    event = torch.cuda.Event(enable_timing=True)
+                    event.record(self.gather_stream)
+                self.stats.time("gather_s", start, event)
             self.ready_events[index] = event
         else:
             flat.untyped_storage().resize_(chunk.nbytes)
@@ -367,10 +379,12 @@ class ChunkManager:
         if self.is_cuda:
             current = torch.cuda.current_stream(self.device)
             in_flight = self.state[index] == Residency.IN_FLIGHT
-            if in_flight and self.ready_events[index] is not None and self.chunk_pool == "compute":
-                # Freed into the compute stream's pool: work queued next there may reuse the
-                # memory, so it waits for the copy still writing it.
-                current.wait_event(self.ready_events[index])
+            ready = self.ready_events[index]
+            if in_flight and ready is not None:
+                # Work queued next on the stream whose pool it returns to may reuse the memory,
+                # so that stream waits for the copy (or broadcast) still writing it.
+                stream = current if self.chunk_pool == "compute" else self.h2d_stream
+                stream.wait_event(ready)
             if not in_flight:
                 # A no-op on the stream that allocated it (the compute stream's pool); from the
                 # copy stream's pool, or after a user's side stream read it, reuse waits until
@@ -413,3 +427,5 @@ class ChunkManager:
         self.grads.synchronize()
         if self.is_cuda:
             self.h2d_stream.synchronize()
+            if self.gather_stream is not None:
+                self.gather_stream.synchronize()

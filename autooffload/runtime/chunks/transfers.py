@@ -21,6 +21,8 @@ class CopyStats(dict[str, float]):
             h2d_s=0.0,
             d2h_s=0.0,
             stall_s=0.0,
+            # Sharded chunks: from the copy's start to the broadcast's end, every rank.
+            gather_s=0.0,
             gathers=0,
             broadcast_bytes=0,
             # Gradient accumulation on the GPU: elements summed there, bytes of sums copied in.

@@ -16,7 +16,7 @@ from autooffload.plan.configuration import (
     with_checkpoint_inputs_on_cpu,
     with_mlp_tiles,
 )
-from autooffload.plan.hardware import measure_hardware
+from autooffload.plan.hardware import cached_hardware, measure_hardware, reprofile_forced
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan, format_bytes
@@ -24,6 +24,7 @@ from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 from autooffload.runtime.chunks.host import HostMemory, host_memory
 from autooffload.runtime.chunks.layout import ALIGN, ChunkLayout
 from autooffload.runtime.control.profiler import StepProfiler
+from autooffload.runtime.parallel.distributed import local_world_size
 from autooffload.settings import Settings
 
 if TYPE_CHECKING:
@@ -374,15 +375,29 @@ def plan_from_profile(
 
 
 def hardware_profile(runtime: Runtime) -> HardwareProfile:
-    """The machine's measured profile (cached per machine in ``settings.cache_dir``)."""
+    """The machine's measured profile (cached per machine in ``settings.cache_dir``).
+
+    Under data parallelism every rank measures at once, probe by probe (the rates of a host
+    its ranks share), or every rank reads the cache: a rank missing it makes all measure."""
     optimizer = runtime.cpu_optim.optimizer
     cls = type(optimizer) if optimizer is not None else torch.optim.AdamW
+    pinned = runtime.manager.host.pinned or not runtime.manager.is_cuda
+    reprofile = runtime.settings.reprofile or reprofile_forced()
+    dp = runtime.data_parallel
+    local_ranks, barrier = 1, None
+    if dp is not None:
+        local_ranks, barrier = local_world_size(), dp.barrier
+        cache_dir = runtime.settings.cache_dir
+        cached = cached_hardware(runtime.device, cache_dir, cls, pinned, local_ranks)
+        reprofile = any(dp.gather_object(reprofile or cached is None))
     return measure_hardware(
         runtime.device,
         runtime.settings.cache_dir,
-        reprofile=runtime.settings.reprofile,
+        reprofile=reprofile,
         optimizer_cls=cls,
-        pinned=runtime.manager.host.pinned or not runtime.manager.is_cuda,
+        pinned=pinned,
+        local_ranks=local_ranks,
+        barrier=barrier,
     )
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from autooffload.errors import AttachError
 from autooffload.log import logger
 from autooffload.runtime import registry
+from autooffload.runtime.parallel.affinity import bind_near_gpu
 
 if TYPE_CHECKING:
     from autooffload.plan.profile_types import HardwareProfile
@@ -152,6 +153,13 @@ class DataParallel:
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
+
+    def barrier(self) -> None:
+        """Return once every rank of the group got here (a one-element all-reduce, read back:
+        on NCCL the host waits for the collective, not only the stream)."""
+        flag = torch.zeros(1, device=self.collective_device)
+        dist.all_reduce(flag, group=self.group)
+        flag.item()
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of ``group_rank`` in this data-parallel group."""
@@ -373,6 +381,7 @@ def attach_data_parallel(runtime: Runtime, settings: Settings) -> DataParallel |
                     "master_weights",
                     "budget",
                     "shard_optimizer",
+                    "cpu_binding",
                     # Whether the auto mode decides (a collective) and what it plans with.
                     "update_in_backward",
                     "gpu_update_chunks",
@@ -382,7 +391,11 @@ def attach_data_parallel(runtime: Runtime, settings: Settings) -> DataParallel |
         }
     )
     runtime.control.adopt_plan(reducer.agree(runtime.plan))
-    share_cpu_threads()
+    binding = None
+    if settings.cpu_binding == "auto":
+        binding = bind_near_gpu(runtime.device, reducer.rank, reducer.gather_object)
+    if binding is None:
+        share_cpu_threads()
     logger.debug("data parallel over %d ranks (%s)", reducer.world_size, reducer.backend)
     return reducer
 
