@@ -1,4 +1,5 @@
-"""Turn run results into ratios vs vanilla, a loss sanity check, a table, a JSON file and a plot."""
+"""Turn run results into ratios vs vanilla (at the same GPU count), a loss sanity check, scaling
+efficiency, a table and a JSON file."""
 
 from __future__ import annotations
 

@@ -208,3 +208,39 @@ def test_multi_gpu_rows_are_compared_with_vanilla_on_as_many_gpus(tmp_path: Path
     assert tmp_path / "bench.scaling.png" in written
     assert (tmp_path / "bench.scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not plots.plot_scaling([r for r in summary if r.get("nproc") == 1], path)
+
+
+def _on(nproc: int, peer: str, cap: str, tps: float) -> dict:
+    """An ok run of ``peer`` on ``nproc`` GPUs, labelled as the runner labels it."""
+    run = _ok(peer, cap, tps, 10.0, 10.0, 8.0)
+    run.update(nproc=nproc, peer_label=peer + (f" x{nproc}" if nproc > 1 else ""))
+    return run
+
+
+def test_a_gpu_count_without_vanilla_has_no_ratio_and_scaling_needs_one_gpu() -> None:
+    """No vanilla run on 2 GPUs: the 2-GPU rows have no x vanilla (not the 1-GPU vanilla's);
+    scaling is tok/s on N over N x tok/s on one, per peer and cap, absent without a 1-GPU run."""
+    results = [
+        _on(1, "vanilla", "none", 1000.0),
+        _on(1, "autooffload", "8GiB", 800.0),
+        _on(2, "autooffload", "8GiB", 1400.0),
+        _on(4, "autooffload", "8GiB", 2400.0),
+        _on(2, "fsdp2_offload", "8GiB", 300.0),
+        _on(4, "fsdp2_offload", "8GiB", 500.0),
+    ]
+    report.annotate(results)
+    assert results[1]["tput_ratio"] == pytest.approx(0.8)
+    for run in results[2:]:
+        assert run["ref_cap"] is None
+        assert run["tput_ratio"] is None and run["mem_ratio"] is None
+        assert run["loss_vs_vanilla"] is None and run["loss_check"] == "n/a"
+    rows = {row["peer_label"]: row for row in report.summarise(results)}
+    assert rows["autooffload x2"]["tput_ratio"] is None
+    assert rows["autooffload"]["scaling"] is None
+    assert rows["autooffload x2"]["scaling"] == pytest.approx(1400 / (2 * 800))
+    assert rows["autooffload x4"]["scaling"] == pytest.approx(2400 / (4 * 800))
+    assert rows["fsdp2_offload x4"]["scaling"] is None
+    table = report.format_table(list(rows.values()))
+    assert "| w | 8GiB | autooffload x2 | ok | 1400 | - |" in table
+    assert "- w / 8GiB / autooffload x4: 0.75" in table
+    assert "fsdp2_offload x4:" not in table
