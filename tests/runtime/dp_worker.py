@@ -541,13 +541,20 @@ def case_resume(device, dtype, rank, world, out: Path):
         )
     dist.barrier()
     autooffload.disable()
+    return resume_from(out / "world2.pt", device, dtype, rank, world)
+
+
+def resume_from(checkpoint_path: Path, device, dtype, rank, world) -> dict[str, torch.Tensor]:
+    """Load a checkpoint of ``case_resume`` on every rank of this world (any size) into a new
+    attached replica (a different plan: everything offloaded) and finish its training; the
+    trained weights."""
     enable(device, n_persist=0)
-    checkpoint = torch.load(out / "world2.pt", weights_only=True)
+    checkpoint = torch.load(checkpoint_path, weights_only=True)
     model = tiny_llama(seed=5).to(device, dtype)
     model.load_state_dict(checkpoint["model"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     optimizer.load_state_dict(checkpoint["optimizer"])
-    train_local(model, optimizer, batches[RESUME_AT:], device, rank, world)
+    train_local(model, optimizer, global_batches(STEPS)[RESUME_AT:], device, rank, world)
     result = weights(model)
     autooffload.disable()
     return result
@@ -555,8 +562,9 @@ def case_resume(device, dtype, rank, world, out: Path):
 
 def resume_in_one_process(checkpoint_path: Path, world: int) -> dict[str, torch.Tensor]:
     """Resume a checkpoint of ``world`` ranks (``case_resume``) in this process, attached on the
-    CPU, each global batch's ``world`` parts as gradient accumulation; the trained weights."""
-    checkpoint = torch.load(checkpoint_path, weights_only=True)
+    CPU, each global batch's ``world`` parts as gradient accumulation; the trained weights.
+    A checkpoint saved by CUDA ranks loads onto the CPU."""
+    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
     autooffload.enable(device="cpu", force_attach=True, chunk_size=CHUNK_SIZE, mask=False)
     try:
         model = tiny_llama(seed=3).to("cpu")
