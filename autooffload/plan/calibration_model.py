@@ -1,6 +1,9 @@
-"""Calibration of the cost model from a measured step: fragmentation factor, compute scale."""
+"""Calibration of the cost model from a measured step: fragmentation factor, compute scale,
+compute cap."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from autooffload.errors import PlanError
 from autooffload.plan.cost_time import predict_step_time
@@ -34,9 +37,8 @@ def calibrate(
 
 # ``calibrate_compute``: the range of the compute factor, and how close the scaled prediction
 # must come to the measured step for the factor to count as the explanation of the miss. Down to
-# 1/16: a probe disturbed by other work on the host has timed a 3.6B forward at 1,535 ms where
-# the step ran 412 ms in all (a factor near 0.2), and such a profile must be corrected at the
-# first check; the elasticity tests below keep a floor compute does not set from passing.
+# 1/16: a probe disturbed by other work throughout times every block several times slower than
+# the step runs it; the elasticity tests below keep a floor compute does not set from passing.
 COMPUTE_SCALE_RANGE = (1 / 16, 4.0)
 # Factors outside this band mean the profile's compute times were an outlier (said so in the log).
 COMPUTE_OUTLIER_BAND = (0.5, 2.0)
@@ -44,6 +46,9 @@ COMPUTE_SCALE_FIT = 0.02
 # The least share of a change in compute time that must show in the predicted step (its
 # elasticity at the profiled times) for a step miss to be laid on compute at all.
 COMPUTE_ELASTICITY_MIN = 0.5
+# ``calibrate_compute_cap``: the units whose times outlast the step must be fewer than this share
+# of them. A one-off stall lands in the span it happened in; most units' is no stall.
+COMPUTE_CAP_MAX_SHARE = 0.5
 _BISECTIONS = 40
 
 
@@ -100,3 +105,58 @@ def calibrate_compute(
     if abs(fitted - base) < COMPUTE_ELASTICITY_MIN * abs(low - 1.0) * base:
         return None
     return low
+
+
+def calibrate_compute_cap(
+    profile: ModelProfile, step_of: Callable[[ModelProfile], float], measured_step_s: float
+) -> float | None:
+    """The time c (seconds, at most the measured step) to which the units' forward and
+    backward times that outlast a measured step are cut
+    (``profile.with_outliers_capped(measured_step_s, c)``) for ``step_of``, the predicted step
+    of a profile, to equal the measurement; None where no time outlasts it, where those that do
+    are in ``COMPUTE_CAP_MAX_SHARE`` of the units or more, or where no c brings the prediction
+    within ``COMPUTE_SCALE_FIT`` of the measurement.
+
+    No unit can take longer than a whole step. The pre and post units are spans of the
+    profiling step's own timeline, timed once; a stall there (a lazy initialisation, the host
+    busy between the forward and the backward) makes one unit outlast the step while the others
+    are right (3.6B: ~1.45 s of post forward, a step of 412 ms). One factor on every unit
+    cannot take the stall out without making the right units many times too fast, and on a step
+    bound by the copies or the CPU update it cannot reach the measurement at all; a cap takes it
+    out where it is and leaves the other times as profiled.
+
+    As for ``calibrate_compute``, the step must move by at least ``COMPUTE_ELASTICITY_MIN`` of
+    the compute the cap removes. The step time is non-decreasing in c, so the smallest c whose
+    prediction reaches the measurement is found by bisection.
+    """
+    if measured_step_s <= 0:
+        raise PlanError(f"measured_step_s={measured_step_s} must be > 0 seconds")
+    units = profile.units
+    outlasting = sum(max(u.fwd_s, u.bwd_s) > measured_step_s for u in units)
+    if not outlasting or outlasting >= COMPUTE_CAP_MAX_SHARE * len(units):
+        return None
+
+    def capped(cap: float) -> ModelProfile:
+        return profile.with_outliers_capped(measured_step_s, cap)
+
+    low, high = 0.0, measured_step_s
+    if step_of(capped(low)) < measured_step_s:
+        for _ in range(_BISECTIONS):
+            middle = (low + high) / 2
+            if step_of(capped(middle)) < measured_step_s:
+                low = middle
+            else:
+                high = middle
+        low = high
+    fitted = step_of(capped(low))
+    if abs(fitted / measured_step_s - 1) > COMPUTE_SCALE_FIT:
+        return None
+    removed = _compute_s(profile) - _compute_s(capped(low))
+    if step_of(profile) - fitted < COMPUTE_ELASTICITY_MIN * removed:
+        return None
+    return low
+
+
+def _compute_s(profile: ModelProfile) -> float:
+    """Seconds of the units' forward and backward compute, recompute aside."""
+    return sum(u.fwd_s + u.bwd_s for u in profile.units)

@@ -307,6 +307,23 @@ class ModelProfile:
             )
         )
 
+    def with_outliers_capped(self, outlier_s: float, cap_s: float) -> ModelProfile:
+        """A copy whose units' forward and backward times longer than ``outlier_s`` seconds are
+        ``cap_s`` (``calibration_model.calibrate_compute_cap``: a stall in a profiled span); a
+        capped forward's MLP time shrinks with it."""
+
+        def capped(seconds: float) -> float:
+            return cap_s if seconds > outlier_s else seconds
+
+        def unit_capped(unit: UnitProfile) -> UnitProfile:
+            fwd_s = capped(unit.fwd_s)
+            share = fwd_s / unit.fwd_s if unit.fwd_s > 0 else 1.0
+            return replace(
+                unit, fwd_s=fwd_s, bwd_s=capped(unit.bwd_s), mlp_fwd_s=unit.mlp_fwd_s * share
+            )
+
+        return self._with_units(unit_capped)
+
     def _with_units(
         self, change: Callable[[UnitProfile], UnitProfile], **fields: Any
     ) -> ModelProfile:

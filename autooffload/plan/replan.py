@@ -9,7 +9,12 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from autooffload.errors import PlanError
-from autooffload.plan.calibration_model import COMPUTE_OUTLIER_BAND, calibrate, calibrate_compute
+from autooffload.plan.calibration_model import (
+    COMPUTE_OUTLIER_BAND,
+    calibrate,
+    calibrate_compute,
+    calibrate_compute_cap,
+)
 from autooffload.plan.configuration import (
     with_accumulation_of,
     with_checkpoint_inputs_on_cpu,
@@ -17,6 +22,7 @@ from autooffload.plan.configuration import (
 )
 from autooffload.plan.cost_time import predict_step_time
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
+from autooffload.plan.residency import chunk_tables
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
@@ -28,14 +34,16 @@ CPU_RATE_MARGIN = 0.10
 # The host copies' measured rates raise the probed ones by more than this.
 COPY_RATE_MARGIN = 0.10
 # How far the measured step time may be from the prediction (with the calibrated peak, CPU
-# rate and copy rates) before the units' compute times are scaled to it
-# (``calibration_model.calibrate_compute``).
+# rate and copy rates) before the units' compute times are re-derived from it
+# (``step_calibration``).
 STEP_MARGIN = 0.05
 # A settled plan's drift check acts beyond DRIFT_MARGIN. At any check the plan changes only
 # where the calibrated search finds one faster than the running plan by REPLAN_GAIN, or where
 # the running plan no longer fits, since a switch costs a synchronisation and the chunks' moves.
 DRIFT_MARGIN = 0.10
 REPLAN_GAIN = 0.05
+# Unit times a compute cap cut that its log line names, the longest first.
+CAPPED_NAMED = 3
 
 
 @dataclass(frozen=True)
@@ -238,25 +246,63 @@ def with_running_split(profile: ModelProfile, plan: Plan) -> ModelProfile:
 def step_calibration(
     plan: Plan, profile: ModelProfile, hw: HardwareProfile, measured_step_s: float
 ) -> tuple[ModelProfile, str] | None:
-    """``profile`` with its compute scaled to the measured step, and the log's words for it;
-    None when the step is within ``STEP_MARGIN`` of the prediction, or no scale explains it."""
-    # The plan's own variant: its checkpointed blocks may keep their inputs in host memory, and
-    # its GPU update split stays at the running count (on auto it would follow the new CPU rate
-    # to another split, and the running step would be judged against that split's prediction).
+    """``profile`` with its compute re-derived from the measured step, and the log's words for
+    it; None when the step is within ``STEP_MARGIN`` of the prediction, or no change of the
+    compute explains it.
+
+    Unit times that outlast the whole measured step held a stall: they alone are cut to fit
+    it (``calibration_model.calibrate_compute_cap``). Otherwise every unit's times are scaled
+    by one factor (``calibrate_compute``): the step runs its blocks slower or faster than the
+    probe timed them alone."""
+    tables = chunk_tables(profile)
+
+    def step_of(candidate: ModelProfile) -> float:
+        return predict_step_time(running_variant(candidate, plan, hw), hw, plan.knobs, tables)[0]
+
+    predicted = step_of(profile)
+    if abs(measured_step_s / predicted - 1) <= STEP_MARGIN:
+        return None
+    missed = f"measured step {measured_step_s * 1e3:.0f} ms vs predicted {predicted * 1e3:.0f} ms"
+    cap = calibrate_compute_cap(profile, step_of, measured_step_s)
+    if cap is not None:
+        return profile.with_outliers_capped(measured_step_s, cap), (
+            f"{missed} (the profiled compute times were an outlier:"
+            f" {outlasting_times(profile, measured_step_s)} outlasted the whole step;"
+            f" capped at {cap * 1e3:.1f} ms)"
+        )
+    factor = calibrate_compute(running_variant(profile, plan, hw), hw, plan.knobs, measured_step_s)
+    if factor is None:
+        return None
+    low, high = COMPUTE_OUTLIER_BAND
+    outlier = "; the profiled compute times were an outlier" if not low <= factor <= high else ""
+    return profile.with_compute_scaled(factor), f"{missed} (compute x{factor:.2f}{outlier})"
+
+
+def running_variant(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> ModelProfile:
+    """``profile`` as ``plan`` runs it: its checkpointed blocks may keep their inputs in host
+    memory, its MLPs may run in tiles, and its GPU update split stays at the running count (on
+    auto it would follow a new CPU rate to another split, and the running step would be judged
+    against that split's prediction)."""
     variant = with_running_split(profile, plan)
     if plan.mlp_tile_tokens:
         variant = with_mlp_tiles(variant, plan.mlp_tile_tokens)
     if "checkpoint_cpu" in plan.block_policies:
         variant = with_checkpoint_inputs_on_cpu(variant, hw)
-    predicted = predict_step_time(variant, hw, plan.knobs)[0]
-    if abs(measured_step_s / predicted - 1) <= STEP_MARGIN:
-        return None
-    factor = calibrate_compute(variant, hw, plan.knobs, measured_step_s)
-    if factor is None:
-        return None
-    low, high = COMPUTE_OUTLIER_BAND
-    outlier = "; the profiled compute times were an outlier" if not low <= factor <= high else ""
-    return profile.with_compute_scaled(factor), (
-        f"measured step {measured_step_s * 1e3:.0f} ms vs predicted {predicted * 1e3:.0f} ms"
-        f" (compute x{factor:.2f}{outlier})"
+    return variant
+
+
+def outlasting_times(profile: ModelProfile, step_s: float) -> str:
+    """The log's words for the unit times longer than ``step_s``: "post forward 1453 ms", the
+    longest ``CAPPED_NAMED`` of them and how many more."""
+    times = sorted(
+        (
+            (seconds, f"{unit.name or f'unit {index}'} {phase}")
+            for index, unit in enumerate(profile.units)
+            for phase, seconds in (("forward", unit.fwd_s), ("backward", unit.bwd_s))
+            if seconds > step_s
+        ),
+        reverse=True,
     )
+    words = ", ".join(f"{name} {seconds * 1e3:.0f} ms" for seconds, name in times[:CAPPED_NAMED])
+    more = len(times) - CAPPED_NAMED
+    return words + (f" and {more} more" if more > 0 else "")

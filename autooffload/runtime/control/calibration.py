@@ -270,8 +270,9 @@ def calibrate_after_steps(
       fast beside the other traffic shows the probe read the link low;
     - the measured step time (``StepTimer``) off the plan's step as predicted with the
       calibrations above (at the plan's own GPU update split) by more than ``STEP_MARGIN``
-      scales the units' compute times (``calibration_model.calibrate_compute``), when a scale
-      explains it.
+      re-derives the units' compute times (``replan.step_calibration``): unit times that
+      outlast the whole step (a stall in a profiled span) are cut to fit it, else every unit's
+      times are scaled, when a scale explains it.
     Any of them re-runs the search, which may promote chunks or demote them (their optimizer
     state moves between the user's optimizer and the CPU twins: ``Runtime.apply_plan``); a
     ``drift`` check only promotes.
