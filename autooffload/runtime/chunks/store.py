@@ -6,8 +6,11 @@ GPU storage is resized to 0 bytes while the chunk lives on the host and resized 
 gathered, exactly as FSDP frees unsharded parameters: views saved by autograd (e.g. ``weight.t()``
 saved by a matmul) keep pointing at the same storage, which holds the right bytes again by the
 time backward reads them. Copies run on side streams: ``h2d_stream`` fills a chunk and records
-its ``ready`` event, which the compute stream waits on before the chunk's block runs. The
-gradients leave through the store's ``grads`` (``GradientOffload``, on its own copy stream).
+its ``ready`` event, which the compute stream waits on before the chunk's block runs. A sharded
+chunk (``runtime/parallel/sharding.py``) is copied in by its owner and broadcast to the other
+ranks; its ready event is recorded on ``gather_stream`` after the broadcast, so the H2D stream
+goes on to the next chunk's copy meanwhile. The gradients leave through the store's ``grads``
+(``GradientOffload``, on its own copy stream).
 
 A chunk's device storage is allocated on the compute stream, not on the copy stream, and the
 copy stream waits for the compute work queued before the allocation (``chunk_pool="compute"``,
