@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autooffload.bench import plots, report
+from autooffload.bench import plots, report, table
 from autooffload.bench.peers import PEERS, public_peers
 from autooffload.bench.runner import (
     CommonSettings,
@@ -154,7 +154,7 @@ def _from_json(args: argparse.Namespace) -> int:
     if args.out:
         report.write_json(args.out, payload)
         print(f"results: {args.out}")
-    print(report.format_table(payload["summary"]))
+    print(table.format_table(payload["summary"]))
     plot_path = _plot_path(args, args.out or paths[0])
     if plot_path:
         for path in plots.write_plots(payload, plot_path, payload.get("command", "")):
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_all(runs, common, on_result=save)
     payload = report.build_payload(results, meta)
     report.write_json(out, payload)
-    print(report.format_table(payload["summary"]))
+    print(table.format_table(payload["summary"]))
     print(f"\nresults: {out}")
     plot_path = _plot_path(args, out)
     if plot_path:

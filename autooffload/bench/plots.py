@@ -9,7 +9,8 @@ from typing import Any
 
 from autooffload.atomic import atomic_write
 from autooffload.bench.frontier import plot_frontier
-from autooffload.bench.report import GiB, fmt, is_sweep_configuration
+from autooffload.bench.report import GiB, is_sweep_configuration
+from autooffload.bench.table import fmt
 
 
 def write_plots(payload: dict[str, Any], path: Path, title: str = "") -> list[Path]:

@@ -1,5 +1,5 @@
 """Turn run results into ratios vs vanilla (at the same GPU count), a loss sanity check, scaling
-efficiency, a table and a JSON file."""
+efficiency, summary rows and a JSON file."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from autooffload.atomic import write_text_atomic
-from autooffload.bench.frontier import is_planned
 from autooffload.bench.runner import HOST_MEMORY_PREFIX, failure_message
 from autooffload.plan.profile_types import need_from_peaks
 
@@ -183,21 +182,22 @@ def _with_sweep_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
         if is_sweep_configuration(row):
-            groups.setdefault(_sweep_key(row), []).append(row)
+            groups.setdefault(sweep_key(row), []).append(row)
     out: list[dict[str, Any]] = []
     for row in rows:
-        group = groups.get(_sweep_key(row)) if is_sweep_configuration(row) else None
+        group = groups.get(sweep_key(row)) if is_sweep_configuration(row) else None
         if group and group[0] is row:
             out.append(_sweep_best(group, [r for r in rows if is_sweep_configuration(r)]))
         out.append(row)
     return out
 
 
-def _sweep_key(row: dict[str, Any]) -> tuple:
+def sweep_key(row: dict[str, Any]) -> tuple:
+    """What the rows of one sweep share: workload, cap, GPU count and the sweeping peer."""
     return (row["workload"], row["cap"], row.get("nproc") or 1, row.get("sweep"))
 
 
-def _config_of(row: dict[str, Any]) -> str:
+def config_of(row: dict[str, Any]) -> str:
     """``stage=2,gc=True`` from ``deepspeed[stage=2,gc=True]`` (and its `` xN``)."""
     label = row["peer_label"]
     return label[label.find("[") + 1 : label.rfind("]")] if "[" in label else label
@@ -227,12 +227,12 @@ def _sweep_best(group: list[dict[str, Any]], every: list[dict[str, Any]]) -> dic
     )
     row["peer_label"] = sweep + (f" x{nproc}" if nproc > 1 else "")
     row["sweep"], row["sweep_best"] = sweep, True
-    row["config"] = _config_of(best) if best else None
-    row["configs_oom"] = [_config_of(r) for r in group if "OOM" in r["status"]]
+    row["config"] = config_of(best) if best else None
+    row["configs_oom"] = [config_of(r) for r in group if "OOM" in r["status"]]
     row["configs_run"] = sum(r["status"] != "skipped" for r in group)
     row["need_gib"] = row["need_cap"] = None
     host = [r for r in group if (r.get("message") or "").startswith(HOST_MEMORY_PREFIX)]
-    row["configs_host_memory"] = [_config_of(r) for r in host]
+    row["configs_host_memory"] = [config_of(r) for r in host]
     if best is None and host and not row["configs_run"]:
         # The host cannot hold any: the least demanding one says by how much.
         least = min(host, key=lambda r: r.get("host_need_gib") or 0.0)
@@ -255,7 +255,7 @@ def _sweep_best(group: list[dict[str, Any]], every: list[dict[str, Any]]) -> dic
             least = min(elsewhere, key=lambda r: r["peak_reserved_gib"])
             row["need_gib"], row["need_cap"] = least["peak_reserved_gib"], least["cap"]
         need = (
-            f"; needs {row['need_gib']:.1f} GiB ([{_config_of(least)}] at cap {least['cap']})"
+            f"; needs {row['need_gib']:.1f} GiB ([{config_of(least)}] at cap {least['cap']})"
             if elsewhere
             else "; the memory it needs was not measured"
         )
@@ -263,40 +263,6 @@ def _sweep_best(group: list[dict[str, Any]], every: list[dict[str, Any]]) -> dic
         row["message"] = f"no configuration fits {first['cap']}{need}{skipped}"
         row["loss_check"] = "n/a"
     return row
-
-
-def _sweep_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Under the table: each sweep's configurations as run (fastest first), and autooffload's
-    throughput over the sweep's best at the same cap."""
-    lines: list[str] = []
-    for best in (r for r in rows if r.get("sweep_best")):
-        key = _sweep_key(best)
-        configs = [r for r in rows if is_sweep_configuration(r) and _sweep_key(r) == key]
-        lines += ["", f"{best['peer_label']} configurations, {best['workload']} / {best['cap']}:"]
-        for row in configs:
-            if row["status"] == "ok":
-                outcome = (
-                    f"{row['tokens_per_s']:.0f} tok/s, peak alloc {fmt(row['peak_allocated_gib'])}"
-                    f" / reserved {fmt(row['peak_reserved_gib'])} GiB"
-                )
-            else:
-                outcome = f"{row['status']}: {row['message'] or row['reason'] or ''}"
-            mark = " (best)" if row["peer_label"].endswith(f"[{best.get('config')}]") else ""
-            lines.append(f"- [{_config_of(row)}]{mark}: {outcome}")
-        autooffload = [
-            r
-            for r in rows
-            if r["peer_label"].split(" x")[0] == "autooffload"
-            and (r["workload"], r["cap"], r.get("nproc") or 1) == key[:3]
-            and r.get("tokens_per_s")
-        ]
-        for auto in autooffload:
-            if best.get("tokens_per_s"):
-                ratio = auto["tokens_per_s"] / best["tokens_per_s"]
-                lines.append(f"- {auto['peer_label']}: {ratio:.2f}x the best {best['peer_label']}")
-            else:
-                lines.append(f"- {auto['peer_label']}: runs; {best['message']}")
-    return lines
 
 
 def _timed_retries(run: dict[str, Any]) -> int | None:
@@ -349,67 +315,6 @@ PREDICTED_TERMS = (
 )
 
 
-def _predicted_step_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Where each planned run's predicted step goes, next to its measured step."""
-    lines = []
-    for row in rows:
-        terms = row.get("predicted_terms") or {}
-        if row.get("predicted_step_s") is None or not any(v is not None for v in terms.values()):
-            continue
-        parts = [f"{label} {terms[key] * 1e3:.0f}" for key, label in PREDICTED_TERMS if terms[key]]
-        measured = fmt(row.get("step_s_median"), ".0f", 1e3)
-        lines.append(
-            f"- {row['workload']} / {row['cap']} / {row['peer_label']}: predicted"
-            f" {row['predicted_step_s'] * 1e3:.0f} ms ({', '.join(parts)}); measured {measured} ms"
-        )
-    if not lines:
-        return []
-    return ["", "Where the predicted step goes (ms; stalls are time beyond compute):", *lines]
-
-
-# The planner's targets for the planned runs: |peak error| and |step-time error| at most these.
-PEAK_ERR_TARGET_PCT, STEP_ERR_TARGET_PCT = 5.0, 15.0
-
-
-def _prediction_notes(rows: list[dict[str, Any]]) -> list[str]:
-    """Lines on the planned autooffload runs: worst peak / step errors vs the targets, failures."""
-    planned = [r for r in rows if is_planned(r["peer_label"])]
-    if not planned:
-        return []
-    lines = ["", "Predicted vs measured (autooffload, (pred - meas) / meas):"]
-    for key, target, what in (
-        ("peak_err_pct", PEAK_ERR_TARGET_PCT, "peak vs need"),
-        ("alloc_err_pct", None, "allocated vs max allocated"),
-        ("step_err_pct", STEP_ERR_TARGET_PCT, "step time vs median step"),
-    ):
-        known = [r for r in planned if r.get(key) is not None]
-        if not known:
-            continue
-        worst = max(known, key=lambda r: abs(r[key]))
-        low, high = min(r[key] for r in known), max(r[key] for r in known)
-        line = f"- {what}: {low:+.1f}% .. {high:+.1f}%, worst {worst[key]:+.1f}%"
-        line += f" ({worst['workload']} / {worst['cap']})"
-        if target is not None:
-            inside = sum(abs(r[key]) <= target for r in known)
-            line += f"; within +-{target:g}%: {inside} of {len(known)}"
-        lines.append(line)
-    retried = [r for r in rows if r.get("timed_alloc_retries") and not r.get("sweep_best")]
-    if retried:
-        lines.append(
-            "- allocator retries in the timed steps (each empties the cache and synchronises): "
-            + "; ".join(
-                f"{r['workload']} / {r['cap']} / {r['peer_label']}: {r['timed_alloc_retries']:g}"
-                for r in retried
-            )
-        )
-    failed = [r for r in planned if r["status"] not in ("ok", "skipped")]
-    lines.append(
-        f"- failed runs (OOM, nothing fits, errors): {len(failed)} of {len(planned)}"
-        + "".join(f"; {r['workload']} / {r['cap']}: {r['status']}" for r in failed)
-    )
-    return lines
-
-
 def _scaling(rows: list[dict[str, Any]]) -> None:
     """``scaling``: a multi-GPU row's tok/s over N times its one-GPU row's (same cap, peer)."""
     single = {(r["workload"], r["cap"], r["peer_label"]): r for r in rows if r["nproc"] == 1}
@@ -419,94 +324,6 @@ def _scaling(rows: list[dict[str, Any]]) -> None:
         base = single.get((row["workload"], row["cap"], base_label))
         ok = n > 1 and base and base.get("tokens_per_s") and row.get("tokens_per_s")
         row["scaling"] = row["tokens_per_s"] / (n * base["tokens_per_s"]) if ok else None
-
-
-def fmt(value: Any, spec: str = ".2f", scale: float = 1.0) -> str:
-    if value is None:
-        return "-"
-    return format(value * scale, spec)
-
-
-TABLE_HEADER = (
-    "| workload | cap | peer | status | tok/s | x vanilla | step ms | pred step ms | step err %"
-    " | peak alloc GiB | reserved GiB | x vanilla mem | pred / meas alloc GiB | alloc err %"
-    " | pred peak / meas need GiB | peak err % | host RSS GiB | loss | loss vs vanilla"
-    " | H2D/D2H/CPU-opt/stall ms |"
-)
-
-
-def _pair(predicted: float | None, measured: float | None) -> str:
-    return "-" if predicted is None else f"{predicted:.2f} / {fmt(measured)}"
-
-
-def _host_rss(row: dict[str, Any]) -> str:
-    """The host's peak RSS (every rank's summed), and the estimate made before the run."""
-    measured = row.get("host_rss_total_gib") or row.get("host_rss_peak_gib")
-    estimate = row.get("host_need_gib")
-    return fmt(measured, ".1f") + (f" (est {estimate:.1f})" if estimate is not None else "")
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table (pastes into BENCHMARKS.md) plus notes with the reason of each failure."""
-    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
-    notes = []
-    for row in rows:
-        if is_sweep_configuration(row):  # listed under the table, the sweep's best row in it
-            continue
-        status = row["status"]
-        if row["message"] and status != "ok":
-            first = row["message"]
-            notes.append(
-                f"- {row['workload']} / {row['cap']} / {row['peer_label']}: {status}: {first}"
-            )
-            if status == "skipped":
-                status = f"skipped: {first[:80]}"
-        bd = row["breakdown"]
-        breakdown = (
-            "/".join(fmt(bd[k], ".0f", 1e3) for k in ("h2d_s", "d2h_s", "cpu_optim_s", "stall_s"))
-            if any(v is not None for v in bd.values())
-            else "-"
-        )
-        check = row["loss_check"]
-        loss_vs = fmt(row["loss_vs_vanilla"], "+.4f")
-        if check not in ("ok", "n/a", ""):
-            loss_vs += f" **{check}**"
-        cells = [
-            row["workload"],
-            row["cap"],
-            row["peer_label"] + (f" [{row['config']}]" if row.get("config") else ""),
-            status,
-            fmt(row["tokens_per_s"], ".0f"),
-            fmt(row["tput_ratio"], ".2f"),
-            fmt(row["step_s_median"], ".0f", 1e3),
-            fmt(row["predicted_step_s"], ".0f", 1e3),
-            fmt(row["step_err_pct"], "+.1f"),
-            fmt(row["peak_allocated_gib"]),
-            fmt(row["peak_reserved_gib"]),
-            fmt(row["mem_ratio"], ".2f"),
-            _pair(row["predicted_allocated_gib"], row["measured_allocated_gib"]),
-            fmt(row["alloc_err_pct"], "+.1f"),
-            _pair(row["predicted_peak_gib"], row["measured_peak_gib"]),
-            fmt(row["peak_err_pct"], "+.1f"),
-            _host_rss(row),
-            fmt(row["loss_final"], ".4f"),
-            loss_vs,
-            breakdown,
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    scaled = [r for r in rows if r.get("scaling") is not None]
-    if scaled:
-        lines += ["", "Scaling efficiency (tok/s on N GPUs / (N x tok/s on one)):"]
-        lines += [
-            f"- {r['workload']} / {r['cap']} / {r['peer_label']}: {r['scaling']:.2f}"
-            for r in scaled
-        ]
-    lines += _sweep_lines(rows)
-    lines += _prediction_notes(rows)
-    lines += _predicted_step_lines(rows)
-    if notes:
-        lines += ["", "Notes:", *notes]
-    return "\n".join(lines)
 
 
 def build_payload(results: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:

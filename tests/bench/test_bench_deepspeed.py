@@ -23,6 +23,7 @@ from autooffload.bench.deepspeed_configs import (
     sweep_order,
 )
 from autooffload.bench.runner import CommonSettings, PeerSpec, host_check, parse_peers, plan_runs
+from autooffload.bench.table import format_table
 from autooffload.bench.workloads import get_workload
 from autooffload.runtime.chunks.host import HostMemory
 
@@ -194,7 +195,7 @@ def test_where_no_configuration_fits_the_row_says_so_with_the_memory_it_needs() 
     assert best["16GiB"]["config"] == "stage=3,gc=True"
     assert best["16GiB"]["configs_oom"] == ["stage=2,gc=True"]
     assert best["24GiB"]["config"] == "stage=2,gc=True" and best["24GiB"]["tokens_per_s"] == 2000
-    table = report.format_table(rows)
+    table = format_table(rows)
     assert "| w | 8GiB | deepspeed | OOM |" in table
     assert "- autooffload: runs; no configuration fits 8GiB; needs 11.5 GiB" in table
 

@@ -12,6 +12,7 @@ import pytest
 from autooffload.bench import report
 from autooffload.bench.__main__ import main
 from autooffload.bench.frontier import MAX_OTHERS, REL_TOL, plot_frontier, summarise_candidates
+from autooffload.bench.table import format_table
 from autooffload.plan.profile_types import EXPANDABLE_FRAGMENTATION
 from autooffload.plan.search import Candidates
 
@@ -128,7 +129,7 @@ def test_table_shows_predicted_vs_measured_with_error_percentages() -> None:
     assert rows[0]["peak_err_pct"] == pytest.approx(5.0)
     assert rows[0]["alloc_err_pct"] == pytest.approx(-10.0)
     assert rows[0]["step_err_pct"] == pytest.approx(-10.0)
-    table = report.format_table(rows).splitlines()
+    table = format_table(rows).splitlines()
     header = [cell.strip() for cell in table[0].strip("|").split("|")]
     cells = [cell.strip() for cell in table[2].strip("|").split("|")]
     assert len(cells) == len(header)
@@ -256,7 +257,7 @@ def test_the_report_says_where_the_predicted_step_goes() -> None:
     run = planned_run(12.0, 0)
     run.update(predicted_step_s=0.91, step_s_median=1.0, predicted_breakdown=terms)
     older = {**planned_run(16.0, 1), "predicted_breakdown": None}  # a JSON from before
-    text = report.format_table(report.summarise([run, older]))
+    text = format_table(report.summarise([run, older]))
     lines = text.split("Where the predicted step goes")[1].splitlines()[1:]
     assert lines == [
         "- w / 12GiB / autooffload: predicted 910 ms (fwd compute 200, bwd compute 400,"

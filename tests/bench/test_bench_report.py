@@ -14,6 +14,7 @@ from autooffload.bench.runner import (
     parse_size,
     plan_runs,
 )
+from autooffload.bench.table import format_table
 from autooffload.bench.workloads import UnknownNameError, get_workload
 
 GiB = 1 << 30
@@ -94,7 +95,7 @@ def test_ratios_use_uncapped_vanilla_when_capped_vanilla_ooms() -> None:
     assert auto["mem_ratio"] == pytest.approx(0.5)
     assert auto["loss_check"] == "ok"
     assert fsdp["loss_check"] == "DIFF final"  # lost most of the drop: flagged
-    table = report.format_table(report.summarise(results))
+    table = format_table(report.summarise(results))
     assert "**DIFF final**" in table
     assert "| w | 12GiB | vanilla | OOM |" in table
 
@@ -140,7 +141,7 @@ def test_timed_allocator_retries_are_summed_past_the_warm_up_and_reported() -> N
     assert by_label["autooffload"]["timed_alloc_retries"] == 3
     assert by_label["autooffload[chunk_pool=copy]"]["timed_alloc_retries"] == 0
     assert by_label["vanilla"]["timed_alloc_retries"] is None
-    lines = [line for line in report.format_table(rows).splitlines() if "allocator" in line]
+    lines = [line for line in format_table(rows).splitlines() if "allocator" in line]
     assert len(lines) == 1 and "w / 8GiB / autooffload: 3" in lines[0], lines
     assert "chunk_pool=copy" not in lines[0]
 
@@ -240,7 +241,7 @@ def test_a_gpu_count_without_vanilla_has_no_ratio_and_scaling_needs_one_gpu() ->
     assert rows["autooffload x2"]["scaling"] == pytest.approx(1400 / (2 * 800))
     assert rows["autooffload x4"]["scaling"] == pytest.approx(2400 / (4 * 800))
     assert rows["fsdp2_offload x4"]["scaling"] is None
-    table = report.format_table(list(rows.values()))
+    table = format_table(list(rows.values()))
     assert "| w | 8GiB | autooffload x2 | ok | 1400 | - |" in table
     assert "- w / 8GiB / autooffload x4: 0.75" in table
     assert "fsdp2_offload x4:" not in table
