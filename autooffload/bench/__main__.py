@@ -13,15 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from autooffload.bench import plots, report, table
+from autooffload.bench.cli_values import cap_label, parse_caps, parse_options, parse_size
 from autooffload.bench.peers import PEERS, public_peers
 from autooffload.bench.runner import (
     CommonSettings,
-    cap_label,
     host_check,
-    parse_caps,
-    parse_options,
     parse_peers,
-    parse_size,
     plan_runs,
     resolve_workloads,
     run_all,

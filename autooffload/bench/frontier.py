@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from autooffload.bench.cli_values import parse_size
+
 if TYPE_CHECKING:
     from autooffload.plan.search import Candidates
     from autooffload.plan.types import Plan
@@ -175,8 +177,6 @@ def _plot_workload(
     ax: Any, workload: str, by_cap: dict[str, dict[str, Any]], rows: list[dict[str, Any]]
 ) -> None:
     import matplotlib.pyplot as plt
-
-    from autooffload.bench.runner import parse_size  # runner imports peers, which import us
 
     caps = sorted(by_cap, key=lambda c: by_cap[c]["candidates"].get("budget_gib") or np.inf)
     colors = plt.get_cmap("viridis")(np.linspace(0.0, 0.85, max(len(caps), 1)))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from autooffload.atomic import atomic_write
+from autooffload.bench.cli_values import parse_size
 from autooffload.bench.frontier import plot_frontier
 from autooffload.bench.report import GiB, is_sweep_configuration
 from autooffload.bench.table import fmt
@@ -91,8 +92,6 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
 
 
 def _cap_x(caps: list[str]) -> dict[str, float]:
-    from autooffload.bench.runner import parse_size  # noqa: PLC0415
-
     numeric = {c: parse_size(c) for c in caps}
     finite = [v / GiB for v in numeric.values() if v is not None]
     top = max(finite) if finite else 1.0

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from autooffload.atomic import write_text_atomic
+from autooffload.bench.cli_values import cap_label, parse_options
 from autooffload.bench.deepspeed_configs import DEVICE_OOM, FAILED, FITS, HOST_OOM, HostNeed
 from autooffload.bench.peers import get_peer
 from autooffload.bench.workloads import UnknownNameError, Workload, get_workload, workload_to_dict
@@ -26,72 +27,6 @@ GiB = 1 << 30
 HOST_MEMORY_PREFIX = "host memory:"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOG_TAIL_LINES = 15
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-
-
-def parse_size(text: str) -> int | None:
-    """Bytes from ``12GiB``, ``12GB``, ``12000MB``, ``1073741824``; None for ``none``/``off``."""
-    value = text.strip()
-    if value.lower() in ("", "none", "off", "nocap", "uncapped"):
-        return None
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)", value)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"invalid size {text!r}; use e.g. 12GiB, 12GB, 12000MB, 1073741824 or none"
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def parse_caps(text: str | None) -> list[int | None]:
-    """A comma list of caps (``8GiB,12GiB,none``); ``None`` text means one uncapped run."""
-    if text is None:
-        return [None]
-    return [parse_size(part) for part in text.split(",")]
-
-
-def cap_label(cap: int | None) -> str:
-    if cap is None:
-        return "none"
-    gib = cap / GiB
-    return f"{gib:g}GiB" if abs(gib - round(gib, 2)) < 1e-9 else f"{cap}B"
-
-
-def parse_value(text: str) -> Any:
-    """``4`` -> 4, ``0.5`` -> 0.5, ``true`` -> True, ``none`` -> None, else the string."""
-    lowered = text.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text.strip()
-
-
-def parse_options(items: list[str]) -> dict[str, Any]:
-    """``["n_persist=4", "n_buffer=2"]`` -> ``{"n_persist": 4, "n_buffer": 2}``."""
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"invalid option {item!r}; expected KEY=VALUE (e.g. n_persist=4)")
-        options[key.strip()] = parse_value(value)
-    return options
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,8 @@ from pathlib import Path
 import pytest
 
 from autooffload.bench import plots, report
-from autooffload.bench.runner import (
-    PeerSpec,
-    parse_caps,
-    parse_peers,
-    parse_size,
-    plan_runs,
-)
+from autooffload.bench.cli_values import parse_caps, parse_size
+from autooffload.bench.runner import PeerSpec, parse_peers, plan_runs
 from autooffload.bench.table import format_table
 from autooffload.bench.workloads import UnknownNameError, get_workload
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from autooffload.bench.runner import CommonSettings, PeerSpec, RunSpec, cap_label, run_one
+from autooffload.bench.cli_values import cap_label
+from autooffload.bench.runner import CommonSettings, PeerSpec, RunSpec, run_one
 from autooffload.bench.workloads import get_workload
 from autooffload.plan.profile_types import need_from_peaks
 from autooffload.plan.replan import REPLAN_GAIN
