@@ -25,13 +25,9 @@ from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import Group, discover_groups
 from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.control.controller import PlanControl
+from autooffload.runtime.control.host_need import check_host_memory, host_memory_now
 from autooffload.runtime.control.oom import OomRetry
-from autooffload.runtime.control.planning import (
-    accumulate_mode,
-    check_host_memory,
-    host_memory_now,
-    initial_plan,
-)
+from autooffload.runtime.control.planning import accumulate_mode, initial_plan
 from autooffload.runtime.hooks import StepHooks
 from autooffload.runtime.host_vocab import HostVocab
 from autooffload.runtime.parallel.distributed import attach_data_parallel, local_world_size

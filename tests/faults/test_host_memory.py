@@ -16,7 +16,7 @@ import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import PlanError
 from autooffload.runtime.chunks.host import HostArena, HostMemory, host_memory
-from autooffload.runtime.control import planning
+from autooffload.runtime.control import host_need
 
 GIB = 1 << 30
 
@@ -93,7 +93,7 @@ def test_host_budget_too_small_fails_before_allocating(monkeypatch, budget):
 
 def test_container_limit_below_the_need_fails_naming_it(monkeypatch):
     small = HostMemory(total_bytes=1 << 20, available_bytes=0, cgroup_limited=True)
-    monkeypatch.setattr(planning, "host_memory", lambda: small)
+    monkeypatch.setattr(host_need, "host_memory", lambda: small)
     enable_cpu(n_persist=0)
     # The model's own CPU parameters count as available (the host store replaces them); the
     # store, gradient staging and optimizer state together need more.
@@ -111,11 +111,11 @@ def _layout(model: torch.nn.Module, **settings):
 
 def test_needed_bytes_count_masters_and_optimizer_state():
     layout = _layout(tiny_llama().to(torch.bfloat16))
-    off = planning.host_bytes_needed(layout, n_persist=0, master_weights=False)
-    on = planning.host_bytes_needed(layout, n_persist=0, master_weights=True)
+    off = host_need.host_bytes_needed(layout, n_persist=0, master_weights=False)
+    on = host_need.host_bytes_needed(layout, n_persist=0, master_weights=True)
     assert off["masters"] == 0 and on["masters"] > 0
     assert on["host grads + optimizer state"] == 2 * off["host grads + optimizer state"]
-    all_persistent = planning.host_bytes_needed(layout, len(layout.chunks), master_weights=True)
+    all_persistent = host_need.host_bytes_needed(layout, len(layout.chunks), master_weights=True)
     assert all_persistent["masters"] == 0
     assert all_persistent["host store"] == off["host store"] == layout.total_bytes
 
@@ -127,9 +127,9 @@ def test_sharded_ranks_need_their_own_chunks_only_and_share_the_host():
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     layout = _layout(model, chunk_size=size // 4)
     assert len(layout.chunks) >= 3
-    whole = planning.host_bytes_needed(layout, n_persist=0, master_weights=True)
+    whole = host_need.host_bytes_needed(layout, n_persist=0, master_weights=True)
     halves = [
-        planning.host_bytes_needed(
+        host_need.host_bytes_needed(
             layout, n_persist=0, master_weights=True, hosts=lambda i, r=r: i % 2 == r
         )
         for r in range(2)
@@ -140,13 +140,13 @@ def test_sharded_ranks_need_their_own_chunks_only_and_share_the_host():
     settings = autooffload.Settings(master_weights=True)
     need = sum(halves[0].values())
     enough = HostMemory(total_bytes=1 << 40, available_bytes=2 * need, cgroup_limited=False)
-    planning.check_host_memory(
+    host_need.check_host_memory(
         layout, 0, settings, memory=enough, hosts=lambda i: i % 2 == 0, local_ranks=2
     )
     # Two ranks each needing ``need``: short by one byte is refused, naming the sharing.
     short = HostMemory(total_bytes=1 << 40, available_bytes=2 * need - 2, cgroup_limited=False)
     with pytest.raises(PlanError, match="per rank .* shared by the 2 ranks on this host"):
-        planning.check_host_memory(
+        host_need.check_host_memory(
             layout, 0, settings, memory=short, hosts=lambda i: i % 2 == 0, local_ranks=2
         )
 
