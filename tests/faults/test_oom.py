@@ -26,11 +26,12 @@ from _faults import (
 import autooffload
 from autooffload import runtime as rt
 from autooffload.plan.search import make_plan
-from autooffload.runtime.control.oom import (
+from autooffload.runtime.control.oom import REPROFILE_SOURCE, OutOfMemoryRetryError
+from autooffload.runtime.control.oom_plan import (
     OOM_BUDGET_CUT,
     REPROFILE_RATIO,
-    REPROFILE_SOURCE,
-    OutOfMemoryRetryError,
+    retry_budget,
+    shrunk_plan,
 )
 from autooffload.runtime.control.planning import hardware_profile, profile_for_plan
 from autooffload.runtime.step_state import StepPhase
@@ -372,7 +373,7 @@ def test_a_batch_that_outgrew_the_budget_is_replanned_under_that_budget_less_the
     needed = make_plan(scaled, hw, runtime.plan.knobs, None).predicted_peak_bytes
     available = int(0.9 * needed)
     runtime.control.adopt_plan(replace(runtime.plan, budget_bytes=available))
-    plan = guard.shrunk_plan(requested_bytes=available // 2)
+    plan = shrunk_plan(runtime, requested_bytes=available // 2, batch_ratio=guard.batch_ratio)
     assert plan is not None
     assert plan.budget_bytes == available - int(OOM_BUDGET_CUT * available)
     assert plan.predicted_peak_bytes <= plan.budget_bytes
@@ -409,4 +410,4 @@ def test_a_checkpoint_cpu_plans_oom_is_measured_against_its_own_predicted_peak()
         expected = available - int(OOM_BUDGET_CUT * available)
     else:  # the plan was predicted to fit: plan for less than its prediction
         expected = own - max(requested, int(OOM_BUDGET_CUT * own))
-    assert guard.retry_budget(runtime.profile, requested) == expected
+    assert retry_budget(runtime, runtime.profile, requested) == expected

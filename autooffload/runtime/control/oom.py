@@ -17,64 +17,38 @@ root model's ``forward`` (a wrapper installed here) and sees every ``torch.autog
   logits, a later micro-batch of gradient accumulation whose partial sum cannot be told apart)
   raises :class:`OutOfMemoryRetryError` at once.
 
-A batch more than ``REPROFILE_RATIO`` times the profiled one's input size is retried under the
-conservative plan of a profiling step (persistent chunks kept, every block checkpointed) and that
-retried step is profiled: the next forward runs the plan searched from the real batch (never
-with fewer persistent chunks). Otherwise shrinking keeps the persistent chunks (their optimizer
-state lives in the user's optimizer and demotion is not supported): the search re-runs with
-``n_persist`` pinned, on the profile scaled to the failed batch's size, under a budget that
-depends on whether the model explains the OOM. If the current plan's predicted peak for this
-batch exceeds the memory available (a longer batch than profiled), the budget is that memory
-less ``OOM_BUDGET_CUT``; if it did not (the prediction was short), the budget is the prediction
-less the failed allocation's size (at least ``OOM_BUDGET_CUT`` of it). Buffers and activation
-policies (more checkpointing or swapping) absorb the cut. Each failed pass (a forward, or a
-backward with the forward it re-runs) is retried once; a later OOM gets its own retry, each
-under a smaller plan than the last.
+The smaller plan comes from ``oom_plan.py``. Each failed pass (a forward, or a backward with
+the forward it re-runs) is retried once; a later OOM gets its own retry, each under a smaller
+plan than the last.
 """
 
 from __future__ import annotations
 
 import gc
-import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from autooffload.errors import AutoOffloadError, PlanError
+from autooffload.errors import AutoOffloadError
 from autooffload.log import logger
-from autooffload.plan.profile_types import ModelProfile
-from autooffload.plan.search import make_plan
 from autooffload.plan.types import GiB, Plan
 from autooffload.runtime import registry
-from autooffload.runtime.control.planning import (
-    REPROFILE_SOURCE,
-    budget_bytes,
-    hardware_profile,
-    plan_from_profile,
-    profile_for_plan,
-)
+from autooffload.runtime.control.oom_plan import failed_allocation_bytes, shrunk_plan
+from autooffload.runtime.control.planning import REPROFILE_SOURCE
 from autooffload.runtime.forward_wrap import install_forward, remove_forward
 from autooffload.runtime.hooks import in_backward
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
 
-# The retry's budget is cut by at least this share: of the memory available when the scaled
-# profile explains the OOM, else of the current plan's predicted peak (``shrunk_plan``).
-OOM_BUDGET_CUT = 0.1
-# A batch this many times the profiled one's input size is profiled again instead of having
-# the profile extrapolated: fixed-size parts of a short batch's measured transients (a library's
-# workspace, a loss chunk) scaled 128x made a 2.7 GiB need read as 10 GiB on an H100.
-REPROFILE_RATIO = 2.0
 # Mul/Div by constants between an output of the model and the tensor handed to backward().
 _SCALE_NODES = {"MulBackward0": "mul", "MulBackward1": "mul", "DivBackward0": "div"}
 _MAX_SCALE_NODES = 4
 _KEY = "_autooffload_oom_retry"
-_ALLOCATION = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
 
 
 class OutOfMemoryRetryError(AutoOffloadError, torch.OutOfMemoryError):
@@ -103,15 +77,6 @@ class _Replay:
     call: _ForwardCall
     index: int
     scale: list[tuple[str, Any]]
-
-
-def _requested_bytes(message: str) -> int:
-    """The failed allocation's size from torch's OOM message (0 if it does not say)."""
-    match = _ALLOCATION.search(message)
-    if match is None:
-        return 0
-    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-    return int(float(match.group(1)) * units[match.group(2)])
 
 
 def _size(nbytes: int | None) -> str:
@@ -249,7 +214,7 @@ class OomRetry:
         self._restart_profiler()
         self._free_cached_memory()
         old = runtime.plan
-        plan = self.shrunk_plan(_requested_bytes(message))
+        plan = shrunk_plan(runtime, failed_allocation_bytes(message), self.batch_ratio)
         if plan is None:
             raise self._error("and no smaller plan keeps the persistent chunks", message)
         runtime.apply_plan(plan)
@@ -268,6 +233,11 @@ class OomRetry:
             _describe(old),
         )
 
+    @property
+    def batch_ratio(self) -> float:
+        """The last forward's input size over the profiled one's (1.0 before a profile)."""
+        return self.input_numel / self.profiled_numel if self.profiled_numel else 1.0
+
     def _restart_profiler(self) -> None:
         """A failed pass left a profiling step's marks partial: that step starts over."""
         self.runtime.control.restart_profiling()
@@ -277,82 +247,6 @@ class OomRetry:
             gc.collect()
             torch.cuda.synchronize(self.runtime.device)
             torch.cuda.empty_cache()
-
-    def shrunk_plan(self, requested_bytes: int) -> Plan | None:
-        """A plan predicted to use less memory than the current one, with the same persistent
-        chunks; None if there is none."""
-        runtime = self.runtime
-        current = runtime.plan
-        profile = runtime.profile
-        if profile is None or runtime.control.profiling:
-            # Before the searched plan: nothing is persistent and every block checkpointed;
-            # only the streaming buffers can go, down to the widest block's chunks.
-            widest = max((len(v) for v in runtime.layout.chunks_of_group.values()), default=1)
-            if current.n_buffer <= widest:
-                return None
-            return replace(current, n_buffer=widest, source="OOM retry")
-        ratio = self.input_numel / self.profiled_numel if self.profiled_numel else 1.0
-        if ratio > REPROFILE_RATIO:
-            return self._reprofiling_plan()
-        if ratio > 1.0:
-            profile = profile.with_batch_scaled(ratio)
-        budget = self.retry_budget(profile, requested_bytes)
-        try:
-            plan = plan_from_profile(
-                runtime, profile, budget=budget, pinned={"n_persist": current.n_persist}
-            )
-        except PlanError as error:
-            logger.debug("no plan fits the OOM retry's budget %d: %s", budget, error)
-            return None
-        if plan.configures_like(current):
-            return None
-        return replace(plan, chunk_size=runtime.layout.chunk_size, source="OOM retry")
-
-    def retry_budget(self, profile: ModelProfile, requested_bytes: int) -> int:
-        """The budget the retry plans for, from the current plan's predicted peak on
-        ``profile`` (the failing batch's) and the memory available."""
-        runtime = self.runtime
-        current = runtime.plan
-        hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
-        # What the current plan needs for this batch (predicted on the profile variant it was
-        # searched on), the budget it had, and (on a GPU) what is available now: another
-        # process may have taken memory since the plan was made.
-        planned = profile_for_plan(profile, current, hw)
-        needed = make_plan(planned, hw, current.knobs, None).predicted_peak_bytes
-        limits = [current.budget_bytes]
-        if runtime.manager.is_cuda:
-            limits.append(budget_bytes(runtime.settings, runtime.device))
-        available = min((b for b in limits if b), default=None)
-        if available is not None and needed > available:
-            # The batch outgrew the plan and the scaled profile says by how much: what is
-            # available, less the cut as a margin, holds the new plan.
-            return available - int(OOM_BUDGET_CUT * available)
-        # The model thought the plan fitted: its prediction was short by at least the failed
-        # allocation; plan for less than it predicted by that much.
-        return needed - max(requested_bytes, int(OOM_BUDGET_CUT * needed))
-
-    def _reprofiling_plan(self) -> Plan:
-        """The conservative plan of a profiling step, keeping the persistent chunks: every block
-        checkpointed (unless the user fixed the activation mode), no more buffers than the
-        current plan's or two blocks' worth."""
-        runtime = self.runtime
-        current = runtime.plan
-        widest = max((len(v) for v in runtime.layout.chunks_of_group.values()), default=1)
-        policies = current.block_policies
-        if runtime.settings.activation_mode == "auto":
-            policies = ("checkpoint",) * len(runtime.blocks_in_order())
-        return replace(
-            current,
-            n_buffer=max(widest, min(current.n_buffer, 2 * widest)),
-            block_policies=policies,
-            mlp_tile_tokens=0,
-            predicted_peak_bytes=None,
-            predicted_step_s=None,
-            bottleneck="not profiled yet (re-profiling a longer batch)",
-            source=REPROFILE_SOURCE,
-            update=None,
-            breakdown={},
-        )
 
     def _error(self, what: str, message: str) -> OutOfMemoryRetryError:
         budget = self.runtime.settings.budget
