@@ -28,9 +28,10 @@ def stream_name(stream: int) -> str:
         return str(stream)
     manager = runtime.manager
     known = {manager.h2d_stream.cuda_stream: "h2d", manager.grads.d2h_stream.cuda_stream: "d2h"}
-    if runtime.swapper is not None and runtime.swapper.h2d_stream is not None:
-        known[runtime.swapper.h2d_stream.cuda_stream] = "swap-h2d"
-        known[runtime.swapper.d2h_stream.cuda_stream] = "swap-d2h"
+    swapper = runtime.activations.swapper
+    if swapper is not None and swapper.h2d_stream is not None:
+        known[swapper.h2d_stream.cuda_stream] = "swap-h2d"
+        known[swapper.d2h_stream.cuda_stream] = "swap-d2h"
     return known.get(stream, "compute" if stream == 0 else f"stream {stream:#x}")
 
 

@@ -76,6 +76,7 @@ class StepHooks:
         self.device = runtime.device
         self.step_state = runtime.step_state
         self.host_vocab = runtime.host_vocab
+        self.activations = runtime.activations
         self._handles: list[RemovableHandle] = []
         self._trace: list[int] = []
         # Groups whose forward is running now (nested modules owning params), innermost last.
@@ -149,7 +150,7 @@ class StepHooks:
         self.recover_interrupted()
         if torch.is_grad_enabled():
             check_params_after_attach(self.runtime)
-            self.runtime.take_over_late_hf_checkpointing()
+            self.activations.take_over_late_hf_checkpointing()
             if self.step_state.backwards_this_step:
                 # Gradient accumulation: the next micro-batch.
                 self.cpu_optim.staging.release_staging()
@@ -206,8 +207,8 @@ class StepHooks:
         self._active.clear()
         self.manager.release_all()
         self.cpu_optim.gpu.drop_loaded()
-        if self.runtime.swapper is not None:
-            self.runtime.swapper.forget()
+        if self.activations.swapper is not None:
+            self.activations.swapper.forget()
         if self.data_parallel is not None:
             self.data_parallel.discard()
 
@@ -250,13 +251,14 @@ class StepHooks:
                 self.backward_free.add(group.index)
         if self.control.profiler is not None:
             self.control.profiler.on_post_forward(group)
-        if self.runtime.swapper is not None and group.is_block and group.block_index is not None:
+        swapper = self.activations.swapper
+        if swapper is not None and group.is_block and group.block_index is not None:
             # A swapped block's device tensors go at the end of the next block's forward, as
             # the cost model has it (``in_flight``), whatever that block's policy: the last
             # swapped block's stayed until the backward (3.6B @ 16 GiB with blocks 0-15
             # swapped: ~0.6 GiB live through 12 checkpointed blocks and the loss, and the
             # allocated peak 9% over its prediction).
-            self.runtime.swapper.release_in_flight(before=group.block_index)
+            swapper.release_in_flight(before=group.block_index)
         if group.index in self._active:
             del self._active[len(self._active) - 1 - self._active[::-1].index(group.index)]
         position = self._position.get(group.index, len(self._position))
@@ -359,10 +361,10 @@ class StepHooks:
                 users = self.layout.chunks[index].groups
                 if max(self._position.get(u, -1) for u in users) >= position - 1:
                     updates.load_state(self.layout.chunks[index])
-        if self.runtime.swapper is not None and group.is_block:
-            order = [g.index for g in self.runtime.blocks_in_order()]
+        if self.activations.swapper is not None and group.is_block:
+            order = [g.index for g in self.activations.blocks_in_order()]
             if group.index in order and order.index(group.index) > 0:
-                self.runtime.swapper.prefetch(order.index(group.index) - 1)
+                self.activations.swapper.prefetch(order.index(group.index) - 1)
         self._prefetch_after(group.index, forward=False)
 
     def _chunk_backward_done(self, index: int) -> None:

@@ -13,16 +13,9 @@ from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import Candidates, SearchRequest
 from autooffload.plan.types import Plan, format_bytes
 from autooffload.runtime import allocator
-from autooffload.runtime.activations.policies import (
-    ActivationSwapper,
-    apply_policy,
-    remove_policy,
-    restore_hf_gradient_checkpointing,
-    take_over_hf_gradient_checkpointing,
-)
-from autooffload.runtime.activations.tiled_mlp import set_mlp_tiles
+from autooffload.runtime.activations.model_activations import ModelActivations
 from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
-from autooffload.runtime.blocks import Group, discover_groups
+from autooffload.runtime.blocks import discover_groups
 from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.control.controller import PlanControl
 from autooffload.runtime.control.host_need import check_host_memory, host_memory_now
@@ -142,6 +135,9 @@ class Runtime:
             self.manager,
             enabled=self.data_parallel is None and self.manager.sharding is None,
         )
+        self.activations = ModelActivations(
+            model, self.groups, device, settings.activation_mode, self.position
+        )
         self.hooks = StepHooks(self)
         # The profiling steps serve every frozen vocabulary chunk from the host (the least
         # device memory); the searched plan weighs serving against gathering.
@@ -149,9 +145,9 @@ class Runtime:
             replace(self.plan, host_served_chunks=self.host_vocab.eligible(self.plan.n_persist))
         )
         self.host_vocab.serve(self.plan.host_served_chunks)
-        self.swapper: ActivationSwapper | None = None
-        self.hf_checkpointing_taken = False
-        profiling = self._setup_activations()
+        self.activations.start()
+        # The plan is searched from profiling steps unless the user fixed it.
+        profiling = settings.n_persist is None or settings.activation_mode == "auto"
         self.hooks.install()
         install_copy_guard(model)
         # state_dict / load_state_dict see and set the weights wherever they live (removed on
@@ -182,39 +178,7 @@ class Runtime:
         if self.attached_frozen:
             logger.info("%s", frozen_summary(self))
 
-    # ---- activations and plan switches -----------------------------------------------------
-
-    def blocks_in_order(self) -> list[Group]:
-        """The blocks in the order the last forward ran them."""
-        blocks = [g for g in self.groups if g.is_block]
-        return sorted(blocks, key=lambda g: self.position(g.index))
-
-    def _setup_activations(self) -> bool:
-        """Conservative start: every block checkpointed until the plan from the real batch.
-        Returns whether the plan is searched from profiling steps (not fixed by the user)."""
-        mode = self.settings.activation_mode
-        profiling = self.settings.n_persist is None or mode == "auto"
-        if mode == "off" or not any(g.is_block for g in self.groups):
-            return profiling
-        self.hf_checkpointing_taken = take_over_hf_gradient_checkpointing(self.model)
-        if self.hf_checkpointing_taken:
-            logger.info("activation management takes over HF gradient checkpointing per block")
-        policy = "checkpoint" if mode == "auto" else mode
-        for group in self.blocks_in_order():
-            self.apply_block_policy(group.module, policy)
-        return profiling
-
-    def apply_block_policy(self, block: nn.Module, policy: str) -> None:
-        if policy in ("swap", "checkpoint_cpu") and self.swapper is None:
-            self.swapper = ActivationSwapper(self.device)
-        index = next(g.block_index for g in self.groups if g.module is block)
-        order = [g.module for g in self.blocks_in_order()]
-        apply_policy(
-            block,
-            policy,  # type: ignore[arg-type]
-            self.swapper,
-            block_index=order.index(block) if block in order else index,
-        )
+    # ---- plan switches ------------------------------------------------------------------------
 
     def apply_plan(self, plan: Plan) -> None:
         """Switch to ``plan``: persistent chunks (migrating optimizer state) and block policies."""
@@ -231,10 +195,7 @@ class Runtime:
         if demoted:
             self._demote(demoted)
         self._assign_gpu_updates(plan)
-        if plan.block_policies and self.settings.activation_mode != "off":
-            for group, policy in zip(self.blocks_in_order(), plan.block_policies, strict=False):
-                self.apply_block_policy(group.module, policy)
-        set_mlp_tiles((g.module for g in self.blocks_in_order()), plan.mlp_tile_tokens)
+        self.activations.apply_plan(plan)
         self.host_vocab.serve(served)
         self.control.adopt_plan(plan)
 
@@ -275,21 +236,6 @@ class Runtime:
     def position(self, group_index: int) -> int:
         """Where group ``group_index`` ran in the last complete forward."""
         return self.hooks.position(group_index)
-
-    def take_over_late_hf_checkpointing(self) -> None:
-        """HF gradient checkpointing turned on after attach (HF ``Trainer`` does it in
-        ``train()``, after its move): the block policies take it over, as at attach. Left on,
-        HF's reentrant checkpoint would wrap the policies and break the profiling probe."""
-        if self.settings.activation_mode == "off":
-            return  # HF's checkpointing stays in charge, as at attach
-        if any(
-            getattr(g.module, "gradient_checkpointing", None) is True
-            for g in self.groups
-            if g.is_block
-        ) and take_over_hf_gradient_checkpointing(self.model):
-            if not self.hf_checkpointing_taken:
-                logger.info("activation management takes over HF gradient checkpointing per block")
-            self.hf_checkpointing_taken = True
 
     def weight_dtype(self) -> torch.dtype:
         """The floating dtype holding most chunk bytes (packed quantized bytes are no dtype
@@ -478,13 +424,8 @@ class Runtime:
         remove_copy_guard(self.model)
         if self.oom is not None:
             self.oom.remove()
-        for group in self.groups:
-            if group.is_block:
-                remove_policy(group.module)
-        set_mlp_tiles((g.module for g in self.groups if g.is_block), 0)
+        self.activations.remove()
         self.host_vocab.stop()
-        if self.hf_checkpointing_taken:
-            restore_hf_gradient_checkpointing(self.model)
         return_from_device(
             self.model, self.manager, self.quantized, self.resident_params, target, fetched
         )
@@ -504,9 +445,7 @@ class Runtime:
             ) from None
         finally:
             self.cpu_optim.shutdown()
-            if self.swapper is not None:
-                self.swapper.release_in_flight()
-                self.swapper.pool.clear()
+            self.activations.release_swapper()
             self.control.stop_profiling()
             allocator.release(self._allocator_hold)
             self._allocator_hold = False

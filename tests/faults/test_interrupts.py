@@ -249,7 +249,7 @@ def test_a_failed_forwards_swapped_tensors_are_not_brought_back_by_the_next_back
     enable_cpu(n_persist=1, activation_mode="swap")
     model.to("cpu")
     runtime = rt.runtime_of(model)
-    swapper = runtime.swapper
+    swapper = runtime.activations.swapper
     swapper.min_swap_bytes = 0  # the tiny model's activations are all small
     fault = Fault(model.model.layers[2].mlp, "forward", Boom)
     ids = batches(1)[0]

@@ -163,13 +163,13 @@ def test_the_last_swapped_blocks_tensors_go_when_the_next_block_is_done():
         in_flight = []
         for _ in range(4):  # two profiling steps, then the plan's
             loss = model(input_ids=ids, labels=ids).loss
-            if runtime.swapper is not None:
-                in_flight.append(sorted(runtime.swapper._in_flight))
+            if runtime.activations.swapper is not None:
+                in_flight.append(sorted(runtime.activations.swapper._in_flight))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
         assert runtime.plan.block_policies == ("swap", "swap", "checkpoint", "checkpoint")
-        assert runtime.swapper.stats()["d2h_bytes"] > 0, "nothing was swapped"
+        assert runtime.activations.swapper.stats()["d2h_bytes"] > 0, "nothing was swapped"
         assert in_flight[-1] == [], in_flight
     finally:
         autooffload.disable()

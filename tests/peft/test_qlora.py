@@ -109,7 +109,7 @@ def test_qlora_with_kbit_preparation_and_gradient_checkpointing_matches_plain():
     expected = Run(train(plain, data), trained_weights(plain))
     model = wrap(base, "resident", attached=True, **kbit)
     model.enable_input_require_grads()
-    assert runtime_for(model).hf_checkpointing_taken
+    assert runtime_for(model).activations.hf_checkpointing_taken
     losses = train(model, data)
     autooffload.disable()
     assert_same_training(expected, Run(losses, trained_weights(model)))

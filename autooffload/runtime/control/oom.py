@@ -199,9 +199,9 @@ class OomRetry:
             raise self._error("again after the retry", message)
         runtime.hooks.drop_partial_trace()
         runtime.hooks.recover_interrupted()
-        if runtime.swapper is not None:
+        if runtime.activations.swapper is not None:
             # Even when no chunk was left resident (an OOM in the loss, after the last block).
-            runtime.swapper.forget()
+            runtime.activations.swapper.forget()
         if runtime.data_parallel is not None:
             # One rank re-planning alone would issue other collectives than the rest: hang.
             raise self._error(

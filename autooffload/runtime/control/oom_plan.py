@@ -116,7 +116,7 @@ def _reprofiling_plan(runtime: Runtime) -> Plan:
     widest = max((len(v) for v in runtime.layout.chunks_of_group.values()), default=1)
     policies = current.block_policies
     if runtime.settings.activation_mode == "auto":
-        policies = ("checkpoint",) * len(runtime.blocks_in_order())
+        policies = ("checkpoint",) * len(runtime.activations.blocks_in_order())
     return replace(
         current,
         n_buffer=max(widest, min(current.n_buffer, 2 * widest)),

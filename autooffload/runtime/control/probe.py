@@ -133,7 +133,7 @@ class BlockProbe:
             for index in chunks:
                 runtime.manager.release(index)
             if policy != "keep":
-                runtime.apply_block_policy(block, policy)
+                runtime.activations.apply_block_policy(block, policy)
         # The probe's backward allocates the block's parameter gradients; the cost model adds
         # them (offloaded and persistent grads per unit), so they leave the transient, which
         # may go negative (down to -kept: activations are freed as the gradients are made).
