@@ -101,6 +101,20 @@ def _servable(chunk: Chunk, module: nn.Module, chunk_size: int) -> str:
     return ""
 
 
+def servable_chunks(groups: list[Group], layout: ChunkLayout) -> dict[int, ServedChunk]:
+    """The chunks of ``layout`` that can be served from the host, by index."""
+    servable: dict[int, ServedChunk] = {}
+    by_index = {g.index: g for g in groups}
+    for chunk in layout.chunks:
+        if len(chunk.groups) != 1:
+            continue
+        module = by_index[next(iter(chunk.groups))].module
+        kind = _servable(chunk, module, layout.chunk_size)
+        if kind:
+            servable[chunk.index] = ServedChunk(chunk, module, kind)
+    return servable
+
+
 class HostVocab:
     """The chunks of one model that can be served from the host, and which of them are."""
 
@@ -108,16 +122,7 @@ class HostVocab:
         self, groups: list[Group], layout: ChunkLayout, manager: ChunkManager, enabled: bool
     ) -> None:
         self.manager = manager
-        self.servable: dict[int, ServedChunk] = {}
-        if enabled:
-            by_index = {g.index: g for g in groups}
-            for chunk in layout.chunks:
-                if len(chunk.groups) != 1:
-                    continue
-                module = by_index[next(iter(chunk.groups))].module
-                kind = _servable(chunk, module, layout.chunk_size)
-                if kind:
-                    self.servable[chunk.index] = ServedChunk(chunk, module, kind)
+        self.servable = servable_chunks(groups, layout) if enabled else {}
         self.served: frozenset[int] = frozenset()
         self._pinned_rows: _PinnedRows | None = None
 

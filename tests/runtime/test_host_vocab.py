@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import autooffload
 from autooffload import runtime as rt
 from autooffload.runtime import host_vocab
+from autooffload.runtime.control.planning import model_state_peak
 
 VOCAB = 4096
 STEPS = 5
@@ -175,3 +176,25 @@ def test_unfreezing_a_served_weight_gathers_it_again():
         assert head_chunk not in runtime.host_vocab.served
     finally:
         rt.detach(model)
+
+
+def test_the_attach_floor_counts_a_served_vocabulary_as_its_tiles():
+    """A budget between the smallest plan's weights with the vocabulary served (two head tiles)
+    and with it gathered whole is accepted at attach, and trains: the profiling steps serve it."""
+    autooffload.enable(device="cpu", force_attach=True, chunk_size=CHUNK_SIZE, mask=False)
+    try:
+        model = _lora(_llama()).to("cpu")
+        runtime = rt.registry.runtime_of(model)
+        chunks = runtime.layout.chunks
+        widest = max(len(v) for v in runtime.layout.chunks_of_group.values())
+        served = {i: c.bytes_for(0).device for i, c in runtime.host_vocab.servable.items()}
+        assert sorted(served) == [0, len(chunks) - 1]  # the embedding and the head
+        gathered_floor = model_state_peak(chunks, 0, widest)
+        served_floor = model_state_peak(chunks, 0, widest, served)
+        assert served_floor < gathered_floor
+    finally:
+        autooffload.disable()
+    budget = gathered_floor - 1  # the old floor refused it
+    losses, _, (runtime, served_steps) = _train(_lora(_llama()), {"budget": budget})
+    assert runtime is not None and len(losses) == STEPS
+    assert served_steps[0] == frozenset(served)

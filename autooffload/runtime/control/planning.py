@@ -22,7 +22,8 @@ from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan, format_bytes
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 from autooffload.runtime.control.profiler import StepProfiler
-from autooffload.runtime.parallel.distributed import local_world_size
+from autooffload.runtime.host_vocab import servable_chunks
+from autooffload.runtime.parallel.distributed import local_world_size, world
 from autooffload.settings import Settings
 
 if TYPE_CHECKING:
@@ -64,17 +65,33 @@ def persistent_cost(chunk_bytes: int, trainable_bytes: int) -> int:
     return chunk_bytes + 3 * trainable_bytes
 
 
-def model_state_peak(chunks: list, n_persist: int, n_buffer: int) -> int:
+def model_state_peak(
+    chunks: list, n_persist: int, n_buffer: int, served: dict[int, int] | None = None
+) -> int:
     """Device bytes of the model states alone: the persistent chunks (with their grads and
-    optimizer states) and the widest run of ``n_buffer`` consecutive streamed chunks."""
+    optimizer states) and the widest run of ``n_buffer`` consecutive streamed chunks, a chunk
+    served from the host (``served``: index -> device bytes while serving) counting those."""
     persistent_bytes = sum(persistent_cost(c.nbytes, c.trainable_bytes) for c in chunks[:n_persist])
+    served = served or {}
     # Streamed chunks take their own size on the device (an oversized embedding's chunk beside
     # small ones), about n_buffer consecutive ones at a time.
-    streamed_sizes = [c.nbytes for c in chunks[n_persist:]]
+    streamed_sizes = [served.get(c.index, c.nbytes) for c in chunks[n_persist:]]
     streamed = max(
         (sum(streamed_sizes[i : i + n_buffer]) for i in range(len(streamed_sizes))), default=0
     )
     return persistent_bytes + streamed
+
+
+def served_device_bytes(runtime: Runtime) -> dict[int, int]:
+    """The device bytes of each chunk the smallest plan serves from the host (a frozen
+    vocabulary on one process, ``runtime/host_vocab.py``): a head's two tiles, an embedding's
+    rows (counted as none: they are the batch's, not the model's)."""
+    if world()[1] > 1 and runtime.settings.data_parallel != "off":
+        return {}
+    return {
+        index: served.bytes_for(0).device
+        for index, served in servable_chunks(runtime.groups, runtime.layout).items()
+    }
 
 
 def check_smallest_plan_fits(
@@ -84,7 +101,8 @@ def check_smallest_plan_fits(
     model states alone (every chunk offloaded, the fewest buffers, no activations yet)."""
     n_persist = settings.n_persist or 0
     n_buffer = settings.n_buffer or widest
-    floor = model_state_peak(runtime.layout.chunks, n_persist, n_buffer)
+    served = served_device_bytes(runtime)
+    floor = model_state_peak(runtime.layout.chunks, n_persist, n_buffer, served)
     if budget >= floor:
         return
     given = "AUTOOFFLOAD_BUDGET" if settings.budget is not None else "the device's free memory"
