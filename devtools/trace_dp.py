@@ -33,26 +33,9 @@ from autooffload.bench.models import accepted_batch, build_model, make_batch
 from autooffload.bench.workloads import get_workload
 from autooffload.runtime import runtime_of
 from autooffload.setting_values import parse_size_or_fraction
+from devtools._kernels import family
 
-FAMILIES = (
-    ("memcpy htod", "copy H2D"),
-    ("memcpy dtoh", "copy D2H"),
-    ("memcpy dtod", "copy D2D"),
-    ("nccl", "nccl"),
-    ("gemm", "gemm"),
-    ("nvjet", "gemm"),
-    ("cutlass", "gemm"),
-    ("flash", "attention"),
-    ("fmha", "attention"),
-    ("adam", "optimizer"),
-    ("multi_tensor", "optimizer"),
-)
 STATS = ("h2d_s", "gather_s", "d2h_s", "stall_s", "cpu_optim_s", "h2d_bytes", "d2h_bytes")
-
-
-def family(name: str) -> str:
-    lowered = name.lower()
-    return next((fam for key, fam in FAMILIES if key in lowered), "other")
 
 
 def kernel_time(prof: Any, steps: int) -> dict[str, float]:

@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import autooffload
+from devtools._kernels import family
 
 GiB = 1 << 30
 size, cap_arg = sys.argv[1], sys.argv[2]
@@ -90,34 +91,6 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
 if os.environ.get("OUT"):
     prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{size}_{cap_arg}.json"))
 ka = prof.key_averages()
-
-
-def family(name: str) -> str:
-    n = name.lower()
-    for key, fam in (
-        ("memcpy htod", "copy H2D"),
-        ("memcpy dtoh", "copy D2H"),
-        ("memcpy dtod", "copy D2D"),
-        ("memset", "memset"),
-        ("nccl", "nccl"),
-        ("gemm", "gemm"),
-        ("nvjet", "gemm"),
-        ("cutlass", "gemm"),
-        ("flash", "attention"),
-        ("fmha", "attention"),
-        ("sdpa", "attention"),
-        ("adam", "optimizer"),
-        ("multi_tensor", "optimizer"),
-        ("reduce", "reduce"),
-        ("copy", "copy/cast kernel"),
-        ("cat", "cat"),
-        ("softmax", "softmax"),
-        ("elementwise", "elementwise"),
-        ("vectorized", "elementwise"),
-    ):
-        if key in n:
-            return fam
-    return "other"
 
 
 fam_time: dict[str, float] = collections.Counter()
