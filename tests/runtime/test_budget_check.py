@@ -11,6 +11,7 @@ from runtime.runtime_models import batches, enable_cpu, tiny_llama
 import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import PlanError
+from autooffload.runtime.control.planning import model_state_peak
 
 
 def test_a_budget_below_the_weights_alone_is_refused_at_attach_before_any_update():
@@ -61,3 +62,27 @@ def test_a_budget_the_batch_fits_trains_past_the_first_update_check():
         optimizer.step()
         optimizer.zero_grad()
     assert rt.last_plan().source.startswith("search")
+
+
+def _profiling_plan(budget: int | str) -> tuple[int, int, list]:
+    """The profiling plan's buffers, one block's chunks and the layout, under ``budget``."""
+    enable_cpu(n_persist=None, budget=budget)
+    try:
+        model = tiny_llama().to("cpu")
+        runtime = rt.runtime_of(model)
+        widest = max(len(v) for v in runtime.layout.chunks_of_group.values())
+        return runtime.plan.n_buffer, widest, runtime.layout.chunks
+    finally:
+        autooffload.disable()
+
+
+def test_the_profiling_steps_stream_through_one_block_of_buffers_under_a_tight_budget():
+    n_buffer, widest, chunks = _profiling_plan("8MiB")
+    assert n_buffer == 2 * widest  # two blocks in flight, the copy overlapping compute
+    two_blocks = model_state_peak(chunks, 0, 2 * widest)
+    assert model_state_peak(chunks, 0, widest) < two_blocks
+    # Two blocks' buffers would take more than half the budget: the batch needs the rest.
+    n_buffer, _, _ = _profiling_plan(2 * two_blocks - 1)
+    assert n_buffer == widest
+    n_buffer, _, _ = _profiling_plan(2 * two_blocks)
+    assert n_buffer == 2 * widest

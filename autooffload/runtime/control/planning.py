@@ -115,14 +115,25 @@ def check_smallest_plan_fits(
     )
 
 
+def profiling_buffers(runtime: Runtime, n_persist: int, widest: int, budget: int | None) -> int:
+    """Chunk buffers of the profiling steps: two blocks' chunks (one block's copy overlaps the
+    block before), or one block's where two would take more than half the budget with the
+    persistent chunks: under a tight cap the profiled batch's activations need the rest (8B LoRA
+    under 2.5 GiB: four 416 MiB buffers set the run's peak, two of them the planned steps')."""
+    if budget is None:
+        return 2 * widest
+    served = served_device_bytes(runtime)
+    two_blocks = model_state_peak(runtime.layout.chunks, n_persist, 2 * widest, served)
+    return 2 * widest if two_blocks <= budget // 2 else widest
+
+
 def initial_plan(runtime: Runtime, settings: Settings) -> Plan:
     """The plan used until the profiler has measured the real batch."""
     chunks = runtime.layout.chunks
     n_chunks = len(chunks)
     chunk_size = runtime.layout.chunk_size
     widest = max((len(v) for v in runtime.layout.chunks_of_group.values()), default=1)
-    n_buffer = settings.n_buffer if settings.n_buffer is not None else 2 * widest
-    if n_buffer < widest and settings.n_buffer is not None:
+    if settings.n_buffer is not None and settings.n_buffer < widest:
         raise PlanError(
             f"n_buffer={settings.n_buffer} is smaller than the {widest} chunks one block needs;"
             f" set AUTOOFFLOAD_N_BUFFER >= {widest} (or leave it unset)"
@@ -146,6 +157,9 @@ def initial_plan(runtime: Runtime, settings: Settings) -> Plan:
         source = "profiling step"
     if budget is not None:
         check_smallest_plan_fits(runtime, settings, budget, widest)
+    n_buffer = settings.n_buffer
+    if n_buffer is None:
+        n_buffer = profiling_buffers(runtime, n_persist, widest, budget)
     return Plan(
         chunk_size=chunk_size,
         n_chunks=n_chunks,
