@@ -19,6 +19,7 @@
 #   8b-x2         llama-8b-full @ 24 GiB a GPU on 2 GPUs: fsdp2_offload, autooffload (vanilla
 #                 DDP holds 80 GB of weights, gradients, AdamW state and buckets)
 #   8b-x2-ds      the same, deepspeed alone
+#   3b-x4, 8b-x4, 8b-x4-ds   as the -x2 parts, on 4 GPUs
 # PEERS overrides a part's peers. The deepspeed sweep starts no configuration whose estimated
 # host memory exceeds what the host has available (the bench's --host-memory, HOST_MEMORY here).
 # The wheels (WHEELS, default .whl-deepspeed) are installed into a private site folder;
@@ -65,8 +66,12 @@ part_of() { # PART -> "BENCH ARGS|PEERS"
     3b-x2) echo "--workload llama-3b-full --cap 24GiB --nproc 2|$full" ;;
     8b-x2) echo "--workload llama-8b-full --cap 24GiB --nproc 2|fsdp2_offload,autooffload" ;;
     8b-x2-ds) echo "--workload llama-8b-full --cap 24GiB --nproc 2|deepspeed" ;;
+    3b-x4) echo "--workload llama-3b-full --cap 24GiB --nproc 4|$full" ;;
+    8b-x4) echo "--workload llama-8b-full --cap 24GiB --nproc 4|fsdp2_offload,autooffload" ;;
+    8b-x4-ds) echo "--workload llama-8b-full --cap 24GiB --nproc 4|deepspeed" ;;
     *)
-        echo "unknown part $1 (3.6b, 1b, loss, 8b, 8b-lora, 8b-lora-need, 3b-x2, 8b-x2, 8b-x2-ds)" >&2
+        echo "unknown part $1 (3.6b, 1b, loss, 8b, 8b-lora, 8b-lora-need, 3b-x2, 8b-x2, 8b-x2-ds," \
+            "3b-x4, 8b-x4, 8b-x4-ds)" >&2
         return 1
         ;;
     esac
