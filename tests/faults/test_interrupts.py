@@ -216,7 +216,7 @@ def test_disable_frees_the_host_store_without_waiting_for_gc(where, kind):
     model.to("cpu")
     runtime = rt.runtime_of(model)
     manager = runtime.manager
-    stores = [StorageWeakRef(manager.host.buffer.untyped_storage())]
+    stores = [StorageWeakRef(piece.untyped_storage()) for piece in manager.host.pieces]
     fault = Fault(model.model.layers[1].mlp, where, kind or Boom)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     gc.collect()
@@ -233,7 +233,7 @@ def test_disable_frees_the_host_store_without_waiting_for_gc(where, kind):
             optimizer.zero_grad()
         # The staging is allocated at the first gradient offloaded (``HostArena(lazy=True)``).
         assert manager.grads.staging.allocated
-        stores.append(StorageWeakRef(manager.grads.staging.buffer.untyped_storage()))
+        stores += [StorageWeakRef(p.untyped_storage()) for p in manager.grads.staging.pieces]
         assert not any(ref.expired() for ref in stores)
         autooffload.disable()
         del runtime, manager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from autooffload.runtime.chunks.host import HostArena, power_of_two_pieces
 from autooffload.runtime.chunks.layout import ALIGN, aligned_bytes, build_layout
 
 
@@ -134,3 +135,29 @@ def test_an_oversized_embedding_and_head_do_not_set_the_size_of_other_chunks(mak
     assert all(c.nbytes <= chunk_size for c in layout.chunks[1:-1])
     assert layout.chunk_size == chunk_size and layout.chunks_of_group[0] == [0]
     assert layout.total_bytes == aligned_bytes(list(model.parameters()))
+
+
+def test_the_host_arena_is_laid_out_in_pieces_torch_pins_without_rounding_waste():
+    mib = 1 << 20
+    pieces, place = power_of_two_pieces([416 * mib] * 24)  # Llama-3-8B's offloaded blocks
+    # torch rounds each pinned allocation up to a power of two: one 9.75 GiB arena pins 16 GiB.
+    pinned = sum(1 << (n - 1).bit_length() for n in pieces)
+    assert pinned == (8 + 2 + 0.5) * 1024 * mib and sum(pieces) == 24 * 416 * mib
+    # Every chunk lies whole in one piece, in order, no two overlapping.
+    spans = sorted((piece, start, start + 416 * mib) for piece, start in place)
+    for (p1, _, end), (p2, start, _) in zip(spans, spans[1:]):
+        assert p1 < p2 or end <= start
+    assert all(start + 416 * mib <= pieces[piece] for piece, start in place)
+    # Chunks another rank owns (0 bytes) take no room; views and aliases read the right bytes.
+    sizes = [12, 0, 40, 0, 8, 20]
+    arena = HostArena(sizes, pin=False)
+    assert sum(p.numel() for p in arena.pieces) == sum(sizes) and len(arena.pieces) > 1
+    for index in range(len(sizes)):
+        arena.view(index).fill_(index)
+    for index, size in enumerate(sizes):
+        view = arena.view(index)
+        assert view.numel() == size and bool((view == index).all())
+        if size:
+            assert arena.contains(view)
+            alias = arena.alias(index, 4, 4, torch.int32, torch.Size([1]))
+            assert alias.item() == int.from_bytes(bytes([index] * 4), "little")
