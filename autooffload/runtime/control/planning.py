@@ -95,13 +95,13 @@ def served_device_bytes(runtime: Runtime) -> dict[int, int]:
 
 
 def check_smallest_plan_fits(
-    runtime: Runtime, settings: Settings, budget: int, widest: int
+    runtime: Runtime, settings: Settings, budget: int, widest: int, served: dict[int, int]
 ) -> None:
     """Refuse at attach, before any update, a budget below what the smallest plan needs for the
-    model states alone (every chunk offloaded, the fewest buffers, no activations yet)."""
+    model states alone (every chunk offloaded, the fewest buffers, no activations yet;
+    ``served``: as for ``model_state_peak``)."""
     n_persist = settings.n_persist or 0
     n_buffer = settings.n_buffer or widest
-    served = served_device_bytes(runtime)
     floor = model_state_peak(runtime.layout.chunks, n_persist, n_buffer, served)
     if budget >= floor:
         return
@@ -115,14 +115,16 @@ def check_smallest_plan_fits(
     )
 
 
-def profiling_buffers(runtime: Runtime, n_persist: int, widest: int, budget: int | None) -> int:
+def profiling_buffers(
+    runtime: Runtime, n_persist: int, widest: int, budget: int | None, served: dict[int, int]
+) -> int:
     """Chunk buffers of the profiling steps: two blocks' chunks (one block's copy overlaps the
     block before), or one block's where two would take more than half the budget with the
     persistent chunks: under a tight cap the profiled batch's activations need the rest (8B LoRA
-    under 2.5 GiB: four 416 MiB buffers set the run's peak, two of them the planned steps')."""
+    under 2.5 GiB: four 416 MiB buffers set the run's peak, two of them the planned steps').
+    ``served``: as for ``model_state_peak``."""
     if budget is None:
         return 2 * widest
-    served = served_device_bytes(runtime)
     two_blocks = model_state_peak(runtime.layout.chunks, n_persist, 2 * widest, served)
     return 2 * widest if two_blocks <= budget // 2 else widest
 
@@ -155,11 +157,12 @@ def initial_plan(runtime: Runtime, settings: Settings) -> Plan:
         # profiling step cannot run out of memory; the plan from the real batch follows it.
         n_persist = 0
         source = "profiling step"
+    served = served_device_bytes(runtime)
     if budget is not None:
-        check_smallest_plan_fits(runtime, settings, budget, widest)
+        check_smallest_plan_fits(runtime, settings, budget, widest, served)
     n_buffer = settings.n_buffer
     if n_buffer is None:
-        n_buffer = profiling_buffers(runtime, n_persist, widest, budget)
+        n_buffer = profiling_buffers(runtime, n_persist, widest, budget, served)
     return Plan(
         chunk_size=chunk_size,
         n_chunks=n_chunks,
