@@ -164,6 +164,12 @@ class Settings:
             math), peak memory no longer grows with seq x vocab in fp32. ``outputs.logits`` is
             unchanged. Applies to every model while enabled, attached or not; ``False`` keeps
             transformers' loss.
+        fused_head: Fuse an attached causal LM's ``lm_head`` with its loss in training steps
+            given ``labels``: the loss is computed over chunks of rows and the logits are never
+            made whole (``runtime/activations/fused_head.py``); ``outputs.logits`` is None in
+            those steps. ``None`` (auto): where the step's logits would take a quarter of the
+            budget or more; ``True``: every such step (an error at attach for a model whose
+            forward transforms the logits before its loss); ``False``: never.
         device: ``cuda`` or ``cpu`` (the CPU simulation used by tests); ``None``: cuda when
             available.
         mask: Turn chat data labels into assistant-only labels in collators and processors.
@@ -320,6 +326,12 @@ class Settings:
         "AUTOOFFLOAD_CHUNKED_LOSS",
         parse_bool,
         "causal-LM loss over row chunks, no fp32 copy of all the logits",
+    )
+    fused_head: bool | None = _knob(
+        None,
+        "AUTOOFFLOAD_FUSED_HEAD",
+        parse_optional_bool,
+        "LM head fused with the loss (no whole logits); auto = where they take 1/4 of the budget",
     )
     device: str | None = _knob(
         None,

@@ -8,7 +8,8 @@ wrapped: when what it returns is transformers' ``ForCausalLMLoss`` itself, the c
 math); any other loss function (a user's, a model's own) is called unchanged. ``LOSS_MAPPING`` and
 ``ForCausalLMLoss`` stay untouched, so code that compares against them by identity (the
 Trainer's ``num_items_in_batch`` counting does) sees no difference. Setting
-``AUTOOFFLOAD_CHUNKED_LOSS=0`` leaves the property alone.
+``AUTOOFFLOAD_CHUNKED_LOSS=0`` keeps transformers' loss. A fused LM head's placeholder logits
+(``runtime/activations/fused_head.py``) get the loss its forward computed, whatever that setting.
 """
 
 from __future__ import annotations
@@ -34,23 +35,41 @@ class _PropertyWrapper(wrapt.FunctionWrapper):
         self.__wrapped__.__delete__(instance)
 
 
-def _loss_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Called with ``wrapped`` = the loss function the property returned for ``instance``."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
+def _loss_wrapper(chunked: bool) -> Any:
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        """Called with ``wrapped`` = the loss function the property returned for ``instance``."""
+        from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from autooffload.runtime.activations.chunked_ce import chunked_causal_lm_loss
+        from autooffload.runtime.activations.chunked_ce import chunked_causal_lm_loss
+        from autooffload.runtime.activations.fused_head import loss_for
 
-    if wrapped is not ForCausalLMLoss:
-        return wrapped(*args, **kwargs)
-    return chunked_causal_lm_loss(*args, **kwargs)
+        if wrapped is not ForCausalLMLoss:
+            return wrapped(*args, **kwargs)
+        logits = kwargs.get("logits", args[0] if args else None)
+        labels = kwargs.get("labels", args[1] if len(args) > 1 else None)
+        fused = loss_for(logits, labels, kwargs)
+        if fused is not None:
+            return fused
+        if not chunked:
+            return wrapped(*args, **kwargs)
+        return chunked_causal_lm_loss(*args, **kwargs)
+
+    return wrapper
 
 
 def install(settings: Settings, target: str) -> None:
-    if not settings.chunked_loss:
+    # The fused LM head's placeholder logits go to its own loss through this wrapper too.
+    if not settings.chunked_loss and settings.fused_head is False:
         return
     pretrained = sys.modules[target].PreTrainedModel
     if isinstance(pretrained.__dict__.get("loss_function"), property):
-        _registry.wrap(pretrained, "loss_function", _loss_wrapper, __name__, _PropertyWrapper)
+        _registry.wrap(
+            pretrained,
+            "loss_function",
+            _loss_wrapper(settings.chunked_loss),
+            __name__,
+            _PropertyWrapper,
+        )
 
 
 def uninstall() -> None:

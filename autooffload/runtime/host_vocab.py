@@ -23,7 +23,7 @@ process, qualifies: a trained or tied vocabulary is gathered as before.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -184,6 +184,16 @@ def _served_forward(state: SimpleNamespace, args: tuple, kwargs: dict) -> torch.
     if not state.active:
         return state.inner_forward(*args, **kwargs)
     return state.serve(state.vocab, state.served, *args, **kwargs)
+
+
+def served_logits(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``x -> module(x)`` from the host store's tiles while ``module`` is a served head, else
+    None (a head fused with the loss takes its logits from the tiles:
+    ``activations/fused_head.py``)."""
+    state = module.__dict__.get(_KEY)
+    if state is None or not state.active or state.served.kind == "rows":
+        return None
+    return lambda x: _head_tiles(state.vocab, state.served, x)
 
 
 class _PinnedRows:

@@ -13,6 +13,8 @@ from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import Candidates, SearchRequest
 from autooffload.plan.types import Plan, format_bytes
 from autooffload.runtime import allocator
+from autooffload.runtime.activations import fused_head
+from autooffload.runtime.activations.fused_head import FusedHead
 from autooffload.runtime.activations.model_activations import ModelActivations
 from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import discover_groups
@@ -20,7 +22,7 @@ from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.control.controller import PlanControl
 from autooffload.runtime.control.host_need import check_host_memory, host_memory_now
 from autooffload.runtime.control.oom import OomRetry
-from autooffload.runtime.control.planning import accumulate_mode, initial_plan
+from autooffload.runtime.control.planning import accumulate_mode, budget_bytes, initial_plan
 from autooffload.runtime.hooks import StepHooks
 from autooffload.runtime.host_vocab import HostVocab
 from autooffload.runtime.parallel.distributed import attach_data_parallel, local_world_size
@@ -139,6 +141,9 @@ class Runtime:
             model, self.groups, device, settings.activation_mode, self.position
         )
         self.hooks = StepHooks(self)
+        # Before the head is served: a served head's forward asks the fused head first.
+        self.fused_head = FusedHead(model, settings.fused_head, budget_bytes(settings, device))
+        fused_head.register(self.fused_head)
         # The profiling steps serve every frozen vocabulary chunk from the host (the least
         # device memory); the searched plan weighs serving against gathering.
         self.control.adopt_plan(
@@ -426,6 +431,8 @@ class Runtime:
             self.oom.remove()
         self.activations.remove()
         self.host_vocab.stop()
+        fused_head.unregister(self.fused_head)
+        self.fused_head.remove()
         return_from_device(
             self.model, self.manager, self.quantized, self.resident_params, target, fetched
         )

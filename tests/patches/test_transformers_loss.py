@@ -83,10 +83,24 @@ def test_disable_restores_the_property_and_the_mapping_is_never_touched(monkeypa
 
 
 def test_chunked_loss_off_leaves_transformers_alone(monkeypatch):
+    """Off with the fused head off: the property is untouched. Off with the fused head on
+    auto: the property is wrapped (for the fused head's placeholder logits), and a model's
+    loss is transformers' own."""
     descriptor = PreTrainedModel.__dict__["loss_function"]
     monkeypatch.setenv("AUTOOFFLOAD_CHUNKED_LOSS", "0")
+    monkeypatch.setenv("AUTOOFFLOAD_FUSED_HEAD", "0")
     autooffload.enable(device="cpu")
     assert PreTrainedModel.__dict__["loss_function"] is descriptor
+    autooffload.disable()
+    monkeypatch.setenv("AUTOOFFLOAD_FUSED_HEAD", "auto")
+    calls = called_chunked(monkeypatch)
+    autooffload.enable(device="cpu")
+    assert PreTrainedModel.__dict__["loss_function"] is not descriptor
+    model = tiny_llama()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    out = model(input_ids=ids, labels=ids)
+    expected = ForCausalLMLoss(out.logits, ids, model.config.vocab_size)
+    assert calls == [] and torch.equal(out.loss, expected)
 
 
 def test_invalid_env_value_is_a_clear_error(monkeypatch):
