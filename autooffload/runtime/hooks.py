@@ -26,6 +26,7 @@ from autooffload.log import logger, warn_once
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
 from autooffload.runtime.chunks.store import Residency
+from autooffload.runtime.control.profiler import block_input_bytes
 from autooffload.runtime.parallel.lockstep import (
     BACKWARD,
     BACKWARD_END,
@@ -237,6 +238,9 @@ class StepHooks:
             self.manager.gather(index)
         self._prefetch_after(group.index, forward=True)
         if self.control.profiler is not None:
+            if group.is_block and torch.is_grad_enabled():
+                x = block_input_bytes(group.module, args, kwargs or {})
+                self.activations.host_inputs_for_profiling(x, self.control.plan.budget_bytes)
             self.control.profiler.on_pre_forward(group, args, kwargs or {})
 
     def _post_forward(self, group: Group, output: object) -> None:

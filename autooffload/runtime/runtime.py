@@ -22,7 +22,12 @@ from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.control.controller import PlanControl
 from autooffload.runtime.control.host_need import check_host_memory, host_memory_now
 from autooffload.runtime.control.oom import OomRetry
-from autooffload.runtime.control.planning import accumulate_mode, budget_bytes, initial_plan
+from autooffload.runtime.control.planning import (
+    accumulate_mode,
+    budget_bytes,
+    checkpoint_inputs_choice,
+    initial_plan,
+)
 from autooffload.runtime.hooks import StepHooks
 from autooffload.runtime.host_vocab import HostVocab
 from autooffload.runtime.parallel.distributed import attach_data_parallel, local_world_size
@@ -138,10 +143,15 @@ class Runtime:
             enabled=self.data_parallel is None and self.manager.sharding is None,
         )
         self.activations = ModelActivations(
-            model, self.groups, device, settings.activation_mode, self.position
+            model,
+            self.groups,
+            device,
+            settings.activation_mode,
+            self.position,
+            host_inputs=checkpoint_inputs_choice(settings, device) != "gpu",
         )
         self.hooks = StepHooks(self)
-        # Before the head is served: a served head's forward asks the fused head first.
+        # The LM head fused with the loss where the logits would not fit (activations/fused_head).
         self.fused_head = FusedHead(model, settings.fused_head, budget_bytes(settings, device))
         fused_head.register(self.fused_head)
         # The profiling steps serve every frozen vocabulary chunk from the host (the least

@@ -15,6 +15,8 @@ from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 import autooffload
 from autooffload import runtime as rt
 from autooffload.plan import search as plan_search
+from autooffload.runtime.activations import model_activations
+from autooffload.runtime.activations.policies import policy_of
 from autooffload.runtime.activations.tiled_mlp import find_mlp, is_tiled, set_mlp_tiles
 from tests.runtime.runtime_models import BATCH, SEQ, enable_cpu
 from tests.runtime.test_offload_equivalence import ATOL, RTOL, adamw, assert_same_training, train
@@ -111,3 +113,51 @@ def test_find_mlp_takes_token_wise_mlps_and_skips_routed_ones(make_llama) -> Non
     moe = MixtralDecoderLayer(config, 0)
     assert find_mlp(moe) is None
     assert set_mlp_tiles([moe], 8) == 0
+
+
+@pytest.mark.parametrize("share", [1e-9, None], ids=["inputs-over-share", "default-share"])
+def test_profiling_steps_keep_long_batches_block_inputs_on_the_host(
+    make_llama, make_batches, offload_cpu, monkeypatch, share
+) -> None:
+    """When one input per checkpointed block would take more than a share of the budget, the
+    profiling steps run every block as ``checkpoint_cpu`` (the first block's call already in
+    flight included) and train as plain autograd; under the share they stay ``checkpoint``."""
+    if share is not None:
+        monkeypatch.setattr(model_activations, "PROFILING_INPUTS_SHARE", share)
+    base = make_llama(tied=False)
+    data = make_batches(STEPS)
+    seen: list[list[str]] = []
+
+    def record(runtime) -> None:
+        blocks = [g.module for g in runtime.groups if g.is_block]
+        handles = []
+
+        def hook(module, args):
+            if runtime.control.profiling and torch.is_grad_enabled():
+                seen.append([policy_of(b) for b in blocks])
+
+        # The last block: the block probe runs the first one alone, its policy lifted.
+        handles.append(blocks[-1].register_forward_hook(lambda m, a, o: hook(m, a)))
+        return handles
+
+    plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu)
+    model = copy.deepcopy(base)
+    enable_cpu(budget="1GiB", checkpoint_inputs="cpu")
+    model.to("cpu")
+    handles = record(rt.runtime_of(model))
+    optimizer = adamw(model.parameters())
+    losses = []
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    for handle in handles:
+        handle.remove()
+    autooffload.disable()
+    expected = "checkpoint_cpu" if share is not None else "checkpoint"
+    assert seen and all(set(step) == {expected} for step in seen), seen
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-5
+    )

@@ -14,12 +14,17 @@ from autooffload.plan.types import Plan
 from autooffload.runtime.activations.policies import (
     ActivationSwapper,
     apply_policy,
+    keep_checkpoint_input_on_host,
     remove_policy,
     restore_hf_gradient_checkpointing,
     take_over_hf_gradient_checkpointing,
 )
 from autooffload.runtime.activations.tiled_mlp import set_mlp_tiles
 from autooffload.runtime.blocks import Group
+
+# The profiling steps keep the checkpointed blocks' inputs in host memory when, one input per
+# block, they would take more than this share of the budget (``host_inputs_for_profiling``).
+PROFILING_INPUTS_SHARE = 0.25
 
 
 class ModelActivations:
@@ -33,8 +38,12 @@ class ModelActivations:
         device: torch.device,
         mode: str,
         position: Callable[[int], int],
+        host_inputs: bool = False,
     ) -> None:
         self.model = model
+        # Whether checkpointed blocks may keep their inputs in host memory (the search's
+        # ``checkpoint_inputs`` is not "gpu" and the policies are the planner's).
+        self.host_inputs = host_inputs and mode == "auto"
         self.groups = groups
         self.device = device
         # Settings.activation_mode: "off" leaves the blocks (and HF's checkpointing) alone.
@@ -73,6 +82,32 @@ class ModelActivations:
             self.swapper,
             block_index=order.index(block) if block in order else index,
         )
+
+    def host_inputs_for_profiling(self, input_bytes: int, budget: int | None) -> int:
+        """In a profiling step, at a block's forward: when the checkpointed blocks' inputs
+        (``input_bytes`` per block) would take more than ``PROFILING_INPUTS_SHARE`` of the
+        budget, every checkpointed block keeps its input in host memory for the profiling steps
+        (``checkpoint_cpu``), the block entering its forward included. A long batch's inputs
+        would otherwise fill the device beside the block being recomputed (Llama-3-8B at seq
+        65536: 32 x 512 MiB). The blocks' profiles come from the block probe, which runs each
+        block alone, so they do not depend on this. Returns how many blocks it switched."""
+        blocks = [g for g in self.groups if g.is_block]
+        if not self.host_inputs or budget is None:
+            return 0
+        if len(blocks) * input_bytes <= PROFILING_INPUTS_SHARE * budget:
+            return 0
+        if self.swapper is None:
+            self.swapper = ActivationSwapper(self.device)
+        switched = sum(keep_checkpoint_input_on_host(g.module, self.swapper) for g in blocks)
+        if switched:
+            logger.info(
+                "profiling steps: %d checkpointed blocks keep their inputs in host memory"
+                " (%d x %.0f MiB would take over a quarter of the budget)",
+                switched,
+                len(blocks),
+                input_bytes / 2**20,
+            )
+        return switched
 
     def apply_plan(self, plan: Plan) -> None:
         """The block policies and MLP tiles of ``plan``."""

@@ -146,6 +146,17 @@ def apply_policy(
     install_forward(block, _POLICY_ATTR, state, _run_block)
 
 
+def keep_checkpoint_input_on_host(block: nn.Module, swapper: ActivationSwapper) -> bool:
+    """Turn ``block``'s ``checkpoint`` policy into ``checkpoint_cpu`` in place, so that a call
+    already entered (its forward was looked up before its hooks ran) takes it too; False when
+    the block has another policy."""
+    state = block.__dict__.get(_POLICY_ATTR)
+    if state is None or state.policy != "checkpoint":
+        return False
+    state.policy, state.swapper = "checkpoint_cpu", swapper
+    return True
+
+
 def remove_policy(block: nn.Module) -> None:
     """Undo :func:`apply_policy`: ``block.forward`` is again what it was before."""
     remove_forward(block, _POLICY_ATTR)

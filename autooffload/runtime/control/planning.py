@@ -270,19 +270,19 @@ def search_request(
         hw,
         budget,
         fixed,
-        checkpoint_inputs=_checkpoint_inputs(runtime),
+        checkpoint_inputs=checkpoint_inputs_choice(runtime.settings, runtime.device),
     )
 
 
-def _checkpoint_inputs(runtime: Runtime) -> str:
+def checkpoint_inputs_choice(settings: Settings, device: torch.device) -> str:
     """The search's ``checkpoint_inputs``: the activation mode's or the setting's choice; ``auto``
     searches host-side inputs on a CUDA device only (on the CPU they would not leave it)."""
-    if runtime.settings.activation_mode == "checkpoint_cpu":
+    if settings.activation_mode == "checkpoint_cpu":
         return "cpu"
-    if runtime.settings.activation_mode == "checkpoint":
+    if settings.activation_mode == "checkpoint":
         return "gpu"
-    chosen = runtime.settings.checkpoint_inputs
-    return "gpu" if chosen == "auto" and runtime.device.type != "cuda" else chosen
+    chosen = settings.checkpoint_inputs
+    return "gpu" if chosen == "auto" and device.type != "cuda" else chosen
 
 
 def profile_for_plan(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> ModelProfile:

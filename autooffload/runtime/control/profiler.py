@@ -77,6 +77,11 @@ def _first_input_name(cls: type) -> str | None:
     return named[0].name if named else None
 
 
+def block_input_bytes(module: nn.Module, args: tuple, kwargs: dict) -> int:
+    """Bytes of a block call's first input (what a checkpointed block saves)."""
+    return _tensor_bytes(primary_input(module, args, kwargs)[0][:1])
+
+
 def primary_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of a block call with the block's first input positional: some blocks
     are called with keywords only (Llama-3.2-Vision's vision layers: ``hidden_state=``)."""
