@@ -10,7 +10,7 @@ from typing import Any
 from autooffload.atomic import atomic_write
 from autooffload.bench.cli_values import parse_size
 from autooffload.bench.frontier import plot_frontier
-from autooffload.bench.report import GiB, is_sweep_configuration
+from autooffload.bench.report import GiB, is_sweep_configuration, several_seqs, where
 from autooffload.bench.table import fmt
 
 
@@ -30,12 +30,14 @@ def write_plots(payload: dict[str, Any], path: Path, title: str = "") -> list[Pa
 
 def plot_scaling(rows: list[dict[str, Any]], path: Path, title: str = "") -> bool:
     """PNG: tokens/s against the number of GPUs, one line per peer and cap, one panel per
-    workload run on more than one GPU count (the dotted line: perfect scaling from one GPU).
-    False (nothing written) when no workload ran on several GPU counts."""
+    workload (and sequence length, in a ``--seq`` sweep) run on more than one GPU count (the
+    dotted line: perfect scaling from one GPU). False (nothing written) when no workload ran on
+    several GPU counts."""
+    with_seq = several_seqs(rows)
     rows = [r for r in rows if not is_sweep_configuration(r) and r.get("tokens_per_s")]
     counts: dict[str, set[int]] = defaultdict(set)
     for row in rows:
-        counts[row["workload"]].add(row.get("nproc") or 1)
+        counts[where(row, with_seq)].add(row.get("nproc") or 1)
     workloads = [w for w, n in counts.items() if len(n) > 1]
     if not workloads:
         return False
@@ -48,7 +50,7 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path, title: str = "") -> boo
     for ax, workload in zip(axes[0], workloads):
         lines: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
         for row in rows:
-            if row["workload"] == workload:
+            if where(row, with_seq) == workload:
                 n = row.get("nproc") or 1
                 label = row["peer_label"].removesuffix(f" x{n}")
                 lines[(label, row["cap"])].append((n, row["tokens_per_s"]))
@@ -69,17 +71,19 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path, title: str = "") -> boo
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
-    """PNG: throughput vs cap per peer (several caps) or a bar per peer (one cap), per workload."""
+    """PNG: throughput vs cap per peer (several caps) or a bar per peer (one cap), per workload
+    (per workload and sequence length in a ``--seq`` sweep)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    with_seq = several_seqs(rows)
     rows = [r for r in rows if not is_sweep_configuration(r)]
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    workloads = list(dict.fromkeys(where(r, with_seq) for r in rows))
     fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.5), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
-        mine = [r for r in rows if r["workload"] == workload]
+        mine = [r for r in rows if where(r, with_seq) == workload]
         caps = list(dict.fromkeys(r["cap"] for r in mine))
         if len(caps) > 1:
             _plot_sweep(ax, mine, caps)

@@ -1,0 +1,151 @@
+"""The sequence-length sweep (``--seq 8192,16384``): parsing, the runs planned, the summary and
+table per length."""
+
+from __future__ import annotations
+
+import pytest
+
+from autooffload.bench import report
+from autooffload.bench.__main__ import main
+from autooffload.bench.cli_values import parse_seqs
+from autooffload.bench.runner import PeerSpec, plan_runs
+from autooffload.bench.table import format_table
+from autooffload.bench.workloads import get_workload
+
+GiB = 1 << 30
+
+
+# --- parsing -------------------------------------------------------------------------------
+
+
+def test_seq_takes_one_length_or_a_comma_list() -> None:
+    assert parse_seqs(None) is None
+    assert parse_seqs("8192") == [8192]
+    assert parse_seqs("8192,16384, 32768") == [8192, 16384, 32768]
+
+
+@pytest.mark.parametrize("text", ["0", "-8", "8k", "1.5", "8192,", "8192,0", "64,64", ""])
+def test_a_bad_length_is_an_error_naming_seq_and_what_is_valid(text: str) -> None:
+    with pytest.raises(ValueError, match="--seq") as info:
+        parse_seqs(text)
+    assert "positive integers" in str(info.value)
+
+
+def test_a_bad_length_on_the_command_line_is_a_clear_error(capsys) -> None:
+    assert main(["--workload", "llama-tiny", "--seq", "64,-1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid --seq '64,-1'" in err and "positive integers" in err
+
+
+# --- planning ------------------------------------------------------------------------------
+
+
+def test_each_length_is_its_own_set_of_runs() -> None:
+    w = get_workload("llama-tiny")
+    peers = [PeerSpec("vanilla"), PeerSpec("autooffload")]
+    runs = plan_runs([w], [GiB], peers, 2, vanilla_caps=[None], seqs=[64, 128])
+    order = [(r.workload.seq, r.peer.name, r.cap, r.repeat) for r in runs]
+    assert order == [
+        (64, "vanilla", None, 0),
+        (64, "autooffload", GiB, 0),
+        (128, "vanilla", None, 0),
+        (128, "autooffload", GiB, 0),
+        (64, "vanilla", None, 1),
+        (64, "autooffload", GiB, 1),
+        (128, "vanilla", None, 1),
+        (128, "autooffload", GiB, 1),
+    ]
+    assert all(r.seq_sweep for r in runs)
+    assert runs[2].describe() == "llama-tiny | seq 128 | cap none | vanilla | rep 0"
+    single = plan_runs([w], [GiB], peers, 1)
+    assert [r.workload for r in single] == [w, w] and not any(r.seq_sweep for r in single)
+    assert single[0].describe() == "llama-tiny | cap 1GiB | vanilla | rep 0"
+
+
+def test_dry_run_lists_the_runs_of_every_length(capsys) -> None:
+    argv = ["--workload", "llama-tiny", "--device", "cpu", "--peers", "vanilla,autooffload"]
+    assert main([*argv, "--seq", "64,128", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "dry run: 4 runs" in text
+    assert "bs 2 seq 64 no-gc" in text and "bs 2 seq 128 no-gc" in text
+    for seq in (64, 128):
+        for peer in ("vanilla", "autooffload"):
+            assert f"llama-tiny | seq {seq} | cap none | {peer} | rep 0" in text
+    # One length overrides the workload's, as before: no sweep, runs named as before.
+    assert main([*argv, "--seq", "64", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "dry run: 2 runs" in text and "bs 2 seq 64 no-gc" in text
+    assert "[0] llama-tiny | cap none | vanilla | rep 0" in text
+
+
+# --- summary, table ------------------------------------------------------------------------
+
+
+def _ok(peer: str, seq: int, tps: float, peak: float, cap: str = "none", **extra) -> dict:
+    return {
+        "workload": "w",
+        "seq": seq,
+        "peer": peer.split("[")[0],
+        "peer_label": peer,
+        "cap": cap,
+        "status": "ok",
+        "tokens_per_s": tps,
+        "step_s_median": seq / tps,
+        "peak_allocated_gib": peak,
+        "peak_reserved_gib": peak,
+        "host_rss_peak_gib": 1.0,
+        "loss_first": 10.0,
+        "loss_final": 8.0,
+        **extra,
+    }
+
+
+def _oom(peer: str, seq: int, cap: str = "none") -> dict:
+    message = "OutOfMemoryError: CUDA out of memory"
+    run = {"workload": "w", "seq": seq, "peer": peer, "peer_label": peer, "cap": cap}
+    return {**run, "status": "OOM", "reason": message, "message": message}
+
+
+def sweep_results() -> list[dict]:
+    return [
+        _ok("vanilla", 8192, 4000.0, 30.0),
+        _ok("autooffload", 8192, 3000.0, 12.0),
+        _oom("vanilla", 16384),
+        _ok("autooffload", 16384, 2500.0, 20.0),
+        _ok("hf_gc", 8192, 3500.0, 18.0),
+        _ok("hf_gc", 16384, 3000.0, 25.0),
+    ]
+
+
+def test_rows_and_the_vanilla_reference_are_per_length() -> None:
+    results = sweep_results()
+    report.annotate(results)
+    assert results[1]["tput_ratio"] == pytest.approx(3000 / 4000)
+    # Vanilla ran out of memory at 16k: no reference there (never vanilla's 8k numbers).
+    assert results[3]["ref_cap"] is None and results[3]["tput_ratio"] is None
+    rows = report.summarise(results)
+    assert [(r["peer_label"], r["seq"]) for r in rows] == [
+        ("vanilla", 8192),
+        ("autooffload", 8192),
+        ("vanilla", 16384),
+        ("autooffload", 16384),
+        ("hf_gc", 8192),
+        ("hf_gc", 16384),
+    ]
+    assert rows[3]["tokens_per_s"] == 2500.0  # not pooled with the 8k row
+
+
+def test_the_table_shows_the_length_when_several_are_swept() -> None:
+    results = sweep_results()
+    report.annotate(results)
+    table = format_table(report.summarise(results))
+    lines = table.splitlines()
+    assert lines[0].startswith("| workload | seq | cap | peer | status | tok/s | x vanilla |")
+    assert lines[0].count(" | ") + 1 == lines[1].count("---|")
+    assert "| w | 8192 | none | autooffload | ok | 3000 | 0.75 |" in table
+    assert "| w | 16384 | none | vanilla | OOM |" in table
+    assert "- w seq 16384 / none / vanilla: OOM: OutOfMemoryError" in table
+    one_length = [r for r in results if r["seq"] == 8192]
+    single = format_table(report.summarise(one_length))
+    assert single.startswith("| workload | cap | peer |")
+    assert "| w | none | autooffload | ok | 3000 | 0.75 |" in single
