@@ -42,6 +42,7 @@ SUMMARY_NUMBERS = (
     "host_rss_total_gib",
     "loss_first",
     "loss_final",
+    "mfu",
 )
 
 

@@ -32,14 +32,17 @@ TABLE_HEADER = (
     " | pred peak / meas need GiB | peak err % | host RSS GiB | loss | loss vs vanilla"
     " | H2D/D2H/CPU-opt/stall ms |"
 )
-# Shown only where it says something: the sequence length in a --seq sweep, after the workload.
-SEQ_COLUMN = " seq |"
+# Shown only where they say something: the sequence length in a --seq sweep, after the
+# workload; MFU when some row has one (a GPU of known peak), after x vanilla.
+SEQ_COLUMN, MFU_COLUMN = " seq |", " MFU % |"
 
 
-def _header(with_seq: bool) -> str:
+def _header(with_seq: bool, with_mfu: bool) -> str:
     header = TABLE_HEADER
     if with_seq:
         header = header.replace(" workload |", " workload |" + SEQ_COLUMN, 1)
+    if with_mfu:
+        header = header.replace(" x vanilla |", " x vanilla |" + MFU_COLUMN, 1)
     return header
 
 
@@ -57,7 +60,8 @@ def _host_rss(row: dict[str, Any]) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table (pastes into BENCHMARKS.md) plus notes with the reason of each failure."""
     with_seq = several_seqs(rows)
-    header = _header(with_seq)
+    with_mfu = any(row.get("mfu") is not None for row in rows)
+    header = _header(with_seq, with_mfu)
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     notes = []
     for row in rows:
@@ -103,6 +107,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             loss_vs,
             breakdown,
         ]
+        if with_mfu:
+            cells.insert(6, fmt(row.get("mfu"), ".1f", 100.0))
         if with_seq:
             cells.insert(1, fmt(row.get("seq"), ".0f"))
         lines.append("| " + " | ".join(cells) + " |")

@@ -1,5 +1,5 @@
 """The sequence-length sweep (``--seq 8192,16384``): parsing, the runs planned, the summary and
-table per length."""
+table per length, and the MFU column's FLOPs count."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from autooffload.bench import report
 from autooffload.bench.__main__ import main
 from autooffload.bench.cli_values import parse_seqs
+from autooffload.bench.flops import mfu, model_flops_per_token, peak_flops
 from autooffload.bench.runner import PeerSpec, plan_runs
 from autooffload.bench.table import format_table
 from autooffload.bench.workloads import get_workload
@@ -145,7 +146,89 @@ def test_the_table_shows_the_length_when_several_are_swept() -> None:
     assert "| w | 8192 | none | autooffload | ok | 3000 | 0.75 |" in table
     assert "| w | 16384 | none | vanilla | OOM |" in table
     assert "- w seq 16384 / none / vanilla: OOM: OutOfMemoryError" in table
+    assert "MFU" not in table  # no row has one
     one_length = [r for r in results if r["seq"] == 8192]
     single = format_table(report.summarise(one_length))
     assert single.startswith("| workload | cap | peer |")
     assert "| w | none | autooffload | ok | 3000 | 0.75 |" in single
+
+
+def test_the_mfu_column_appears_when_a_row_has_one() -> None:
+    results = [
+        _ok("vanilla", 8192, 4000.0, 30.0, mfu=0.4123),
+        _ok("autooffload", 8192, 3000.0, 12.0, mfu=None),
+    ]
+    report.annotate(results)
+    table = format_table(report.summarise(results))
+    lines = table.splitlines()
+    assert lines[0].startswith("| workload | cap | peer | status | tok/s | x vanilla | MFU % |")
+    assert lines[0].count(" | ") + 1 == lines[1].count("---|")
+    assert "| w | none | vanilla | ok | 4000 | 1.00 | 41.2 |" in table
+    assert "| w | none | autooffload | ok | 3000 | 0.75 | - |" in table
+
+
+# --- FLOPs, MFU ----------------------------------------------------------------------------
+
+
+def test_model_flops_per_token_of_the_tiny_llama_by_hand() -> None:
+    # llama-tiny: hidden 64, intermediate 128, 2 layers, 4 heads (head_dim 16), 2 KV heads,
+    # vocab 256, untied. Per block: q 64x64 + k 64x32 + v 64x32 + o 64x64 + gate/up/down
+    # 3 x 64x128 = 4096 + 2048 + 2048 + 4096 + 3 x 8192 = 36864; with the LM head 256 x 64:
+    # N = 2 x 36864 + 16384 = 90112 (the input embedding is a lookup, the norms element-wise).
+    n = 90112
+    # Causal attention, fwd + bwd: 3 x (2 x 2 x seq x 64 x 0.5) per layer, 2 layers.
+    attention = 3 * 2 * 2 * 32 * 64 // 2 * 2
+    assert attention == 24576
+    assert model_flops_per_token(get_workload("llama-tiny")) == 6 * n + attention == 565248
+    # LoRA r16 on the 7 linears: r x (in + out) each, per block 16 x 1024, two blocks.
+    adapters = 2 * 16 * (128 + 96 + 96 + 128 + 192 + 192 + 192)
+    assert adapters == 32768
+    lora = get_workload("llama-tiny-lora")
+    assert model_flops_per_token(lora) == 4 * n + 6 * adapters + attention == 581632
+    # The attention term grows with the sequence length; the weights' terms do not.
+    longer = get_workload("llama-tiny-lora", seq=64)
+    assert model_flops_per_token(longer) == 581632 + attention
+    assert model_flops_per_token(get_workload("qwen2vl-tiny-lora")) is None
+
+
+def test_the_matmul_weights_are_the_built_models_less_embedding_and_norms() -> None:
+    workload = get_workload("llama-8b-full", seq=1)
+    d = workload.text_dims
+    tensors = workload.parameter_tensors()
+    assert tensors is not None
+    h = d["hidden_size"]
+    norms = (2 * d["num_hidden_layers"] + 1) * h
+    n = sum(t.numel for t in tensors) - d["vocab_size"] * h - norms
+    attention = 6 * d["num_hidden_layers"] * 1 * h
+    assert model_flops_per_token(workload) == 6 * n + attention
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA GeForce RTX 4090", 165e12),
+        ("NVIDIA H100 PCIe", None),
+        ("Tesla T4", None),
+        (None, None),
+    ],
+)
+def test_peak_flops_by_gpu_name(name: str | None, peak: float | None) -> None:
+    assert peak_flops(name) == peak
+
+
+def test_mfu_is_the_achieved_model_flops_over_the_peak() -> None:
+    workload = get_workload("llama-8b-lora", bs=1, seq=8192)
+    per_token = model_flops_per_token(workload)
+    assert per_token is not None
+    out = mfu(workload, 1000.0, "NVIDIA H100 80GB HBM3")
+    assert out == {
+        "model_flops_per_token": per_token,
+        "peak_flops": 989e12,
+        "mfu": pytest.approx(1000.0 * per_token / 989e12),
+    }
+    assert 0.0 < out["mfu"] < 1.0
+    assert mfu(workload, 1000.0, None)["mfu"] is None  # CPU run or unknown GPU
