@@ -1,11 +1,14 @@
 """The sequence-length sweep (``--seq 8192,16384``): parsing, the runs planned, the summary and
-table per length, and the MFU column's FLOPs count."""
+table per length, the plot, and the MFU column's FLOPs count."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from autooffload.bench import report
+from autooffload.bench import plots, report
 from autooffload.bench.__main__ import main
 from autooffload.bench.cli_values import parse_seqs
 from autooffload.bench.flops import mfu, model_flops_per_token, peak_flops
@@ -14,6 +17,7 @@ from autooffload.bench.table import format_table
 from autooffload.bench.workloads import get_workload
 
 GiB = 1 << 30
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 # --- parsing -------------------------------------------------------------------------------
@@ -167,6 +171,36 @@ def test_the_mfu_column_appears_when_a_row_has_one() -> None:
     assert "| w | none | autooffload | ok | 3000 | 0.75 | - |" in table
 
 
+# --- plot ----------------------------------------------------------------------------------
+
+
+def test_the_lines_leave_failed_points_out_and_name_the_cap_when_several() -> None:
+    results = sweep_results()
+    report.annotate(results)
+    lines = plots.seq_lines(report.summarise(results))
+    assert {label: [r["seq"] for r in rows] for label, rows in lines.items()} == {
+        "vanilla": [8192],
+        "autooffload": [8192, 16384],
+        "hf_gc": [8192, 16384],
+    }
+    capped = [_ok("autooffload", 16384, 1.0, 1.0, cap="24GiB"), _ok("autooffload", 8192, 2.0, 1.0)]
+    assert list(plots.seq_lines(capped)) == ["autooffload (cap 24GiB)", "autooffload (cap none)"]
+
+
+def test_the_sequence_plot_is_written_for_a_sweep_only(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = sweep_results()
+    report.annotate(results)
+    rows = report.summarise(results)
+    path = tmp_path / "bench.png"
+    written = plots.write_plots({"summary": rows, "runs": results}, path, "title")
+    assert written == [path, tmp_path / "bench.seq.png"]
+    for png in written:
+        assert png.read_bytes()[:8] == PNG_MAGIC
+    assert not plots.plot_seq([r for r in rows if r["seq"] == 8192], tmp_path / "one.png")
+    assert not (tmp_path / "one.png").exists()
+
+
 # --- FLOPs, MFU ----------------------------------------------------------------------------
 
 
@@ -232,3 +266,29 @@ def test_mfu_is_the_achieved_model_flops_over_the_peak() -> None:
     }
     assert 0.0 < out["mfu"] < 1.0
     assert mfu(workload, 1000.0, None)["mfu"] is None  # CPU run or unknown GPU
+
+
+# --- end to end on the CPU -----------------------------------------------------------------
+
+
+def test_a_cpu_sweep_runs_each_length_and_plots_it(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "seq.json"
+    argv = ["--workload", "llama-tiny", "--device", "cpu", "--peers", "vanilla"]
+    argv += ["--seq", "16,32", "--steps", "1", "--warmup", "1", "--out", str(out), "--plot"]
+    assert main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert payload["args"]["seqs"] == [16, 32]
+    assert payload["workloads"]["llama-tiny"]["seq"] == [16, 32]
+    runs = payload["runs"]
+    assert [(r["seq"], r["status"]) for r in runs] == [(16, "ok"), (32, "ok")]
+    for run in runs:
+        assert run["model_flops_per_token"] == model_flops_per_token(
+            get_workload("llama-tiny", seq=run["seq"])
+        )
+        assert run["mfu"] is None and run["peak_flops"] is None  # no GPU peak on the CPU
+    assert [r["seq"] for r in payload["summary"]] == [16, 32]
+    printed = capsys.readouterr().out
+    assert "| llama-tiny | 16 | none | vanilla | ok |" in printed
+    assert "| llama-tiny | 32 | none | vanilla | ok |" in printed
+    assert out.with_suffix(".seq.png").read_bytes()[:8] == PNG_MAGIC
