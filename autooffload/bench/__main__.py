@@ -9,11 +9,18 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from autooffload.bench import plots, report, table
-from autooffload.bench.cli_values import cap_label, parse_caps, parse_options, parse_size
+from autooffload.bench.cli_values import (
+    cap_label,
+    parse_caps,
+    parse_options,
+    parse_seqs,
+    parse_size,
+)
 from autooffload.bench.peers import PEERS, public_peers
 from autooffload.bench.runner import (
     CommonSettings,
@@ -56,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repeat", type=int, default=1, help="repeats (peers alternate: ABAB)")
     parser.add_argument("--bs", type=int, help="batch size (default: the workload's)")
-    parser.add_argument("--seq", type=int, help="sequence length (default: the workload's)")
+    parser.add_argument(
+        "--seq",
+        help="sequence length(s), e.g. 8192 or 8192,16384,32768 (sweep; default: the workload's)",
+    )
     parser.add_argument(
         "--gc",
         action=argparse.BooleanOptionalAction,
@@ -182,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.workload:
         parser.error(f"--workload is required; valid workloads: {', '.join(WORKLOADS)}")
     try:
-        workloads = resolve_workloads(args.workload, args.bs, args.seq, args.gc, args.accum)
+        seqs = parse_seqs(args.seq)
+        # One length overrides the workload's as before; several are expanded by plan_runs.
+        single_seq = seqs[0] if seqs and len(seqs) == 1 else None
+        workloads = resolve_workloads(args.workload, args.bs, single_seq, args.gc, args.accum)
+        swept_seqs = seqs if seqs and len(seqs) > 1 else None
         peers = parse_peers(args.peers, parse_options(args.autooffload_opt))
         caps = parse_caps(args.cap)
         vanilla_caps = parse_caps(args.vanilla_cap) if args.vanilla_cap else None
@@ -190,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     device = args.device or _default_device()
-    runs = plan_runs(workloads, caps, peers, args.repeat, vanilla_caps, args.nproc)
+    runs = plan_runs(workloads, caps, peers, args.repeat, vanilla_caps, args.nproc, swept_seqs)
     common = CommonSettings(
         device, args.steps, args.warmup, args.seed, args.timeout, args.log_dir, args.verbose
     )
@@ -214,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = f"{args.warmup} warm-up + {args.steps} timed steps"
         print(f"dry run: {len(runs)} runs on {device}, {steps}")
         for workload in workloads:
-            print(f"  {workload.describe()}")
+            for seq in swept_seqs or [workload.seq]:
+                print(f"  {replace(workload, seq=seq).describe()}")
         for index, run in enumerate(runs):
             reason = PEERS[run.peer.name].unavailable(run.workload, device)
             host, too_large = host_check(run, common)
@@ -239,8 +254,13 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "repeat": args.repeat,
             "seed": args.seed,
+            "seqs": swept_seqs,
         },
-        "workloads": {w.name: report.workload_meta(w) for w in workloads},
+        # A --seq sweep records its lengths as the workload's seq.
+        "workloads": {
+            w.name: {**report.workload_meta(w), **({"seq": swept_seqs} if swept_seqs else {})}
+            for w in workloads
+        },
     }
 
     def save(results: list[dict[str, Any]]) -> None:

@@ -199,6 +199,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         _init_distributed(device)
         torch.manual_seed(spec["seed"])
 
+        from autooffload.bench.flops import mfu
         from autooffload.bench.peers import PeerContext, get_peer
         from autooffload.bench.workloads import get_workload
 
@@ -215,6 +216,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if device == "cuda":
             result["peak_setup_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
         result.update(_train(trainee, spec, workload, result))
+        # Model FLOPs utilisation against the GPU's peak (none on the CPU or an unknown GPU).
+        gpu_name = torch.cuda.get_device_name() if device == "cuda" else None
+        result.update(mfu(workload, result["tokens_per_s_per_gpu"], gpu_name))
         result.update(trainee.report(spec["steps"]))
         result["status"] = "ok"
     except BaseException as exc:  # every failure becomes a status, never a crash of the harness

@@ -1,4 +1,5 @@
-"""Values on the bench's command line: sizes and caps (and a cap's label), KEY=VALUE options."""
+"""Values on the bench's command line: sizes and caps (and a cap's label), sequence lengths,
+KEY=VALUE options."""
 
 from __future__ import annotations
 
@@ -39,6 +40,23 @@ def parse_caps(text: str | None) -> list[int | None]:
     if text is None:
         return [None]
     return [parse_size(part) for part in text.split(",")]
+
+
+def parse_seqs(text: str | None) -> list[int] | None:
+    """A comma list of sequence lengths (``8192`` or ``8192,16384,32768``), each its own set of
+    runs; ``None`` text: the workload's own length. Raises ValueError naming ``--seq``."""
+    if text is None:
+        return None
+    parts = [part.strip() for part in text.split(",")]
+    valid = "use positive integers, e.g. 8192 or 8192,16384,32768"
+    seqs = []
+    for part in parts:
+        if not re.fullmatch(r"[0-9]+", part) or int(part) < 1:
+            raise ValueError(f"invalid --seq {text!r}: {part!r} is not a positive integer; {valid}")
+        if int(part) in seqs:
+            raise ValueError(f"invalid --seq {text!r}: {part} is given twice; {valid}")
+        seqs.append(int(part))
+    return seqs
 
 
 def cap_label(cap: int | None) -> str:

@@ -125,7 +125,11 @@ def is_planned(label: str) -> bool:
 
 
 def _sweeps(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per workload, per cap: the first ok planned run with candidates."""
+    """Per workload (per workload and sequence length in a ``--seq`` sweep), per cap: the first
+    ok planned run with candidates."""
+    from autooffload.bench.report import several_seqs, where
+
+    with_seq = several_seqs(runs)
     found: dict[str, dict[str, dict[str, Any]]] = {}
     for run in runs:
         summary = run.get("candidates")
@@ -133,7 +137,7 @@ def _sweeps(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
             continue
         if not isinstance(summary, dict) or not summary.get("chosen"):
             continue
-        found.setdefault(run["workload"], {}).setdefault(run["cap"], run)
+        found.setdefault(where(run, with_seq), {}).setdefault(run["cap"], run)
     return found
 
 
@@ -148,13 +152,17 @@ def _measured_peak(row: dict[str, Any]) -> float | None:
 def plot_frontier(
     runs: list[dict[str, Any]], rows: list[dict[str, Any]], path: Any, title: str = ""
 ) -> bool:
-    """PNG, one panel per workload with candidates: throughput vs GPU memory. Grey: feasible
-    configurations (predicted); a step line per cap: its frontier; star: the chosen plan
-    (predicted); circle: the run measured; other markers: the other peers measured. False (and
-    nothing written) when no run recorded candidates."""
+    """PNG, one panel per workload (per workload and length in a ``--seq`` sweep) with
+    candidates: throughput vs GPU memory. Grey: feasible configurations (predicted); a step line
+    per cap: its frontier; star: the chosen plan (predicted); circle: the run measured; other
+    markers: the other peers measured. False (and nothing written) when no run recorded
+    candidates."""
+    from autooffload.bench.report import several_seqs, where
+
     sweeps = _sweeps(runs)
     if not sweeps:
         return False
+    with_seq = several_seqs(runs)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,7 +172,8 @@ def plot_frontier(
     nrows = (len(sweeps) + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(7.5 * ncols, 5.2 * nrows), squeeze=False)
     for ax, (workload, by_cap) in zip(axes.flat, sweeps.items()):
-        _plot_workload(ax, workload, by_cap, [r for r in rows if r["workload"] == workload])
+        mine = [r for r in rows if where(r, with_seq) == workload]
+        _plot_workload(ax, workload, by_cap, mine)
     for ax in list(axes.flat)[len(sweeps) :]:
         ax.set_visible(False)
     from autooffload.bench.plots import save_figure

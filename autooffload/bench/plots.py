@@ -1,5 +1,6 @@
 """The bench's PNG plots: throughput per peer against the cap, tokens/s against the number of
-GPUs, and (``frontier.py``) the planner's throughput-memory frontier."""
+GPUs, tokens/s and peak memory against the sequence length, and (``frontier.py``) the planner's
+throughput-memory frontier."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from typing import Any
 from autooffload.atomic import atomic_write
 from autooffload.bench.cli_values import parse_size
 from autooffload.bench.frontier import plot_frontier
-from autooffload.bench.report import GiB, is_sweep_configuration
+from autooffload.bench.report import GiB, is_sweep_configuration, several_seqs, where
 from autooffload.bench.table import fmt
 
 
 def write_plots(payload: dict[str, Any], path: Path, title: str = "") -> list[Path]:
-    """The throughput plot at ``path`` and, when runs recorded the planner's candidates, the
-    throughput-vs-memory frontier plot beside it (``NAME.frontier.png``); the paths written."""
+    """The throughput plot at ``path`` and beside it, when the runs call for them: the
+    throughput-vs-memory frontier (``NAME.frontier.png``: runs recorded the planner's
+    candidates), the scaling plot (``NAME.scaling.png``: several GPU counts) and the
+    sequence-length plot (``NAME.seq.png``: a ``--seq`` sweep); the paths written."""
     plot(payload["summary"], path, title)
     written = [Path(path)]
     frontier_path = Path(path).with_suffix(".frontier.png")
@@ -25,17 +28,22 @@ def write_plots(payload: dict[str, Any], path: Path, title: str = "") -> list[Pa
     scaling_path = Path(path).with_suffix(".scaling.png")
     if plot_scaling(payload["summary"], scaling_path, title):
         written.append(scaling_path)
+    seq_path = Path(path).with_suffix(".seq.png")
+    if plot_seq(payload["summary"], seq_path, title):
+        written.append(seq_path)
     return written
 
 
 def plot_scaling(rows: list[dict[str, Any]], path: Path, title: str = "") -> bool:
     """PNG: tokens/s against the number of GPUs, one line per peer and cap, one panel per
-    workload run on more than one GPU count (the dotted line: perfect scaling from one GPU).
-    False (nothing written) when no workload ran on several GPU counts."""
+    workload (and sequence length, in a ``--seq`` sweep) run on more than one GPU count (the
+    dotted line: perfect scaling from one GPU). False (nothing written) when no workload ran on
+    several GPU counts."""
+    with_seq = several_seqs(rows)
     rows = [r for r in rows if not is_sweep_configuration(r) and r.get("tokens_per_s")]
     counts: dict[str, set[int]] = defaultdict(set)
     for row in rows:
-        counts[row["workload"]].add(row.get("nproc") or 1)
+        counts[where(row, with_seq)].add(row.get("nproc") or 1)
     workloads = [w for w, n in counts.items() if len(n) > 1]
     if not workloads:
         return False
@@ -48,7 +56,7 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path, title: str = "") -> boo
     for ax, workload in zip(axes[0], workloads):
         lines: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
         for row in rows:
-            if row["workload"] == workload:
+            if where(row, with_seq) == workload:
                 n = row.get("nproc") or 1
                 label = row["peer_label"].removesuffix(f" x{n}")
                 lines[(label, row["cap"])].append((n, row["tokens_per_s"]))
@@ -69,17 +77,19 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path, title: str = "") -> boo
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
-    """PNG: throughput vs cap per peer (several caps) or a bar per peer (one cap), per workload."""
+    """PNG: throughput vs cap per peer (several caps) or a bar per peer (one cap), per workload
+    (per workload and sequence length in a ``--seq`` sweep)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    with_seq = several_seqs(rows)
     rows = [r for r in rows if not is_sweep_configuration(r)]
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    workloads = list(dict.fromkeys(where(r, with_seq) for r in rows))
     fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.5), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
-        mine = [r for r in rows if r["workload"] == workload]
+        mine = [r for r in rows if where(r, with_seq) == workload]
         caps = list(dict.fromkeys(r["cap"] for r in mine))
         if len(caps) > 1:
             _plot_sweep(ax, mine, caps)
@@ -89,6 +99,59 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
         ax.set_ylabel("tokens/s (median)")
         ax.grid(alpha=0.3)
     save_figure(fig, path, title, 110)
+
+
+def plot_seq(rows: list[dict[str, Any]], path: Path, title: str = "") -> bool:
+    """PNG: tokens/s (left) and peak allocated GiB (right) against the sequence length, one line
+    per peer (and cap, when several), one row of panels per workload run at more than one
+    length; a point whose runs all failed (OOM, error, skipped) is left out. False (nothing
+    written) when no workload ran at several lengths."""
+    rows = [r for r in rows if not is_sweep_configuration(r) and r.get("seq") is not None]
+    lengths: dict[str, set[int]] = defaultdict(set)
+    for row in rows:
+        lengths[row["workload"]].add(row["seq"])
+    workloads = [w for w, seqs in lengths.items() if len(seqs) > 1]
+    if not workloads:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(13, 4.5 * len(workloads)), squeeze=False)
+    for (ax_tput, ax_peak), workload in zip(axes, workloads):
+        for label, points in seq_lines([r for r in rows if r["workload"] == workload]).items():
+            xs = [r["seq"] for r in points]
+            (line,) = ax_tput.plot(xs, [r["tokens_per_s"] for r in points], "o-", label=label)
+            peaks = [(r["seq"], r.get("peak_allocated_gib")) for r in points]
+            peaks = [(seq, peak) for seq, peak in peaks if peak]
+            if peaks:
+                ax_peak.plot(*zip(*peaks), "o-", color=line.get_color(), label=label)
+        ticks = sorted(lengths[workload])
+        for ax, what in ((ax_tput, "tokens/s (median)"), (ax_peak, "peak allocated GiB")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
+            ax.set_xlabel("sequence length (tokens; OOM / failed points left out)")
+            ax.set_ylabel(what)
+            ax.set_title(f"{workload}: {what.split(' (')[0]} vs sequence length")
+            ax.grid(alpha=0.3)
+            if ax.get_lines():
+                ax.legend(fontsize=8)
+    save_figure(fig, path, title, 140)
+    return True
+
+
+def seq_lines(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The lines of one workload's sequence-length plot: per peer label (with ``(cap X)`` when
+    the rows hold several caps), its rows that ran ok, shortest first."""
+    several_caps = len({r["cap"] for r in rows}) > 1
+    lines: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row.get("tokens_per_s"):  # ran ok (the median over the repeats that did)
+            label = row["peer_label"] + (f" (cap {row['cap']})" if several_caps else "")
+            lines[label].append(row)
+    return {label: sorted(points, key=lambda r: r["seq"]) for label, points in lines.items()}
 
 
 def _cap_x(caps: list[str]) -> dict[str, float]:

@@ -1,5 +1,5 @@
-"""Turn run results into ratios vs vanilla (at the same GPU count), a loss sanity check, scaling
-efficiency, summary rows and a JSON file."""
+"""Turn run results into ratios vs vanilla (at the same GPU count and sequence length), a loss
+sanity check, scaling efficiency, summary rows and a JSON file."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ SUMMARY_NUMBERS = (
     "host_rss_total_gib",
     "loss_first",
     "loss_final",
+    "mfu",
 )
 
 
@@ -51,13 +52,14 @@ def _median(values: list[float]) -> float | None:
 
 
 def _vanilla_reference(
-    results: list[dict[str, Any]], workload: str, cap: str, nproc: int = 1
+    results: list[dict[str, Any]], workload: str, cap: str, nproc: int = 1, seq: int | None = None
 ) -> dict | None:
     """Median vanilla numbers for ``workload`` on ``nproc`` GPUs (vanilla DDP beside a
-    multi-GPU peer, never the mean over GPU counts): same cap if vanilla ran ok there, else its
-    best cap."""
+    multi-GPU peer, never the mean over GPU counts) at sequence length ``seq``: same cap if
+    vanilla ran ok there, else its best cap."""
     ok = [r for r in results if r["workload"] == workload and r["peer"] == "vanilla"]
     ok = [r for r in ok if r.get("status") == "ok" and (r.get("nproc") or 1) == nproc]
+    ok = [r for r in ok if r.get("seq") == seq]
     if not ok:
         return None
     same_cap = [r for r in ok if r["cap"] == cap]
@@ -112,7 +114,9 @@ def annotate(results: list[dict[str, Any]]) -> None:
     """Add ratios vs vanilla, ``loss_vs_vanilla`` and ``loss_check`` to each result, in place."""
     for result in results:
         nproc = result.get("nproc") or 1
-        ref = _vanilla_reference(results, result["workload"], result["cap"], nproc)
+        ref = _vanilla_reference(
+            results, result["workload"], result["cap"], nproc, result.get("seq")
+        )
         result["ref_cap"] = ref["cap"] if ref else None
         ok = result.get("status") == "ok" and ref is not None
         tput, ref_tput = result.get("tokens_per_s"), (ref or {}).get("tokens_per_s")
@@ -127,14 +131,15 @@ def annotate(results: list[dict[str, Any]]) -> None:
 
 
 def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (workload, cap, peer label), medians over repeats, in first-seen order."""
-    groups: dict[tuple[str, str, str], list[dict]] = {}
+    """One row per (workload, sequence length, cap, peer label), medians over repeats, in
+    first-seen order."""
+    groups: dict[tuple[str, int | None, str, str], list[dict]] = {}
     for r in results:
-        groups.setdefault((r["workload"], r["cap"], r["peer_label"]), []).append(r)
+        groups.setdefault((r["workload"], r.get("seq"), r["cap"], r["peer_label"]), []).append(r)
     rows = []
-    for (workload, cap, label), runs in groups.items():
+    for (workload, seq, cap, label), runs in groups.items():
         ok = [r for r in runs if r.get("status") == "ok"]
-        row: dict[str, Any] = {"workload": workload, "cap": cap, "peer_label": label}
+        row: dict[str, Any] = {"workload": workload, "seq": seq, "cap": cap, "peer_label": label}
         row["runs"] = len(runs)
         row["ok"] = len(ok)
         statuses = sorted({r.get("status", "?") for r in runs})
@@ -193,8 +198,19 @@ def _with_sweep_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def sweep_key(row: dict[str, Any]) -> tuple:
-    """What the rows of one sweep share: workload, cap, GPU count and the sweeping peer."""
-    return (row["workload"], row["cap"], row.get("nproc") or 1, row.get("sweep"))
+    """What the rows of one sweep share: workload, cap, GPU count, the sweeping peer and the
+    sequence length."""
+    return (row["workload"], row["cap"], row.get("nproc") or 1, row.get("sweep"), row.get("seq"))
+
+
+def several_seqs(rows: list[dict[str, Any]]) -> bool:
+    """Whether ``rows`` hold more than one sequence length (a ``--seq`` sweep)."""
+    return len({row.get("seq") for row in rows}) > 1
+
+
+def where(row: dict[str, Any], with_seq: bool) -> str:
+    """How notes name a row's workload: ``w``, or ``w seq 8192`` in a ``--seq`` sweep."""
+    return row["workload"] + (f" seq {row.get('seq')}" if with_seq else "")
 
 
 def config_of(row: dict[str, Any]) -> str:
@@ -217,8 +233,9 @@ def _sweep_best(group: list[dict[str, Any]], every: list[dict[str, Any]]) -> dic
         dict(best)
         if best
         else {
-            **{k: None for k in first if k not in ("workload", "cap", "nproc", "sweep")},
+            **{k: None for k in first if k not in ("workload", "seq", "cap", "nproc", "sweep")},
             "workload": first["workload"],
+            "seq": first.get("seq"),
             "cap": first["cap"],
             "nproc": nproc,
             "breakdown": {k: None for k in first.get("breakdown") or {}},
@@ -242,12 +259,12 @@ def _sweep_best(group: list[dict[str, Any]], every: list[dict[str, Any]]) -> dic
     elif best is None:
         statuses = {r["status"] for r in group}
         row["status"] = "OOM" if row["configs_oom"] else "/".join(sorted(statuses))
-        same = (first["workload"], nproc, sweep)
+        same = (first["workload"], nproc, sweep, first.get("seq"))
         # What a cap must hold: the whole run's reserved peak (set-up included).
         elsewhere = [
             r
             for r in every
-            if (r["workload"], r.get("nproc") or 1, r.get("sweep")) == same
+            if (r["workload"], r.get("nproc") or 1, r.get("sweep"), r.get("seq")) == same
             and r["status"] == "ok"
             and r.get("peak_reserved_gib")
         ]
@@ -316,12 +333,15 @@ PREDICTED_TERMS = (
 
 
 def _scaling(rows: list[dict[str, Any]]) -> None:
-    """``scaling``: a multi-GPU row's tok/s over N times its one-GPU row's (same cap, peer)."""
-    single = {(r["workload"], r["cap"], r["peer_label"]): r for r in rows if r["nproc"] == 1}
+    """``scaling``: a multi-GPU row's tok/s over N times its one-GPU row's (same cap, peer,
+    sequence length)."""
+    single = {
+        (r["workload"], r.get("seq"), r["cap"], r["peer_label"]): r for r in rows if r["nproc"] == 1
+    }
     for row in rows:
         n = row["nproc"]
         base_label = row["peer_label"].removesuffix(f" x{n}")
-        base = single.get((row["workload"], row["cap"], base_label))
+        base = single.get((row["workload"], row.get("seq"), row["cap"], base_label))
         ok = n > 1 and base and base.get("tokens_per_s") and row.get("tokens_per_s")
         row["scaling"] = row["tokens_per_s"] / (n * base["tokens_per_s"]) if ok else None
 
@@ -385,15 +405,17 @@ def build_payload_from_files(paths: list[Path]) -> dict[str, Any]:
 
 
 def _qualify_shapes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Runs of one workload at different batch shapes (``--bs``/``--seq``/``--gc`` overrides in
-    the merged files) get the shape in their workload name, so the summary never pools them."""
+    """Runs of one workload at different batch shapes (``--bs``/``--gc``/``--accum`` overrides in
+    the merged files) get the shape in their workload name, so the summary never pools them.
+    The sequence length is not part of it: summary rows are per length already, and files of
+    one workload at several lengths merge into a ``--seq`` sweep."""
     shapes: dict[str, set[tuple]] = {}
     for run in runs:
         shapes.setdefault(run["workload"], set()).add(_shape(run))
     return [
         {
             **run,
-            "workload": f"{run['workload']} bs{run.get('bs')} seq{run.get('seq')}"
+            "workload": f"{run['workload']} bs{run.get('bs')}"
             + ("" if run.get("gc") is None else (" gc" if run["gc"] else " no-gc"))
             + (f" accum{run['accum']}" if (run.get("accum") or 1) > 1 else ""),
         }
@@ -404,7 +426,7 @@ def _qualify_shapes(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _shape(run: dict[str, Any]) -> tuple:
-    return (run.get("bs"), run.get("seq"), run.get("gc"), run.get("accum") or 1)
+    return (run.get("bs"), run.get("gc"), run.get("accum") or 1)
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

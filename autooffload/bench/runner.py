@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,8 @@ def parse_peers(text: str, autooffload_opts: dict[str, Any] | None = None) -> li
 @dataclass(frozen=True)
 class RunSpec:
     """One run: a peer on a workload under a cap; ``repeat`` counts from 0. ``sweep`` names the
-    peer whose sweep this configuration belongs to (``PeerDef.sweep``)."""
+    peer whose sweep this configuration belongs to (``PeerDef.sweep``). ``seq_sweep``: the run is
+    one length of a ``--seq`` sweep (the workload holds the length; ``describe`` names it)."""
 
     workload: Workload
     peer: PeerSpec
@@ -89,6 +90,7 @@ class RunSpec:
     repeat: int
     nproc: int = 1
     sweep: str | None = None
+    seq_sweep: bool = False
 
     @property
     def label(self) -> str:
@@ -97,7 +99,8 @@ class RunSpec:
 
     def describe(self) -> str:
         cap = cap_label(self.cap)
-        return f"{self.workload.name} | cap {cap} | {self.label} | rep {self.repeat}"
+        seq = f" | seq {self.workload.seq}" if self.seq_sweep else ""
+        return f"{self.workload.name}{seq} | cap {cap} | {self.label} | rep {self.repeat}"
 
 
 def plan_runs(
@@ -107,31 +110,52 @@ def plan_runs(
     repeat: int,
     vanilla_caps: list[int | None] | None = None,
     nprocs: list[int] | None = None,
+    seqs: list[int] | None = None,
 ) -> list[RunSpec]:
-    """The runs in execution order: per workload, per repeat, per GPU count, per cap, every peer
-    (A B A B ...); a peer with a sweep and no options runs as each of its configurations in turn.
+    """The runs in execution order: per workload, per repeat, per sequence length, per GPU
+    count, per cap, every peer (A B A B ...); a peer with a sweep and no options runs as each of
+    its configurations in turn.
 
     ``vanilla_caps`` (when given) replaces ``caps`` for the vanilla peer, e.g. ``[None]`` runs the
     reference once uncapped per repeat instead of once per cap. ``nprocs`` lists the process
-    (GPU) counts, each run data-parallel over that many ranks (default ``[1]``).
+    (GPU) counts, each run data-parallel over that many ranks (default ``[1]``). ``seqs`` lists
+    the sequence lengths, each its own set of runs (default: the workload's own length; with
+    several, each run is marked ``seq_sweep``).
     """
     runs = []
-    for workload in workloads:
+    swept = len(seqs or []) > 1
+    for base in workloads:
         for rep in range(repeat):
-            for nproc in nprocs or [1]:
-                done_vanilla: set[int | None] = set()
-                for cap in caps:
-                    for peer in peers:
-                        if peer.name == "vanilla" and vanilla_caps is not None:
-                            for vcap in vanilla_caps:
-                                if vcap not in done_vanilla:
-                                    done_vanilla.add(vcap)
-                                    runs.append(RunSpec(workload, peer, vcap, rep, nproc))
-                            continue
-                        runs += [
-                            RunSpec(workload, spec, cap, rep, nproc, sweep)
-                            for spec, sweep in _configurations(peer, workload, cap)
-                        ]
+            for workload in [replace(base, seq=seq) for seq in seqs] if seqs else [base]:
+                for nproc in nprocs or [1]:
+                    runs += _peer_runs(workload, caps, peers, rep, nproc, vanilla_caps, swept)
+    return runs
+
+
+def _peer_runs(
+    workload: Workload,
+    caps: list[int | None],
+    peers: list[PeerSpec],
+    rep: int,
+    nproc: int,
+    vanilla_caps: list[int | None] | None,
+    seq_sweep: bool,
+) -> list[RunSpec]:
+    """One workload's runs of one repeat on ``nproc`` GPUs: per cap, every peer (``plan_runs``)."""
+    runs = []
+    done_vanilla: set[int | None] = set()
+    for cap in caps:
+        for peer in peers:
+            if peer.name == "vanilla" and vanilla_caps is not None:
+                for vcap in vanilla_caps:
+                    if vcap not in done_vanilla:
+                        done_vanilla.add(vcap)
+                        runs.append(RunSpec(workload, peer, vcap, rep, nproc, None, seq_sweep))
+                continue
+            runs += [
+                RunSpec(workload, spec, cap, rep, nproc, sweep, seq_sweep)
+                for spec, sweep in _configurations(peer, workload, cap)
+            ]
     return runs
 
 
@@ -373,7 +397,7 @@ def run_all(
             else:
                 result = run_one(run, common, Path(tmp), index)
             results.append(result)
-            bar.write(_one_line(result))
+            bar.write(_one_line(result, run.seq_sweep))
             if on_result is not None:
                 on_result(results)
     return results
@@ -412,8 +436,10 @@ def _sweep_skip_reason(
     return sweep.skip_reason(run.workload, run.peer.options, done) if sweep else None
 
 
-def _one_line(result: dict[str, Any]) -> str:
-    head = f"{result['workload']} cap={result['cap']} {result['peer_label']}: {result['status']}"
+def _one_line(result: dict[str, Any], show_seq: bool = False) -> str:
+    seq = f" seq={result['seq']}" if show_seq else ""
+    head = f"{result['workload']}{seq} cap={result['cap']} {result['peer_label']}:"
+    head += f" {result['status']}"
     if result["status"] == "ok":
         step_ms = result["step_s_median"] * 1e3
         peak = result.get("peak_allocated_gib") or 0

@@ -10,7 +10,9 @@ from autooffload.bench.report import (
     PREDICTED_TERMS,
     config_of,
     is_sweep_configuration,
+    several_seqs,
     sweep_key,
+    where,
 )
 
 # The planner's targets for the planned runs: |peak error| and |step-time error| at most these.
@@ -30,6 +32,18 @@ TABLE_HEADER = (
     " | pred peak / meas need GiB | peak err % | host RSS GiB | loss | loss vs vanilla"
     " | H2D/D2H/CPU-opt/stall ms |"
 )
+# Shown only where they say something: the sequence length in a --seq sweep, after the
+# workload; MFU when some row has one (a GPU of known peak), after x vanilla.
+SEQ_COLUMN, MFU_COLUMN = " seq |", " MFU % |"
+
+
+def _header(with_seq: bool, with_mfu: bool) -> str:
+    header = TABLE_HEADER
+    if with_seq:
+        header = header.replace(" workload |", " workload |" + SEQ_COLUMN, 1)
+    if with_mfu:
+        header = header.replace(" x vanilla |", " x vanilla |" + MFU_COLUMN, 1)
+    return header
 
 
 def _pair(predicted: float | None, measured: float | None) -> str:
@@ -45,7 +59,10 @@ def _host_rss(row: dict[str, Any]) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table (pastes into BENCHMARKS.md) plus notes with the reason of each failure."""
-    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    with_seq = several_seqs(rows)
+    with_mfu = any(row.get("mfu") is not None for row in rows)
+    header = _header(with_seq, with_mfu)
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     notes = []
     for row in rows:
         if is_sweep_configuration(row):  # listed under the table, the sweep's best row in it
@@ -54,7 +71,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if row["message"] and status != "ok":
             first = row["message"]
             notes.append(
-                f"- {row['workload']} / {row['cap']} / {row['peer_label']}: {status}: {first}"
+                f"- {where(row, with_seq)} / {row['cap']} / {row['peer_label']}: {status}: {first}"
             )
             if status == "skipped":
                 status = f"skipped: {first[:80]}"
@@ -90,30 +107,37 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             loss_vs,
             breakdown,
         ]
+        if with_mfu:
+            cells.insert(6, fmt(row.get("mfu"), ".1f", 100.0))
+        if with_seq:
+            cells.insert(1, fmt(row.get("seq"), ".0f"))
         lines.append("| " + " | ".join(cells) + " |")
     scaled = [r for r in rows if r.get("scaling") is not None]
     if scaled:
         lines += ["", "Scaling efficiency (tok/s on N GPUs / (N x tok/s on one)):"]
         lines += [
-            f"- {r['workload']} / {r['cap']} / {r['peer_label']}: {r['scaling']:.2f}"
+            f"- {where(r, with_seq)} / {r['cap']} / {r['peer_label']}: {r['scaling']:.2f}"
             for r in scaled
         ]
-    lines += _sweep_lines(rows)
-    lines += _prediction_notes(rows)
-    lines += _predicted_step_lines(rows)
+    lines += _sweep_lines(rows, with_seq)
+    lines += _prediction_notes(rows, with_seq)
+    lines += _predicted_step_lines(rows, with_seq)
     if notes:
         lines += ["", "Notes:", *notes]
     return "\n".join(lines)
 
 
-def _sweep_lines(rows: list[dict[str, Any]]) -> list[str]:
+def _sweep_lines(rows: list[dict[str, Any]], with_seq: bool = False) -> list[str]:
     """Under the table: each sweep's configurations as run (fastest first), and autooffload's
     throughput over the sweep's best at the same cap."""
     lines: list[str] = []
     for best in (r for r in rows if r.get("sweep_best")):
         key = sweep_key(best)
         configs = [r for r in rows if is_sweep_configuration(r) and sweep_key(r) == key]
-        lines += ["", f"{best['peer_label']} configurations, {best['workload']} / {best['cap']}:"]
+        lines += [
+            "",
+            f"{best['peer_label']} configurations, {where(best, with_seq)} / {best['cap']}:",
+        ]
         for row in configs:
             if row["status"] == "ok":
                 outcome = (
@@ -128,7 +152,8 @@ def _sweep_lines(rows: list[dict[str, Any]]) -> list[str]:
             r
             for r in rows
             if r["peer_label"].split(" x")[0] == "autooffload"
-            and (r["workload"], r["cap"], r.get("nproc") or 1) == key[:3]
+            and (r["workload"], r["cap"], r.get("nproc") or 1, r.get("seq"))
+            == (*key[:3], best.get("seq"))
             and r.get("tokens_per_s")
         ]
         for auto in autooffload:
@@ -140,7 +165,7 @@ def _sweep_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _prediction_notes(rows: list[dict[str, Any]]) -> list[str]:
+def _prediction_notes(rows: list[dict[str, Any]], with_seq: bool = False) -> list[str]:
     """Lines on the planned autooffload runs: worst peak / step errors vs the targets, failures."""
     planned = [r for r in rows if is_planned(r["peer_label"])]
     if not planned:
@@ -157,7 +182,7 @@ def _prediction_notes(rows: list[dict[str, Any]]) -> list[str]:
         worst = max(known, key=lambda r: abs(r[key]))
         low, high = min(r[key] for r in known), max(r[key] for r in known)
         line = f"- {what}: {low:+.1f}% .. {high:+.1f}%, worst {worst[key]:+.1f}%"
-        line += f" ({worst['workload']} / {worst['cap']})"
+        line += f" ({where(worst, with_seq)} / {worst['cap']})"
         if target is not None:
             inside = sum(abs(r[key]) <= target for r in known)
             line += f"; within +-{target:g}%: {inside} of {len(known)}"
@@ -167,19 +192,20 @@ def _prediction_notes(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             "- allocator retries in the timed steps (each empties the cache and synchronises): "
             + "; ".join(
-                f"{r['workload']} / {r['cap']} / {r['peer_label']}: {r['timed_alloc_retries']:g}"
+                f"{where(r, with_seq)} / {r['cap']} / {r['peer_label']}:"
+                f" {r['timed_alloc_retries']:g}"
                 for r in retried
             )
         )
     failed = [r for r in planned if r["status"] not in ("ok", "skipped")]
     lines.append(
         f"- failed runs (OOM, nothing fits, errors): {len(failed)} of {len(planned)}"
-        + "".join(f"; {r['workload']} / {r['cap']}: {r['status']}" for r in failed)
+        + "".join(f"; {where(r, with_seq)} / {r['cap']}: {r['status']}" for r in failed)
     )
     return lines
 
 
-def _predicted_step_lines(rows: list[dict[str, Any]]) -> list[str]:
+def _predicted_step_lines(rows: list[dict[str, Any]], with_seq: bool = False) -> list[str]:
     """Where each planned run's predicted step goes, next to its measured step."""
     lines = []
     for row in rows:
@@ -189,7 +215,7 @@ def _predicted_step_lines(rows: list[dict[str, Any]]) -> list[str]:
         parts = [f"{label} {terms[key] * 1e3:.0f}" for key, label in PREDICTED_TERMS if terms[key]]
         measured = fmt(row.get("step_s_median"), ".0f", 1e3)
         lines.append(
-            f"- {row['workload']} / {row['cap']} / {row['peer_label']}: predicted"
+            f"- {where(row, with_seq)} / {row['cap']} / {row['peer_label']}: predicted"
             f" {row['predicted_step_s'] * 1e3:.0f} ms ({', '.join(parts)}); measured {measured} ms"
         )
     if not lines:

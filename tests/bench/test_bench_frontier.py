@@ -232,16 +232,33 @@ def test_from_json_merges_files_and_writes_both_plots(tmp_path: Path, capsys) ->
 def test_from_json_keeps_one_workload_at_two_shapes_apart(tmp_path: Path) -> None:
     runs = sweep_runs()[:2]
     parts = []
+    for index, bs in enumerate((1, 4)):
+        path = tmp_path / f"bs{bs}.json"
+        chunk = [{**r, "bs": bs, "tokens_per_s": 1000.0 * (index + 1)} for r in runs]
+        report.write_json(path, report.build_payload(chunk, {"workloads": {}}))
+        parts.append(path)
+    merged = report.build_payload_from_files(parts)
+    names = {r["workload"] for r in merged["summary"]}
+    assert len(names) == 2 and all("bs1" in n or "bs4" in n for n in names)
+    same_name = report.build_payload_from_files([parts[0], parts[0]])
+    assert {r["workload"] for r in same_name["summary"]} == {runs[0]["workload"]}
+
+
+def test_from_json_merges_one_workload_at_two_lengths_into_a_seq_sweep(tmp_path: Path) -> None:
+    """Summary rows are per sequence length: files at two lengths merge into one sweep, under the
+    workload's own name, never pooled."""
+    runs = sweep_runs()[:2]
+    parts = []
     for index, seq in enumerate((8192, 16384)):
         path = tmp_path / f"seq{seq}.json"
         chunk = [{**r, "seq": seq, "tokens_per_s": 1000.0 * (index + 1)} for r in runs]
         report.write_json(path, report.build_payload(chunk, {"workloads": {}}))
         parts.append(path)
     merged = report.build_payload_from_files(parts)
-    names = {r["workload"] for r in merged["summary"]}
-    assert len(names) == 2 and all("seq8192" in n or "seq16384" in n for n in names)
-    same_name = report.build_payload_from_files([parts[0], parts[0]])
-    assert {r["workload"] for r in same_name["summary"]} == {runs[0]["workload"]}
+    assert {r["workload"] for r in merged["summary"]} == {runs[0]["workload"]}
+    by_seq = {(r["seq"], r["peer_label"]): r["tokens_per_s"] for r in merged["summary"]}
+    assert by_seq[(8192, runs[0]["peer_label"])] == 1000.0
+    assert by_seq[(16384, runs[0]["peer_label"])] == 2000.0
 
 
 def test_the_report_says_where_the_predicted_step_goes() -> None:
