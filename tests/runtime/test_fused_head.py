@@ -16,7 +16,7 @@ from autooffload import runtime as rt
 from autooffload.errors import AttachError
 from autooffload.runtime import host_vocab
 from autooffload.runtime.activations import fused_head
-from autooffload.runtime.activations.fused_head import forward_check
+from autooffload.runtime.activations.head_source import forward_check
 from tests.runtime import test_host_vocab as vocab_test
 from tests.runtime.runtime_models import enable_cpu
 from tests.runtime.test_offload_equivalence import assert_same_training, train
