@@ -240,7 +240,7 @@ class StepHooks:
         if self.control.profiler is not None:
             if group.is_block and torch.is_grad_enabled():
                 x = block_input_bytes(group.module, args, kwargs or {})
-                self.activations.host_inputs_for_profiling(x, self.control.plan.budget_bytes)
+                self.activations.fit_long_batch_for_profiling(x, self.control.plan.budget_bytes)
             self.control.profiler.on_pre_forward(group, args, kwargs or {})
 
     def _post_forward(self, group: Group, output: object) -> None:

@@ -1,6 +1,6 @@
 """On a GPU: a sequence whose logits alone are larger than the cap trains under ``enable()`` with
-no knob: the head is fused with the loss, and the profiling steps keep the blocks' checkpointed
-inputs in host memory."""
+no knob: the head is fused with the loss, the profiling steps keep the blocks' checkpointed
+inputs in host memory and tile the MLPs, and the block probe runs on slices of the sequence."""
 
 from __future__ import annotations
 

@@ -116,12 +116,14 @@ def test_find_mlp_takes_token_wise_mlps_and_skips_routed_ones(make_llama) -> Non
 
 
 @pytest.mark.parametrize("share", [1e-9, None], ids=["inputs-over-share", "default-share"])
-def test_profiling_steps_keep_long_batches_block_inputs_on_the_host(
+def test_profiling_steps_fit_a_long_batch(
     make_llama, make_batches, offload_cpu, monkeypatch, share
 ) -> None:
     """When one input per checkpointed block would take more than a share of the budget, the
     profiling steps run every block as ``checkpoint_cpu`` (the first block's call already in
-    flight included) and train as plain autograd; under the share they stay ``checkpoint``."""
+    flight included) with its MLP tiled, and train as plain autograd; under the share they stay
+    ``checkpoint``, untiled."""
+    monkeypatch.setattr(model_activations, "PROFILING_MLP_TILE_TOKENS", TILE)
     if share is not None:
         monkeypatch.setattr(model_activations, "PROFILING_INPUTS_SHARE", share)
     base = make_llama(tied=False)
@@ -135,6 +137,7 @@ def test_profiling_steps_keep_long_batches_block_inputs_on_the_host(
         def hook(module, args):
             if runtime.control.profiling and torch.is_grad_enabled():
                 seen.append([policy_of(b) for b in blocks])
+                seen[-1] += ["tiled" if is_tiled(find_mlp(b)) else "untiled" for b in blocks]
 
         # The last block: the block probe runs the first one alone, its policy lifted.
         handles.append(blocks[-1].register_forward_hook(lambda m, a, o: hook(m, a)))
@@ -156,8 +159,8 @@ def test_profiling_steps_keep_long_batches_block_inputs_on_the_host(
     for handle in handles:
         handle.remove()
     autooffload.disable()
-    expected = "checkpoint_cpu" if share is not None else "checkpoint"
-    assert seen and all(set(step) == {expected} for step in seen), seen
+    expected = {"checkpoint_cpu", "tiled"} if share is not None else {"checkpoint", "untiled"}
+    assert seen and all(set(step) == expected for step in seen), seen
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-5
     )

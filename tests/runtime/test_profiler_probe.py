@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from autooffload import runtime as rt
+from autooffload.runtime.control import probe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,3 +67,87 @@ def test_a_step_of_micro_batches_is_profiled_on_its_first_and_counted(
         assert unit.fwd_s >= 0 and unit.bwd_s >= 0, unit
     assert profile.batch_tokens == batches[0].numel()  # one micro-batch's
     assert "3 micro-batches of accumulation" in runtime.plan.summary()
+
+
+def _probed_block(make_llama, offload_cpu, attention: str, long: bool, monkeypatch):
+    """The first block's profile of one attached step on a (1, 256) batch; ``long``: the
+    batch reads as long (the probe runs on slices of 32, 64 and 128 positions)."""
+    from autooffload.runtime.activations import model_activations
+
+    share = 1e-9 if long else model_activations.PROFILING_INPUTS_SHARE
+    monkeypatch.setattr(model_activations, "PROFILING_INPUTS_SHARE", share)
+    monkeypatch.setattr(probe, "PROBE_BUDGET_SHARE", 64 * 32 * 32 * 4 * 32 / (1 << 30))
+    model = make_llama(n_layers=2)
+    model.config._attn_implementation = attention
+    offload_cpu(budget="1GiB", checkpoint_inputs="cpu")
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    probed: set[int] = set()  # the sequence lengths the probe ran the first block on
+    first = next(g.module for g in runtime.groups if g.is_block)
+    first.register_forward_pre_hook(
+        lambda module, args: (
+            probed.add(args[0].shape[1]) if runtime.step_state.hooks_muted else None
+        )
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0)
+    )
+    for _ in range(3):  # two profiling steps, then the searched plan
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    block = runtime.profile.blocks[0]
+    import autooffload
+
+    autooffload.disable()
+    assert probed == ({32, 64, 128} if long else {256}), probed
+    return block
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_long_batch_is_probed_on_slices_and_extrapolated(
+    make_llama, offload_cpu, monkeypatch, attention
+):
+    """The kept block's saved bytes and its MLP's, measured on 32, 64 and 128 of 256 positions
+    and extrapolated, are those of the whole batch: linear in the positions with flash
+    attention, quadratic in part with eager attention's probabilities, plus a constant (on the
+    CPU the weights' transposed views count as saved)."""
+    whole = _probed_block(make_llama, offload_cpu, attention, False, monkeypatch)
+    sliced = _probed_block(make_llama, offload_cpu, attention, True, monkeypatch)
+    assert sliced.act_bytes_checkpoint == whole.act_bytes_checkpoint
+    assert sliced.act_bytes_keep == pytest.approx(whole.act_bytes_keep, rel=1e-3)
+    assert sliced.mlp_act_bytes == pytest.approx(whole.mlp_act_bytes, rel=1e-3)
+    assert whole.mlp_act_bytes > 0 and sliced.fwd_s > 0
+
+
+def test_probe_slices_fit_the_budget_share():
+    x = torch.zeros(1, 65536, 64)
+    per_position = 64 * 4
+    budget = 32 * per_position * 4096 * 4  # PROBE_BUDGET_SHARE: a quarter holds 4096 positions
+    assert probe.probe_slices((x,), 65536 * per_position, budget) == (65536, (1024, 2048, 4096))
+    assert probe.probe_slices((x,), 65536 * per_position, None) is None
+    assert probe.probe_slices((torch.zeros(4, 64),), 1, budget) is None
+    # Never more than half the batch.
+    assert probe.probe_slices((x,), 65536 * per_position, 1 << 50) == (
+        65536,
+        (8192, 16384, 32768),
+    )
+
+
+def test_extrapolate_fits_constant_linear_and_quadratic_terms():
+    def fields(t: int, curve: float) -> dict:
+        return {
+            "act_bytes_keep": 7 + 3 * t + 2 * t * t,
+            "fwd_s": 0.01 + 0.5 * t - curve * t * t,
+            "bwd_transient_bytes": -5,
+        }
+
+    out = probe.extrapolate([(t, fields(t, 0.0)) for t in (16, 32, 64)], 1024)
+    assert out["act_bytes_keep"] == 7 + 3 * 1024 + 2 * 1024 * 1024
+    assert out["fwd_s"] == pytest.approx(0.01 + 0.5 * 1024)
+    assert out["bwd_transient_bytes"] == -5
+    # Negative curvature (noise): the line through the two longer slices instead.
+    bent = probe.extrapolate([(t, fields(t, 1e-4)) for t in (16, 32, 64)], 1024)
+    slope = (fields(64, 1e-4)["fwd_s"] - fields(32, 1e-4)["fwd_s"]) / 32
+    assert bent["fwd_s"] == pytest.approx(fields(64, 1e-4)["fwd_s"] + slope * (1024 - 64))

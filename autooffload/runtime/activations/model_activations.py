@@ -22,9 +22,19 @@ from autooffload.runtime.activations.policies import (
 from autooffload.runtime.activations.tiled_mlp import set_mlp_tiles
 from autooffload.runtime.blocks import Group
 
-# The profiling steps keep the checkpointed blocks' inputs in host memory when, one input per
-# block, they would take more than this share of the budget (``host_inputs_for_profiling``).
+# A batch is long when its checkpointed blocks' inputs, one per block, would take more than this
+# share of the budget (``long_batch``): its profiling steps keep those inputs in host memory and
+# tile the MLPs (``fit_long_batch_for_profiling``), and the block probe runs on slices of it
+# (``control/probe.py``).
 PROFILING_INPUTS_SHARE = 0.25
+# Tokens per MLP tile in a long batch's profiling steps (the smallest tile the search tries).
+PROFILING_MLP_TILE_TOKENS = 8192
+
+
+def long_batch(n_blocks: int, input_bytes: int, budget: int | None) -> bool:
+    """Whether ``n_blocks`` checkpointed inputs of ``input_bytes`` each would take more than
+    ``PROFILING_INPUTS_SHARE`` of ``budget``."""
+    return budget is not None and n_blocks * input_bytes > PROFILING_INPUTS_SHARE * budget
 
 
 class ModelActivations:
@@ -42,8 +52,8 @@ class ModelActivations:
     ) -> None:
         self.model = model
         # Whether checkpointed blocks may keep their inputs in host memory (the search's
-        # ``checkpoint_inputs`` is not "gpu" and the policies are the planner's).
-        self.host_inputs = host_inputs and mode == "auto"
+        # ``checkpoint_inputs`` is not "gpu").
+        self.host_inputs = host_inputs
         self.groups = groups
         self.device = device
         # Settings.activation_mode: "off" leaves the blocks (and HF's checkpointing) alone.
@@ -83,31 +93,35 @@ class ModelActivations:
             block_index=order.index(block) if block in order else index,
         )
 
-    def host_inputs_for_profiling(self, input_bytes: int, budget: int | None) -> int:
-        """In a profiling step, at a block's forward: when the checkpointed blocks' inputs
-        (``input_bytes`` per block) would take more than ``PROFILING_INPUTS_SHARE`` of the
-        budget, every checkpointed block keeps its input in host memory for the profiling steps
-        (``checkpoint_cpu``), the block entering its forward included. A long batch's inputs
-        would otherwise fill the device beside the block being recomputed (Llama-3-8B at seq
-        65536: 32 x 512 MiB). The blocks' profiles come from the block probe, which runs each
-        block alone, so they do not depend on this. Returns how many blocks it switched."""
+    def fit_long_batch_for_profiling(self, input_bytes: int, budget: int | None) -> bool:
+        """In a profiling step, at a block's forward: for a long batch (``long_batch``), every
+        checkpointed block keeps its input in host memory (``checkpoint_cpu``, where host-side
+        inputs are allowed), the block entering its forward included, and every MLP runs in
+        tiles of ``PROFILING_MLP_TILE_TOKENS``. A long batch's inputs and one block's MLP
+        intermediates would otherwise fill the device (Llama-3-8B at seq 65536: 32 x 512 MiB of
+        inputs, 4 x 1.75 GiB of MLP intermediates). The blocks' profiles come from the block
+        probe, which runs each block alone, untiled, so they do not depend on this. Returns
+        whether the batch is long (the policies are the planner's: activation mode ``auto``)."""
         blocks = [g for g in self.groups if g.is_block]
-        if not self.host_inputs or budget is None:
-            return 0
-        if len(blocks) * input_bytes <= PROFILING_INPUTS_SHARE * budget:
-            return 0
-        if self.swapper is None:
-            self.swapper = ActivationSwapper(self.device)
-        switched = sum(keep_checkpoint_input_on_host(g.module, self.swapper) for g in blocks)
-        if switched:
+        if self.mode != "auto" or not long_batch(len(blocks), input_bytes, budget):
+            return False
+        switched = 0
+        if self.host_inputs:
+            if self.swapper is None:
+                self.swapper = ActivationSwapper(self.device)
+            switched = sum(keep_checkpoint_input_on_host(g.module, self.swapper) for g in blocks)
+        tiled = set_mlp_tiles((g.module for g in blocks), PROFILING_MLP_TILE_TOKENS)
+        if switched or tiled:
             logger.info(
-                "profiling steps: %d checkpointed blocks keep their inputs in host memory"
-                " (%d x %.0f MiB would take over a quarter of the budget)",
-                switched,
+                "profiling a long batch (%d blocks' inputs of %.0f MiB): %d blocks keep their"
+                " inputs in host memory, %d MLPs run in tiles of %d tokens",
                 len(blocks),
                 input_bytes / 2**20,
+                switched,
+                tiled,
+                PROFILING_MLP_TILE_TOKENS,
             )
-        return switched
+        return True
 
     def apply_plan(self, plan: Plan) -> None:
         """The block policies and MLP tiles of ``plan``."""

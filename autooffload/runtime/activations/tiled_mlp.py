@@ -113,6 +113,12 @@ def find_mlp(block: nn.Module) -> nn.Module | None:
     return mlp
 
 
+def tile_tokens_of(mlp: nn.Module | None) -> int:
+    """The tile size :func:`tile_mlp` installed on ``mlp``; 0 when it is not tiled."""
+    state = None if mlp is None else mlp.__dict__.get(_TILED_ATTR)
+    return 0 if state is None or not state.active else state.tile_tokens
+
+
 def set_mlp_tiles(blocks: Iterable[nn.Module], tile_tokens: int) -> int:
     """Tile the MLP of every block (``find_mlp``) in tiles of ``tile_tokens`` tokens, or untile
     them all with 0; returns how many MLPs are tiled."""

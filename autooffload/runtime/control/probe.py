@@ -11,16 +11,112 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
+from autooffload.log import logger
 from autooffload.plan.profile_types import UnitProfile
 from autooffload.runtime.activations import policies as activations
-from autooffload.runtime.activations.tiled_mlp import find_mlp
+from autooffload.runtime.activations.model_activations import long_batch
+from autooffload.runtime.activations.tiled_mlp import find_mlp, tile_mlp, tile_tokens_of, untile_mlp
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
 
 # Runs per probe: the first pays one-time costs; the times are the best run's.
 PROBE_RUNS = 3
+# A long batch's block probe runs on slices whose kept block (about this many hidden states per
+# position: a Llama block with its MLP keeps ~25) takes at most PROBE_BUDGET_SHARE of the budget.
+PROBE_HIDDEN_STATES = 32
+PROBE_BUDGET_SHARE = 0.25
+# The shorter slice has at least this many positions (else the whole batch is probed).
+MIN_PROBE_SLICE = 16
+
+
+def probe_slices(
+    args: tuple, input_bytes: int, budget: int | None
+) -> tuple[int, tuple[int, int, int]] | None:
+    """``(seq, (t, 2t, 4t))``: the sequence length of a block call's ``(batch, seq, hidden)``
+    input and the three slice lengths (powers of two, ``4t <= seq / 2``) its probe runs on, the
+    longest one the longest whose kept block fits ``PROBE_BUDGET_SHARE`` of the budget; None
+    where the input has another shape or no slice of ``MIN_PROBE_SLICE`` positions fits."""
+    x = args[0] if args else None
+    if budget is None or not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return None
+    seq, hidden = x.shape[1], x.shape[2]
+    if seq == hidden:
+        return None
+    per_position = input_bytes / seq
+    limit = int(min(PROBE_BUDGET_SHARE * budget / (PROBE_HIDDEN_STATES * per_position), seq // 2))
+    if limit < 4 * MIN_PROBE_SLICE:
+        return None
+    length = 1 << (limit.bit_length() - 1)  # the largest power of two within the limit
+    return seq, (length // 4, length // 2, length)
+
+
+def sliced(args: tuple, kwargs: dict, seq: int, length: int) -> tuple[tuple, dict]:
+    """A block call's inputs on its first ``length`` positions: every tensor dimension of size
+    ``seq`` (the hidden states', the position embeddings', a mask's two) cut to ``length``."""
+
+    def cut(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or seq not in value.shape:
+            return value
+        index = tuple(slice(0, length) if size == seq else slice(None) for size in value.shape)
+        return value[index].contiguous()
+
+    return tree_map(cut, args), tree_map(cut, kwargs)
+
+
+# Fields a sliced probe extrapolates, and whether they are byte counts (integers).
+_EXTRAPOLATED = {
+    "fwd_s": False,
+    "bwd_s": False,
+    "act_bytes_keep": True,
+    "fwd_transient_bytes": True,
+    "bwd_transient_bytes": True,
+    "mlp_act_bytes": True,
+    "mlp_fwd_transient_bytes": True,
+    "mlp_bwd_transient_bytes": True,
+    "mlp_fwd_s": False,
+}
+
+
+def extrapolate(measured: list[tuple[int, dict[str, Any]]], seq: int) -> dict[str, Any]:
+    """Each field at ``seq`` positions from its values at three slice lengths, as
+    ``a + b s + c s^2``: constant parts (weights' views, launch overheads), linear ones (the
+    projections, the MLP, flash attention's memory) and quadratic ones (attention's time, an
+    eager attention's probabilities). Where the three points read negative curvature (noise),
+    the line through the two longer ones."""
+    lengths = [float(t) for t, _ in measured]
+    out: dict[str, Any] = {}
+    for name, integer in _EXTRAPOLATED.items():
+        if any(name not in fields for _, fields in measured):
+            continue
+        values = [float(fields[name]) for _, fields in measured]
+        a, b, c = _quadratic_through(lengths, values)
+        if c < 0:
+            (t1, t2), (v1, v2) = lengths[1:], values[1:]
+            b = (v2 - v1) / (t2 - t1)
+            a, c = v2 - b * t2, 0.0
+        value = a + b * seq + c * seq * seq
+        out[name] = int(round(value)) if integer else max(0.0, value)
+    for name in ("act_bytes_keep", "fwd_transient_bytes", "mlp_act_bytes"):
+        if name in out:
+            out[name] = max(0, out[name])
+    if "bwd_transient_bytes" in out:
+        out["bwd_transient_bytes"] = max(-out["act_bytes_keep"], out["bwd_transient_bytes"])
+    return out
+
+
+def _quadratic_through(x: list[float], y: list[float]) -> tuple[float, float, float]:
+    """``(a, b, c)`` of the parabola ``a + b x + c x^2`` through three points (Newton's divided
+    differences)."""
+    (x0, x1, x2), (y0, y1, y2) = x, y
+    d01 = (y1 - y0) / (x1 - x0)
+    d12 = (y2 - y1) / (x2 - x1)
+    c = (d12 - d01) / (x2 - x0)
+    b = d01 - c * (x0 + x1)
+    a = y0 - b * x0 - c * x0 * x0
+    return a, b, c
 
 
 class Clock:
@@ -99,10 +195,16 @@ class BlockProbe:
         own step aside), as in the step: where the launching thread is the bottleneck (a small
         block at a short batch), the call path is part of the time. ``checkpoint_bytes``: the
         block's input as the step saw it; ``chunked_trainable``: which params' gradients the
-        cost model counts apart."""
+        cost model counts apart. Its MLP runs untiled (the profile is the untiled one). A long
+        batch's block runs on three slices of its sequence instead, extrapolated to the whole
+        (``probe_slices``, ``extrapolate``)."""
         runtime = self.runtime
         policy = activations.policy_of(block)
         activations.remove_policy(block)
+        mlp = find_mlp(block)
+        tiles = tile_tokens_of(mlp)
+        if tiles:
+            untile_mlp(mlp)  # type: ignore[arg-type]
         chunks = runtime.layout.chunks_of_group[group_index]
         for index in chunks:
             runtime.manager.gather(index)
@@ -111,45 +213,100 @@ class BlockProbe:
         kwargs = {k: v for k, v in kwargs.items() if not activations.is_kv_cache(k, v)}
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
-        saved = [0]
-        mlp = find_mlp(block)
-        mlp_inputs: list[torch.Tensor] = []
-        mlp_fields: dict[str, Any] = {}
+        n_blocks = sum(g.is_block for g in runtime.groups)
+        slices = None
+        if long_batch(n_blocks, checkpoint_bytes, runtime.plan.budget_bytes):
+            slices = probe_slices(args, checkpoint_bytes, runtime.plan.budget_bytes)
         try:
             with runtime.step_state.probe():
-                # The first run pays one-time costs (allocator growth, kernel selection); the
-                # timings are the best of PROBE_RUNS, the memory figures those of the last run.
-                best = (float("inf"), float("inf"))
-                for _ in range(PROBE_RUNS):
-                    saved[0] = 0
-                    with _capture_input(mlp, mlp_inputs):
-                        measured = self._once(block, self._inputs(args), kwargs, params, saved)
-                    fwd_s, bwd_s, kept, fwd_peak, bwd_peak = measured
-                    best = (min(best[0], fwd_s), min(best[1], bwd_s))
-                fwd_s, bwd_s = best
-                if mlp is not None and mlp_inputs:
-                    mlp_fields = self._mlp(mlp, mlp_inputs[-1], chunked_trainable)
+                fields = None
+                if slices is not None:
+                    seq, lengths = slices
+                    fields = self._sliced(
+                        block, args, kwargs, params, mlp, chunked_trainable, seq, lengths
+                    )
+                if fields is None:
+                    fields = self._measure(block, args, kwargs, params, mlp, chunked_trainable)
         finally:
             for index in chunks:
                 runtime.manager.release(index)
             if policy != "keep":
                 runtime.activations.apply_block_policy(block, policy)
+            if tiles:
+                tile_mlp(mlp, tiles)  # type: ignore[arg-type]
+        return UnitProfile(
+            act_bytes_checkpoint=checkpoint_bytes, name=type(block).__name__, **fields
+        )
+
+    def _sliced(
+        self,
+        block: nn.Module,
+        args: tuple,
+        kwargs: dict,
+        params: list,
+        mlp: nn.Module | None,
+        chunked_trainable: Callable[[Iterable[torch.Tensor]], list[torch.Tensor]],
+        seq: int,
+        lengths: tuple[int, ...],
+    ) -> dict[str, Any] | None:
+        """The block's fields measured on the first ``lengths`` positions of its sequence and
+        extrapolated to ``seq``; None where a slice does not run (then the whole batch runs)."""
+        measured = []
+        for length in lengths:
+            cut_args, cut_kwargs = sliced(args, kwargs, seq, length)
+            try:
+                fields = self._measure(block, cut_args, cut_kwargs, params, mlp, chunked_trainable)
+            except (RuntimeError, ValueError, IndexError) as error:
+                logger.debug("block probe on %d of %d positions failed: %s", length, seq, error)
+                return None
+            measured.append((length, fields))
+        logger.info(
+            "block probe of a long batch: %s measured on %s of %d positions",
+            type(block).__name__,
+            ", ".join(str(t) for t in lengths),
+            seq,
+        )
+        return extrapolate(measured, seq)
+
+    def _measure(
+        self,
+        block: nn.Module,
+        args: tuple,
+        kwargs: dict,
+        params: list,
+        mlp: nn.Module | None,
+        chunked_trainable: Callable[[Iterable[torch.Tensor]], list[torch.Tensor]],
+    ) -> dict[str, Any]:
+        """The block's ``UnitProfile`` fields (its MLP's included) on these inputs."""
+        saved = [0]
+        mlp_inputs: list[torch.Tensor] = []
+        mlp_fields: dict[str, Any] = {}
+        # The first run pays one-time costs (allocator growth, kernel selection); the timings
+        # are the best of PROBE_RUNS, the memory figures those of the last run.
+        best = (float("inf"), float("inf"))
+        for _ in range(PROBE_RUNS):
+            saved[0] = 0
+            with _capture_input(mlp, mlp_inputs):
+                measured = self._once(block, self._inputs(args), kwargs, params, saved)
+            fwd_s, bwd_s, kept, fwd_peak, bwd_peak = measured
+            best = (min(best[0], fwd_s), min(best[1], bwd_s))
+        fwd_s, bwd_s = best
+        if mlp is not None and mlp_inputs:
+            mlp_fields = self._mlp(mlp, mlp_inputs[-1], chunked_trainable)
         # The probe's backward allocates the block's parameter gradients; the cost model adds
         # them (offloaded and persistent grads per unit), so they leave the transient, which
         # may go negative (down to -kept: activations are freed as the gradients are made).
         bwd_transient = max(0, bwd_peak)
         if self.clock.cuda:
             bwd_transient = max(-int(kept), bwd_peak - grad_bytes(chunked_trainable(params)))
-        return UnitProfile(
-            fwd_s=fwd_s,
-            bwd_s=bwd_s,
-            act_bytes_keep=int(kept),
-            act_bytes_checkpoint=checkpoint_bytes,
-            fwd_transient_bytes=int(max(0, fwd_peak - kept)),
-            bwd_transient_bytes=int(bwd_transient),
-            name=type(block).__name__,
+        return {
+            "fwd_s": fwd_s,
+            "bwd_s": bwd_s,
+            "act_bytes_keep": int(kept),
+            "fwd_transient_bytes": int(max(0, fwd_peak - kept)),
+            "bwd_transient_bytes": int(bwd_transient),
             **mlp_fields,
-        )
+        }
 
     def _mlp(
         self,
