@@ -195,12 +195,12 @@ class Settings:
             reduces them itself).
         shard_optimizer: Under data parallelism, ``auto`` and ``on``: each rank keeps the host
             weights (frozen chunks' too) and, for trainable chunks, the fp32 masters, optimizer
-            state and host gradients of only the offloaded chunks it owns (chunk ``i`` belongs
-            to rank ``i % world_size``), receives their gradients by ``reduce`` and updates them
-            alone; the others get the chunk's weights by ``broadcast`` when they gather it. Host
-            memory, H2D copies and CPU update time per rank fall ~N-fold; saving then needs
-            :func:`autooffload.consolidate` on every rank (HF ``Trainer`` and accelerate's
-            ``save_state`` do it). ``off``: every rank keeps and updates all of it.
+            state and host gradients of only the offloaded chunks it owns (ownership balanced
+            by bytes: ``sharding.balanced_owners``), receives their gradients by ``reduce`` and
+            updates them alone; the others get the chunk's weights by ``broadcast`` when they
+            gather it. Host memory, H2D copies and CPU update time per rank fall ~N-fold;
+            saving then needs :func:`autooffload.consolidate` on every rank (HF ``Trainer`` and
+            accelerate's ``save_state`` do it). ``off``: every rank keeps and updates all of it.
         cpu_binding: Under data parallelism with several ranks on a host of several NUMA
             nodes, ``auto``: each rank binds its threads to an exclusive share of the cores of
             its GPU's node (its host store and optimizer state then live there) and runs its

@@ -70,7 +70,8 @@ def main() -> None:
     cpu_optim = runtime.cpu_optim
     state = sum(
         t.numel() * t.element_size()
-        for twin in cpu_optim.twins.values()
+        for chunk in runtime.layout.chunks
+        for twin in cpu_optim.twins.of_chunk(chunk)
         for s in twin.state.values()
         for t in s.values()
         if isinstance(t, torch.Tensor)

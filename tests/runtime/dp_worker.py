@@ -499,6 +499,26 @@ def case_mismatch(device, dtype, rank, world, **per_rank):
     return "no error"
 
 
+def case_vocab_ownership(device, dtype, rank, world):
+    """A tied vocabulary three blocks large (vocab 896; chunks of a block's size, as the
+    default sizes them for large blocks, lay the embedding out as an oversized chunk): the
+    attach balances chunk ownership by bytes, so the embedding's owner hosts fewer blocks.
+    Round robin gave rank 0 the embedding and half the blocks."""
+    enable(device, chunk_size=40_000, n_persist=0)
+    model = tiny_llama(seed=rank, n_layers=6, vocab=896).to(device, dtype)
+    from autooffload import runtime as rt
+
+    runtime = rt.runtime_of(model)
+    manager = runtime.manager
+    facts = {
+        "chunk_bytes": [c.nbytes for c in runtime.layout.chunks],
+        "hosted": [c.index for c in runtime.layout.chunks if manager.hosts(c.index)],
+        "host_store_bytes": manager.host.total_bytes,
+    }
+    autooffload.disable()
+    return facts
+
+
 def case_generate(device, dtype, rank, world):
     """Greedy ``generate`` on every rank from its own prompt, to its own length (the caller
     leaves ``synced_gpus`` unset): the sharded gathers stay paired, each rank's tokens equal
@@ -675,6 +695,7 @@ def main() -> None:
             device, dtype, rank, world, host_budget=1000 if rank else None
         )
         report["generate"] = case_generate(device, dtype, rank, world)
+        report["vocab_ownership"] = case_vocab_ownership(device, dtype, rank, world)
         resumed = case_resume(device, dtype, rank, world, args.out)
         report["resume2_vs_averaged"] = max_diff(resumed, averaged)
         report["hooked_branch_error"] = case_branch_in_forward_hook(device, dtype, rank, world)

@@ -19,12 +19,12 @@ CHUNK_SIZE = 20_000
 
 
 def tiny_llama(
-    *, tied: bool = True, n_layers: int = 3, hidden: int = 32, seed: int = 0
+    *, tied: bool = True, n_layers: int = 3, hidden: int = 32, seed: int = 0, vocab: int = VOCAB
 ) -> LlamaForCausalLM:
     """A random-init Llama small enough for CPU tests (hidden 32, vocab 128)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=n_layers,

@@ -167,6 +167,22 @@ def test_sharded_state_each_rank_hosts_only_its_own_trainable_chunks(cpu_run):
         assert replicated["hosted_trainable_bytes"] == replicated["trainable_bytes"]
 
 
+def test_a_vocabulary_chunk_counts_as_its_bytes_in_chunk_ownership(cpu_run):
+    """Chunk ownership is balanced by bytes at attach: the rank owning an embedding three
+    blocks large hosts about as many bytes as the other (round robin: 2.5 blocks more)."""
+    reports, _ = cpu_run
+    facts = [report["vocab_ownership"] for report in reports]
+    sizes = facts[0]["chunk_bytes"]
+    block = max(sizes[1:-1])
+    assert sizes[0] > 2.5 * block  # the embedding, an oversized chunk
+    hosted = [f["host_store_bytes"] for f in facts]
+    assert sorted(facts[0]["hosted"] + facts[1]["hosted"]) == list(range(len(sizes)))
+    assert sum(hosted) == sum(sizes)
+    assert max(hosted) - min(hosted) <= 1.5 * block, hosted
+    round_robin = [sum(sizes[rank::2]) for rank in range(2)]
+    assert max(round_robin) - min(round_robin) > 2 * block
+
+
 def test_chunks_made_persistent_take_their_owners_optimizer_state(cpu_run):
     reports, _ = cpu_run
     for report in reports:

@@ -17,15 +17,20 @@ from plan_profiles import make_hardware, make_profile  # noqa: E402
 from autooffload.plan.cost_time import predict_step_time  # noqa: E402
 from autooffload.plan.profile_types import HardwareProfile  # noqa: E402
 from autooffload.plan.types import Knobs  # noqa: E402
-from autooffload.runtime.parallel.sharding import NotConsolidatedError, Sharding  # noqa: E402
+from autooffload.runtime.parallel.sharding import (  # noqa: E402
+    NotConsolidatedError,
+    Sharding,
+    balanced_owners,
+)
 
 
 def chunks(trainable: list[bool]) -> SimpleNamespace:
     return SimpleNamespace(
+        chunk_size=1 << 20,
         chunks=[
             SimpleNamespace(index=i, nbytes=1 << 20, trainable_slots=[object()] if t else [])
             for i, t in enumerate(trainable)
-        ]
+        ],
     )
 
 
@@ -54,6 +59,79 @@ def test_chunks_are_owned_round_robin_and_every_offloaded_one_is_sharded():
         True,
     ]
     assert ranks[0].trainable == {0, 1, 3, 4}
+
+
+def test_equal_chunks_stay_round_robin_and_an_oversized_one_counts_as_its_bytes():
+    assert balanced_owners([5] * 7, 3) == [0, 1, 2, 0, 1, 2, 0]
+    # Uneven chunks (a block split over two) still alternate.
+    assert balanced_owners([16, 12, 16, 17, 12, 17, 12, 16, 9], 2) == [0, 1] * 4 + [0]
+    # A chunk four blocks large (a vocabulary) and 12 blocks: its owner skips its turns until
+    # the others hold about as much, then the rotation takes it again.
+    weights = [4, *[1] * 12, 0]
+    owners = balanced_owners(weights, 4, oversized=[0])
+    assert owners == [0, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 0]
+    loads = [sum(w for w, o in zip(weights, owners, strict=True) if o == r) for r in range(4)]
+    assert loads == [4, 4, 4, 4]
+    # Two ranks: the other takes the blocks until it holds about as much.
+    assert balanced_owners([4, *[1] * 8], 2, oversized=[0]) == [0, 1, 1, 1, 1, 0, 1, 0, 1]
+
+
+def meta_llama_layout(tied: bool, **dims: int):
+    """The chunk layout of a Llama with ``dims`` (real sizes, on the meta device: no memory)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autooffload.runtime.blocks import discover_groups
+    from autooffload.runtime.placement import chunk_layout
+    from autooffload.runtime.quantized import QuantizedParams
+
+    config = LlamaConfig(tie_word_embeddings=tied, vocab_size=128256, **dims)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if tied:
+        model.tie_weights()
+    return chunk_layout(discover_groups(model), [], QuantizedParams.collect(model.modules()), None)
+
+
+LLAMA32_3B = dict(
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_hidden_layers=28,
+    num_attention_heads=24,
+    num_key_value_heads=8,
+)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+)
+
+
+@pytest.mark.parametrize(
+    ("tied", "dims", "world"),
+    [(True, LLAMA32_3B, 2), (True, LLAMA32_3B, 4), (False, LLAMA3_8B, 2), (False, LLAMA3_8B, 4)],
+    ids=["3b-x2", "3b-x4", "8b-x2", "8b-x4"],
+)
+def test_every_rank_hosts_about_its_share_of_a_large_vocabulary_model(tied, dims, world):
+    """Ownership by bytes, as attach assigns it: the vocabulary chunks (788 MB at 3B, tied;
+    1.05 GB each for 8B's embedding and head, against 201 and 436 MB blocks) no longer land on
+    rank 0 on top of its share of blocks. Round robin hosted 2.05 GiB on rank 0 and 1.31 on
+    the others at 3B on four ranks, and 8.46 against 6.50 at 8B on two (the embedding and the
+    head on rank 0): every rank's host store, gradient staging and optimizer state in
+    proportion."""
+    from autooffload.runtime.control.host_need import chunk_host_bytes
+
+    layout = meta_llama_layout(tied, **dims)
+    block = max(c.nbytes for c in layout.chunks[1:-1])
+    weights = chunk_host_bytes(layout, master_weights=False)
+    hosted = []
+    for rank in range(world):
+        dp = SimpleNamespace(rank=rank, world_size=world, nccl=False, device=torch.device("cpu"))
+        s = Sharding(dp, layout, weights)  # type: ignore[arg-type]
+        hosted.append(sum(c.nbytes for c in layout.chunks if s.hosts(c.index)))
+    assert sum(hosted) == layout.total_bytes
+    assert max(hosted) - min(hosted) <= 1.5 * block, [h / (1 << 30) for h in hosted]
 
 
 def test_per_rank_hardware_view_divides_cpu_work_and_adds_the_broadcast():

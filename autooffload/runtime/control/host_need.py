@@ -53,6 +53,15 @@ def host_bytes_needed(
     }
 
 
+def chunk_host_bytes(layout: ChunkLayout, master_weights: bool) -> list[int]:
+    """Host bytes each chunk costs the rank hosting it while offloaded: ``host_bytes_needed``'s
+    parts, chunk by chunk (sharded state balances ownership by them)."""
+    return [
+        sum(host_bytes_needed(layout, 0, master_weights, lambda i, c=c.index: i == c).values())
+        for c in layout.chunks
+    ]
+
+
 def host_memory_now() -> HostMemory | None:
     """The host's RAM as /proc and the cgroup show it now (see ``check_host_memory``)."""
     return host_memory()
