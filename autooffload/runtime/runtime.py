@@ -20,7 +20,11 @@ from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.runtime.blocks import discover_groups
 from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.control.controller import PlanControl
-from autooffload.runtime.control.host_need import check_host_memory, host_memory_now
+from autooffload.runtime.control.host_need import (
+    check_host_memory,
+    host_memory_now,
+    host_room_for_inputs,
+)
 from autooffload.runtime.control.oom import OomRetry
 from autooffload.runtime.control.planning import (
     accumulate_mode,
@@ -89,6 +93,8 @@ class Runtime:
         memory = host_memory_now()
         # Under torchrun: rank 0's plan on every rank, same layout and settings checked.
         self.data_parallel = attach_data_parallel(self, settings)
+        # Ranks sharing this host's memory.
+        self.local_ranks = 1 if self.data_parallel is None else local_world_size()
         # An explicit oom_retry=True only: auto (None) leaves the retry off in this mode.
         if settings.update_in_backward is True and settings.oom_retry:
             raise AttachError(
@@ -105,7 +111,7 @@ class Runtime:
                 host_param_bytes(model),
                 memory,
                 hosts=None if sharding is None else sharding.hosts,
-                local_ranks=1 if self.data_parallel is None else local_world_size(),
+                local_ranks=self.local_ranks,
             ),
         )
         self.manager = ChunkManager(
@@ -149,6 +155,7 @@ class Runtime:
             settings.activation_mode,
             self.position,
             host_inputs=checkpoint_inputs_choice(settings, device) != "gpu",
+            host_room=lambda held: host_room_for_inputs(held, self.local_ranks),
         )
         self.hooks = StepHooks(self)
         # The LM head fused with the loss where the logits would not fit (activations/fused_head).

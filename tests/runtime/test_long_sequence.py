@@ -5,7 +5,10 @@ nothing."""
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,10 +17,13 @@ from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
 import autooffload
 from autooffload import runtime as rt
+from autooffload.errors import PlanError
 from autooffload.plan import search as plan_search
+from autooffload.runtime import runtime as runtime_module
 from autooffload.runtime.activations import model_activations
 from autooffload.runtime.activations.policies import policy_of
 from autooffload.runtime.activations.tiled_mlp import find_mlp, is_tiled, set_mlp_tiles
+from autooffload.runtime.control import planning
 from tests.runtime.runtime_models import BATCH, SEQ, enable_cpu
 from tests.runtime.test_offload_equivalence import ATOL, RTOL, adamw, assert_same_training, train
 
@@ -115,17 +121,24 @@ def test_find_mlp_takes_token_wise_mlps_and_skips_routed_ones(make_llama) -> Non
     assert set_mlp_tiles([moe], 8) == 0
 
 
-@pytest.mark.parametrize("share", [1e-9, None], ids=["inputs-over-share", "default-share"])
+@pytest.mark.parametrize(
+    ("share", "host_room"),
+    [(1e-9, None), (1e-9, 0), (None, None)],
+    ids=["inputs-over-share", "no-host-room", "default-share"],
+)
 def test_profiling_steps_fit_a_long_batch(
-    make_llama, make_batches, offload_cpu, monkeypatch, share
+    make_llama, make_batches, offload_cpu, monkeypatch, share, host_room
 ) -> None:
     """When one input per checkpointed block would take more than a share of the budget, the
     profiling steps run every block as ``checkpoint_cpu`` (the first block's call already in
-    flight included) with its MLP tiled, and train as plain autograd; under the share they stay
-    ``checkpoint``, untiled."""
+    flight included) with its MLP tiled, and train as plain autograd; where the host has no
+    room for the inputs they stay on the device (``checkpoint``), the MLPs tiled; under the
+    share they stay ``checkpoint``, untiled."""
     monkeypatch.setattr(model_activations, "PROFILING_MLP_TILE_TOKENS", TILE)
     if share is not None:
         monkeypatch.setattr(model_activations, "PROFILING_INPUTS_SHARE", share)
+    if host_room is not None:
+        monkeypatch.setattr(runtime_module, "host_room_for_inputs", lambda held, ranks: host_room)
     base = make_llama(tied=False)
     data = make_batches(STEPS)
     seen: list[list[str]] = []
@@ -159,8 +172,45 @@ def test_profiling_steps_fit_a_long_batch(
     for handle in handles:
         handle.remove()
     autooffload.disable()
-    expected = {"checkpoint_cpu", "tiled"} if share is not None else {"checkpoint", "untiled"}
+    expected = {
+        "inputs-over-share": {"checkpoint_cpu", "tiled"},
+        "no-host-room": {"checkpoint", "tiled"},
+        "default-share": {"checkpoint", "untiled"},
+    }[
+        "default-share"
+        if share is None
+        else ("no-host-room" if host_room is not None else "inputs-over-share")
+    ]
     assert seen and all(set(step) == expected for step in seen), seen
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("chosen", ["auto", "cpu"])
+def test_the_search_keeps_inputs_on_the_device_where_the_host_cannot_hold_them(
+    monkeypatch, chosen
+) -> None:
+    """Every block's input is more than the host has room for: ``auto`` searches the device
+    alone (one line says why), ``cpu`` is an error naming the setting; with room, the choice
+    stands."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "plan"))
+    from plan_profiles import make_profile
+
+    profile = make_profile(n_blocks=4)
+    need = sum(u.act_bytes_checkpoint for u in profile.blocks)
+    assert need > 0
+    runtime = SimpleNamespace(
+        settings=autooffload.Settings.from_env(checkpoint_inputs=chosen),
+        device=torch.device("cuda"),
+        activations=SimpleNamespace(swapper=None),
+        local_ranks=1,
+    )
+    monkeypatch.setattr(planning, "host_room_for_inputs", lambda held, ranks: need)
+    assert planning._inputs_where_they_fit(runtime, profile) == chosen
+    monkeypatch.setattr(planning, "host_room_for_inputs", lambda held, ranks: need - 1)
+    if chosen == "auto":
+        assert planning._inputs_where_they_fit(runtime, profile) == "gpu"
+    else:
+        with pytest.raises(PlanError, match="checkpoint_inputs=cpu.*AUTOOFFLOAD_CHECKPOINT_INPUTS"):
+            planning._inputs_where_they_fit(runtime, profile)

@@ -49,11 +49,14 @@ class ModelActivations:
         mode: str,
         position: Callable[[int], int],
         host_inputs: bool = False,
+        host_room: Callable[[int], int | None] = lambda held: None,
     ) -> None:
         self.model = model
         # Whether checkpointed blocks may keep their inputs in host memory (the search's
         # ``checkpoint_inputs`` is not "gpu").
         self.host_inputs = host_inputs
+        # Host bytes the inputs may take, given those the swapper holds (None: unknown).
+        self.host_room = host_room
         self.groups = groups
         self.device = device
         # Settings.activation_mode: "off" leaves the blocks (and HF's checkpointing) alone.
@@ -106,7 +109,16 @@ class ModelActivations:
         if self.mode != "auto" or not long_batch(len(blocks), input_bytes, budget):
             return False
         switched = 0
-        if self.host_inputs:
+        room = self.host_room(self.swapper.pool.allocated_bytes if self.swapper else 0)
+        if self.host_inputs and room is not None and len(blocks) * input_bytes > room:
+            logger.info(
+                "profiling a long batch: its %d blocks' inputs (%.2f GiB) exceed the host memory"
+                " available for them (%.2f GiB): they stay on the device",
+                len(blocks),
+                len(blocks) * input_bytes / 2**30,
+                room / 2**30,
+            )
+        elif self.host_inputs:
             if self.swapper is None:
                 self.swapper = ActivationSwapper(self.device)
             switched = sum(keep_checkpoint_input_on_host(g.module, self.swapper) for g in blocks)

@@ -118,3 +118,18 @@ def check_host_memory(
         f" keep more chunks on the GPU (a larger AUTOOFFLOAD_N_PERSIST than {n_persist}),"
         " set AUTOOFFLOAD_MASTER_WEIGHTS=0, or free host memory"
     )
+
+
+# Of the host memory available, the share checkpointed blocks' inputs kept there may take (the
+# rest for the process's own growth: pinned copies, the data loader, the optimizer's threads).
+HOST_INPUTS_SHARE = 0.8
+
+
+def host_room_for_inputs(held_bytes: int = 0, local_ranks: int = 1) -> int | None:
+    """Host bytes this rank's checkpointed inputs may take: ``HOST_INPUTS_SHARE`` of the memory
+    available now (its share where ``local_ranks`` share the host), plus ``held_bytes`` the
+    rank already holds for them (its swapper's pool); None where the host's RAM is unknown."""
+    memory = host_memory_now()
+    if memory is None:
+        return None
+    return int(HOST_INPUTS_SHARE * memory.available_bytes / max(1, local_ranks)) + held_bytes

@@ -21,6 +21,7 @@ from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan, format_bytes
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
+from autooffload.runtime.control.host_need import host_room_for_inputs
 from autooffload.runtime.control.profiler import StepProfiler
 from autooffload.runtime.host_vocab import servable_chunks
 from autooffload.runtime.parallel.distributed import local_world_size, world
@@ -270,8 +271,35 @@ def search_request(
         hw,
         budget,
         fixed,
-        checkpoint_inputs=checkpoint_inputs_choice(runtime.settings, runtime.device),
+        checkpoint_inputs=_inputs_where_they_fit(runtime, profile),
     )
+
+
+def _inputs_where_they_fit(runtime: Runtime, profile: ModelProfile) -> str:
+    """The search's ``checkpoint_inputs`` (``checkpoint_inputs_choice``), with the host left out
+    where its available memory cannot hold every block's input (``host_room_for_inputs``): on
+    ``auto`` the inputs stay on the device, on ``cpu`` it is an error before the plan runs."""
+    chosen = checkpoint_inputs_choice(runtime.settings, runtime.device)
+    if chosen == "gpu":
+        return chosen
+    swapper = runtime.activations.swapper
+    room = host_room_for_inputs(swapper.pool.allocated_bytes if swapper else 0, runtime.local_ranks)
+    need = sum(u.act_bytes_checkpoint for u in profile.blocks)
+    if room is None or need <= room:
+        return chosen
+    if chosen == "cpu":
+        raise PlanError(
+            f"checkpoint_inputs=cpu: the checkpointed blocks' inputs take {format_bytes(need)},"
+            f" more than the {format_bytes(room)} of host memory available for them; set"
+            " AUTOOFFLOAD_CHECKPOINT_INPUTS=auto or gpu, or shorten the batch"
+        )
+    logger.info(
+        "the checkpointed blocks' inputs (%s) exceed the host memory available for them (%s):"
+        " the plan keeps them on the device",
+        format_bytes(need),
+        format_bytes(room),
+    )
+    return "gpu"
 
 
 def checkpoint_inputs_choice(settings: Settings, device: torch.device) -> str:
