@@ -19,7 +19,7 @@ from autooffload.runtime.activations import fused_head
 from autooffload.runtime.activations.head_source import forward_check
 from tests.runtime import test_host_vocab as vocab_test
 from tests.runtime.runtime_models import enable_cpu
-from tests.runtime.test_offload_equivalence import assert_same_training, train
+from tests.runtime.test_offload_equivalence import Run, adamw, assert_same_training, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -240,3 +240,102 @@ def test_under_bf16_autocast_the_gradients_match_plain(
     assert fused.keys() == plain.keys()
     for name, grad in plain.items():
         torch.testing.assert_close(fused[name], grad, rtol=2e-2, atol=2e-3, msg=name)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_gradient_accumulation_trains_like_plain(
+    make_llama, make_batches, offload_cpu, small_chunks, tied
+):
+    """Two micro-batches per optimizer step, clipped: every micro-batch is fused, and their
+    head gradients (the weight shared with the embedding, when tied) add up as plain ones do."""
+    base = make_llama(tied=tied)
+    data = make_batches(2 * STEPS)
+    kw = {"accum": 2, "clip": 0.5}
+    plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu, **kw)
+    steps = []
+    fused = train(
+        copy.deepcopy(base),
+        data,
+        attach={"fused_head": True, "n_persist": 0},
+        offload_cpu=offload_cpu,
+        before_detach=lambda runtime: steps.append(runtime.fused_head.fused_steps),
+        **kw,
+    )
+    assert steps == [2 * STEPS]
+    assert_same_training(plain, fused)
+
+
+def _padded(ids: torch.Tensor, step: int) -> torch.Tensor:
+    """Labels of ``ids`` with -100 over a prefix of row 0 (its length by step) and all of row 1."""
+    labels = ids.clone()
+    labels[0, : 3 + step] = -100
+    labels[1:] = -100
+    return labels
+
+
+def _train_with(model, data, *, attach, offload_cpu, forward_kw) -> tuple[Run, int | None]:
+    """One AdamW step per batch of ``model(input_ids=ids, **forward_kw(ids, step))``; the run
+    and, attached, its fused steps."""
+    if attach is not None:
+        offload_cpu(**attach)
+        model.to("cpu")
+    optimizer = adamw(model.parameters())
+    losses = []
+    for step, ids in enumerate(data):
+        loss = model(input_ids=ids, **forward_kw(ids, step)).loss
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    fused_steps = None
+    if attach is not None:
+        fused_steps = rt.runtime_of(model).fused_head.fused_steps
+        autooffload.disable()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Run(losses, [], weights), fused_steps
+
+
+def _same_as_plain(make_llama, make_batches, offload_cpu, forward_kw) -> None:
+    base = make_llama(tied=False)
+    data = make_batches(STEPS)
+    plain, _ = _train_with(
+        copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu, forward_kw=forward_kw
+    )
+    fused, steps = _train_with(
+        copy.deepcopy(base),
+        data,
+        attach={"fused_head": True, "n_persist": 0},
+        offload_cpu=offload_cpu,
+        forward_kw=forward_kw,
+    )
+    assert steps == STEPS
+    assert_same_training(plain, fused)
+
+
+@pytest.mark.parametrize("num_items", [None, 20, torch.tensor(20)], ids=["mean", "int", "tensor"])
+def test_ignored_labels_and_the_callers_item_count_train_like_plain(
+    make_llama, make_batches, offload_cpu, small_chunks, num_items
+):
+    """Labels with -100 (a prefix of one row, the whole other row) and the loss divided by
+    the caller's ``num_items_in_batch`` (as the Trainer passes it), or by the kept labels:
+    the fused loss and training are plain's."""
+
+    def forward_kw(ids, step):
+        kw = {"labels": _padded(ids, step)}
+        if num_items is not None:
+            kw["num_items_in_batch"] = num_items
+        return kw
+
+    _same_as_plain(make_llama, make_batches, offload_cpu, forward_kw)
+
+
+def test_shift_labels_given_by_the_caller_train_like_plain(
+    make_llama, make_batches, offload_cpu, small_chunks
+):
+    """``shift_labels`` given beside ``labels`` are the targets (transformers does not shift
+    them): here other targets than the shifted labels, with ignored positions."""
+
+    def forward_kw(ids, step):
+        return {"labels": ids, "shift_labels": _padded(ids.flip(-1), step)}
+
+    _same_as_plain(make_llama, make_batches, offload_cpu, forward_kw)
