@@ -339,3 +339,24 @@ def test_shift_labels_given_by_the_caller_train_like_plain(
         return {"labels": ids, "shift_labels": _padded(ids.flip(-1), step)}
 
     _same_as_plain(make_llama, make_batches, offload_cpu, forward_kw)
+
+
+@pytest.mark.parametrize("size", ["resident", "chunked"])
+@pytest.mark.parametrize("order", ["peft_then_move", "move_then_peft"])
+def test_lora_on_every_linear_fuses_the_frozen_head_and_trains_like_plain_peft(
+    monkeypatch, small_chunks, order, size
+):
+    """PEFT LoRA on ``all-linear`` (the head left frozen), adapters resident or chunked, the
+    PeftModel attached or the base attached before PEFT wraps it: every step is fused and
+    the adapters train as in plain PEFT."""
+    from tests.peft import peft_runs
+
+    monkeypatch.setenv("AUTOOFFLOAD_FUSED_HEAD", "1")
+    base = peft_runs.tiny_llama(size)
+    data = peft_runs.batches(STEPS)
+    plain = peft_runs.run(base, peft_runs.lora(), "plain", size, data)
+    model = peft_runs.wrap(copy.deepcopy(base), peft_runs.lora(), order, size)
+    losses = peft_runs.train(model, data)
+    assert peft_runs.runtime_for(model).fused_head.fused_steps == STEPS
+    autooffload.disable()
+    peft_runs.assert_same_training(plain, peft_runs.Run(losses, peft_runs.trained_weights(model)))
