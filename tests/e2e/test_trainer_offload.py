@@ -157,3 +157,56 @@ def test_trainer_without_clipping_trains_like_plain_and_reads_the_gradient_norm(
     for name, value in expected.items():
         torch.testing.assert_close(actual[name], value, rtol=RTOL, atol=ATOL, msg=name)
     autooffload.disable()
+
+
+def test_trainer_with_the_fused_head_logs_the_losses_of_a_plain_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fused_head`` on under the Trainer, two micro-batches a step and labels partly -100
+    (one row entirely): every micro-batch is fused, its loss divided by the Trainer's
+    ``num_items_in_batch``, and the logged losses and trained weights are a plain run's."""
+    from autooffload.runtime.activations import fused_head
+
+    def padded() -> list[dict[str, torch.Tensor]]:
+        rows = dataset()
+        for i, row in enumerate(rows):
+            row["labels"][: 2 + i] = -100
+        rows[3]["labels"][:] = -100
+        return rows
+
+    def run(output_dir: Path) -> Trainer:
+        job = trainer(output_dir, seed=0, save_strategy="no")
+        job.train_dataset = padded()
+        job.train()
+        return job
+
+    plain = run(tmp_path / "plain")
+    counts = []
+    loss = fused_head.FusedHead.loss
+
+    def counted(self, logits, labels, kwargs):
+        counts.append(kwargs.get("num_items_in_batch"))
+        return loss(self, logits, labels, kwargs)
+
+    monkeypatch.setattr(fused_head.FusedHead, "loss", counted)
+    autooffload.enable(
+        device="cpu",
+        force_attach=True,
+        chunk_size=20_000,
+        n_persist=1,
+        fused_head=True,
+        mask=False,
+        log="warning",
+    )
+    job = run(tmp_path / "fused")
+    assert rt.runtime_of(job.model).fused_head.fused_steps == 2 * STEPS
+    assert len(counts) == 2 * STEPS and all(torch.is_tensor(n) for n in counts)
+
+    def losses(run: Trainer) -> torch.Tensor:
+        return torch.tensor([entry["loss"] for entry in run.state.log_history if "loss" in entry])
+
+    torch.testing.assert_close(losses(job), losses(plain), rtol=RTOL, atol=ATOL)
+    actual, expected = weights(job.model), weights(plain.model)
+    autooffload.disable()
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=RTOL, atol=ATOL, msg=name)
