@@ -77,6 +77,7 @@ def sharding_facts(model: torch.nn.Module) -> dict:
     facts["host_store_bytes"] = manager.host.total_bytes
     facts["trainable_bytes"] = sum(c.nbytes for c in trainable)
     facts["hosted_trainable_bytes"] = sum(c.nbytes for c in trainable if manager.hosts(c.index))
+    facts["fused_steps"] = runtime.fused_head.fused_steps
     facts["unconsolidated_error"] = _state_dict_error(model)
     # Consolidated to rank 0: its state dict reads every chunk, the other rank's still none.
     autooffload.consolidate(model, to=0)
@@ -647,6 +648,9 @@ def main() -> None:
             device, dtype, rank, world, gpu_update_in_backward=2
         )
         report["on_device_vs_averaged"] = max_diff(on_device, averaged)
+        # The LM head fused with the loss: each rank's loss and head gradients from chunks.
+        fused, report["fused_head"] = case_dp(device, dtype, rank, world, fused_head=True)
+        report["fused_head_vs_averaged"] = max_diff(fused, averaged)
         lora, report["lora"] = case_lora(device, dtype, rank, world)
         lora_reference = train_plain(
             device, dtype, STEPS, world=world, model=lora_model(device, dtype)

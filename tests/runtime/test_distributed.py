@@ -113,6 +113,16 @@ def test_sharded_state_each_rank_keeps_its_half_and_saving_needs_consolidate(cpu
     assert "to=1 for this rank" in facts[1]["consolidated_to_0_error"]
 
 
+def test_the_fused_head_trains_like_the_averaged_reference(cpu_run):
+    """AUTOOFFLOAD_FUSED_HEAD=1 on both ranks (sharded state): every step of each rank is
+    fused, and the replicas train like one process averaging the halves."""
+    reports, _ = cpu_run
+    for report in reports:
+        assert report["fused_head"]["fused_steps"] == STEPS
+        assert report["sharding"]["fused_steps"] == 0
+        assert report["fused_head_vs_averaged"] < TOL
+
+
 def test_lora_shards_the_frozen_base_and_trains_like_the_averaged_reference(cpu_run):
     """LoRA: every chunk is frozen; each rank hosts its own half of the base model and gathers
     the other half by broadcast, the resident adapters are averaged, and the replicas (built
