@@ -59,11 +59,24 @@ def assign_block_policies(
     return ("swap",) * n_swap + (checkpoint,) * n_checkpoint + ("keep",) * n_keep
 
 
-def with_checkpoint_inputs_on_cpu(profile: ModelProfile, hw: HardwareProfile) -> ModelProfile:
-    """The layout's variant where a checkpointed block's one saved tensor, its input, is copied
-    to host memory in the forward and prefetched back for its recompute (``checkpoint_cpu``).
+def host_input_policies(policies: tuple[str, ...], host_blocks: int) -> tuple[str, ...]:
+    """``policies`` with the checkpointed blocks from ``host_blocks`` on keeping their inputs on
+    the device (``checkpoint``, not ``checkpoint_cpu``)."""
+    return tuple(
+        "checkpoint" if p == "checkpoint_cpu" and i >= host_blocks else p
+        for i, p in enumerate(policies)
+    )
 
-    For every block ``u`` with input bytes ``c = act_bytes_checkpoint[u]``:
+
+def with_checkpoint_inputs_on_cpu(
+    profile: ModelProfile, hw: HardwareProfile, blocks: int | None = None
+) -> ModelProfile:
+    """The layout's variant where a checkpointed block's one saved tensor, its input, is copied
+    to host memory in the forward and prefetched back for its recompute (``checkpoint_cpu``):
+    every block's, or the first ``blocks`` blocks' where the host holds no more (the later
+    blocks' inputs, the ones the backward needs first, stay on the device; ``host_input_blocks``).
+
+    For every such block ``u`` with input bytes ``c = act_bytes_checkpoint[u]``:
       act_bytes_checkpoint'[u] = 0                    (nothing stays saved on the device)
       fwd_transient'[u]        = fwd_transient[u] + c  (the input while its copy-out runs)
       bwd_transient'[u]        = bwd_transient[u] + 2c (its input back, and the next one
@@ -74,12 +87,16 @@ def with_checkpoint_inputs_on_cpu(profile: ModelProfile, hw: HardwareProfile) ->
     for an 8B model at 4k tokens), so the variant wins only where it really saves memory or
     recompute: the search runs both layouts and keeps the faster feasible plan.
     """
-    blocks = []
+    n_host = profile.n_blocks if blocks is None else max(0, min(blocks, profile.n_blocks))
+    units = []
     copied_out = 0
-    for unit in profile.blocks:
+    for index, unit in enumerate(profile.blocks):
+        if index >= n_host:
+            units.append(unit)
+            continue
         c = unit.act_bytes_checkpoint
         copied_out += c
-        blocks.append(
+        units.append(
             replace(
                 unit,
                 act_bytes_checkpoint=0,
@@ -90,9 +107,10 @@ def with_checkpoint_inputs_on_cpu(profile: ModelProfile, hw: HardwareProfile) ->
         )
     return replace(
         profile,
-        blocks=tuple(blocks),
+        blocks=tuple(units),
         other_s=profile.other_s + copied_out / hw.d2h_bps,
         checkpoint_inputs_on_cpu=True,
+        host_input_blocks=n_host,
     )
 
 

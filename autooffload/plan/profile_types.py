@@ -250,6 +250,10 @@ class ModelProfile:
     checkpoint_inputs_on_cpu: bool = False
     """True for the variant where checkpointed blocks keep their input in host memory
     (``configuration.with_checkpoint_inputs_on_cpu``): its plans name them ``checkpoint_cpu``."""
+    host_input_blocks: int = 0
+    """In that variant, how many leading blocks keep their inputs on the host (all of them, or
+    as many as the host has room for); a checkpointed block after them keeps its input on the
+    device."""
     mlp_tile_tokens: int = 0
     """Tokens per tile of the blocks' MLPs in this variant (``configuration.with_mlp_tiles``);
     0 for the measured, untiled profile."""

@@ -136,6 +136,7 @@ def calibrated(
         # peak fills a hard cap whatever the plan, and each check would demote again.
         min_persist=plan.n_persist if drift else 0,
         checkpoint_inputs=request.checkpoint_inputs,
+        host_input_blocks=request.host_input_blocks,
     )
     outcome: Plan | str
     try:
@@ -287,7 +288,7 @@ def running_variant(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> M
     if plan.mlp_tile_tokens:
         variant = with_mlp_tiles(variant, plan.mlp_tile_tokens)
     if "checkpoint_cpu" in plan.block_policies:
-        variant = with_checkpoint_inputs_on_cpu(variant, hw)
+        variant = with_checkpoint_inputs_on_cpu(variant, hw, plan.host_input_blocks or None)
     return variant
 
 

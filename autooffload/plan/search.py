@@ -27,6 +27,7 @@ from autooffload.errors import PlanError
 from autooffload.plan.configuration import (
     assign_block_policies,
     has_tileable_mlp,
+    host_input_policies,
     serves_chunks,
     with_checkpoint_inputs_on_cpu,
     with_mlp_tiles,
@@ -96,6 +97,8 @@ class SearchRequest:
     """Where checkpointed blocks keep their input: ``gpu``, ``cpu`` or ``auto`` (both searched)."""
     mlp_tiles: tuple[int, ...] | None = None
     """Tokens per MLP tile to try (``search``); None: ``MLP_TILE_TOKENS``."""
+    host_input_blocks: int | None = None
+    """The most leading blocks whose inputs the host has room for (None: all of them)."""
 
     def plan(self) -> Plan:
         """The fastest feasible configuration (``search``)."""
@@ -114,6 +117,7 @@ class SearchRequest:
             self.min_persist,
             self.checkpoint_inputs,
             self.mlp_tiles,
+            self.host_input_blocks,
         )
 
 
@@ -125,6 +129,7 @@ def search(
     min_persist: int = 0,
     checkpoint_inputs: str = "gpu",
     mlp_tiles: tuple[int, ...] | None = None,
+    host_input_blocks: int | None = None,
 ) -> Plan:
     """The fastest configuration whose predicted peak fits ``budget_bytes`` (None: unbounded).
 
@@ -142,14 +147,15 @@ def search(
     activations let faster knobs fit, and the fastest plan over every tile size is taken.
     """
     fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
-    variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs)
+    host = host_input_blocks
+    variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs, 0, host)
     best, _ = _run(variants, hw, budget_bytes, fixed, min_persist=min_persist)
     tiles = _mlp_tile_choices(profiles_by_chunk_size, mlp_tiles)
     if tiles and budget_bytes is not None:
         unbounded, _ = _run(variants, hw, None, fixed, min_persist=min_persist)
         if best is None or (unbounded is not None and best.step_s > unbounded.step_s * (1 + 1e-9)):
             for tile in tiles:
-                tiled = _variants(profiles_by_chunk_size, hw, checkpoint_inputs, tile)
+                tiled = _variants(profiles_by_chunk_size, hw, checkpoint_inputs, tile, host)
                 pick, _ = _run(tiled, hw, budget_bytes, fixed, min_persist=min_persist)
                 if pick is not None and (best is None or pick_order(pick) < pick_order(best)):
                     best = pick
@@ -157,7 +163,7 @@ def search(
         every = variants + [
             v
             for tile in tiles
-            for v in _variants(profiles_by_chunk_size, hw, checkpoint_inputs, tile)
+            for v in _variants(profiles_by_chunk_size, hw, checkpoint_inputs, tile, host)
         ]
         raise _infeasible(every, hw, budget_bytes, fixed, min_persist)
     source = "search" if not fixed else ("user" if len(fixed) == len(KNOBS) else "user+search")
@@ -209,14 +215,16 @@ def search_all(
     min_persist: int = 0,
     checkpoint_inputs: str = "gpu",
     mlp_tiles: tuple[int, ...] | None = None,
+    host_input_blocks: int | None = None,
 ) -> Candidates:
     """Every feasible configuration the search evaluates, with its predicted peak and throughput
     (``n_buffer`` values above the last useful one are not evaluated: they only add memory),
     the tiled MLPs' variants included."""
     fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
-    variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs)
+    host = host_input_blocks
+    variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs, 0, host)
     for tile in _mlp_tile_choices(profiles_by_chunk_size, mlp_tiles):
-        variants += _variants(profiles_by_chunk_size, hw, checkpoint_inputs, tile)
+        variants += _variants(profiles_by_chunk_size, hw, checkpoint_inputs, tile, host)
     return _run(variants, hw, budget_bytes, fixed, True, min_persist=min_persist)[1]
 
 
@@ -237,10 +245,12 @@ def _variants(
     hw: HardwareProfile,
     checkpoint_inputs: str,
     mlp_tile_tokens: int = 0,
+    host_input_blocks: int | None = None,
 ) -> list[ModelProfile]:
-    """The layouts to search: each profile as measured and/or with checkpoint inputs on the host,
-    its MLPs in tiles of ``mlp_tile_tokens`` tokens (0: untiled); a profile that serves chunks
-    from the host also with them gathered whole (``configuration.with_served_chunks_gathered``)."""
+    """The layouts to search: each profile as measured and/or with checkpoint inputs on the host
+    (every block's, or the first ``host_input_blocks`` blocks'), its MLPs in tiles of
+    ``mlp_tile_tokens`` tokens (0: untiled); a profile that serves chunks from the host also with
+    them gathered whole (``configuration.with_served_chunks_gathered``)."""
     if checkpoint_inputs not in CHECKPOINT_INPUTS:
         raise PlanError(
             f"checkpoint_inputs={checkpoint_inputs!r} is not valid; valid: {CHECKPOINT_INPUTS}"
@@ -249,7 +259,9 @@ def _variants(
     ordered += [with_served_chunks_gathered(p, hw) for p in ordered if serves_chunks(p)]
     if mlp_tile_tokens:
         ordered = [with_mlp_tiles(p, mlp_tile_tokens) for p in ordered]
-    on_cpu = [with_checkpoint_inputs_on_cpu(p, hw) for p in ordered]
+    on_cpu = [with_checkpoint_inputs_on_cpu(p, hw, host_input_blocks) for p in ordered]
+    if host_input_blocks == 0:
+        on_cpu = []  # the host has room for no block's input
     variants = {"gpu": ordered, "cpu": on_cpu, "auto": ordered + on_cpu}[checkpoint_inputs]
     # Gradient accumulation on auto: the sums added on the CPU or on the GPU, the faster.
     return [replace(p, accumulate_on=where) for p in variants for where in _accumulate_choices(p)]
@@ -279,12 +291,16 @@ def make_plan(
         n_chunks=profile.n_chunks,
         n_persist=knobs.n_persist,
         n_buffer=knobs.n_buffer,
-        block_policies=assign_block_policies(
-            profile.n_blocks,
-            knobs.n_swap,
-            knobs.n_checkpoint,
-            "checkpoint_cpu" if profile.checkpoint_inputs_on_cpu else "checkpoint",
+        block_policies=host_input_policies(
+            assign_block_policies(
+                profile.n_blocks,
+                knobs.n_swap,
+                knobs.n_checkpoint,
+                "checkpoint_cpu" if profile.checkpoint_inputs_on_cpu else "checkpoint",
+            ),
+            profile.host_input_blocks,
         ),
+        host_input_blocks=profile.host_input_blocks if profile.checkpoint_inputs_on_cpu else 0,
         budget_bytes=budget_bytes,
         predicted_peak_bytes=int(memory["peak"]),
         predicted_step_s=prediction.step_s,

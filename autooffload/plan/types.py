@@ -72,6 +72,9 @@ class Plan:
     update: UpdatePlacement | None = None
     mlp_tile_tokens: int = 0
     """Tokens per tile of the blocks' MLPs (``runtime/activations/tiled_mlp.py``); 0: untiled."""
+    host_input_blocks: int = 0
+    """Leading blocks whose checkpointed inputs the plan's variant keeps on the host
+    (``ModelProfile.host_input_blocks``; 0: the inputs stay on the device)."""
     host_served_chunks: tuple[int, ...] = ()
     """Chunks served from the host store, never gathered whole (``runtime/host_vocab.py``: a
     frozen embedding's rows, a frozen head's tiles); neither persistent nor streamed, whatever
@@ -166,12 +169,20 @@ class Plan:
         if self.block_policies:
             n_keep = len(self.block_policies) - self.n_swap - self.n_checkpoint
             on_cpu = "checkpoint_cpu" in self.block_policies
+            mixed = on_cpu and "checkpoint" in self.block_policies
             kind = "checkpoint_cpu" if on_cpu else "checkpoint"
+            where = ""
+            if mixed:  # the host had room for the first blocks' inputs only
+                cpu = _block_ranges(self.block_policies, "checkpoint_cpu").strip(" ()")
+                gpu = _block_ranges(self.block_policies, "checkpoint").strip(" ()")
+                where = f" (inputs on CPU: {cpu}; on the {dev}: {gpu})"
+            elif on_cpu:
+                where = f" (inputs on CPU){_block_ranges(self.block_policies, kind)}"
+            else:
+                where = _block_ranges(self.block_policies, kind)
             lines.append(
-                f"  activations: {n_keep} blocks keep, {self.n_checkpoint} checkpoint"
-                f"{' (inputs on CPU)' if on_cpu else ''}"
-                f"{_block_ranges(self.block_policies, kind)}, {self.n_swap} swap"
-                f"{_block_ranges(self.block_policies, 'swap')}"
+                f"  activations: {n_keep} blocks keep, {self.n_checkpoint} checkpoint{where},"
+                f" {self.n_swap} swap{_block_ranges(self.block_policies, 'swap')}"
             )
         if self.mlp_tile_tokens:
             lines.append(

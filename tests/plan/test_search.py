@@ -624,6 +624,42 @@ def test_auto_checkpoint_inputs_take_the_faster_feasible_layout():
     )
 
 
+def test_a_host_short_of_room_keeps_the_first_blocks_inputs_and_the_device_the_rest():
+    """The host holds only some blocks' inputs: the variant moves the first k of them (their
+    inputs wait longest), its plans name only those ``checkpoint_cpu``, its peak lies between
+    the device-only and host-only layouts', and the running variant reproduces the plan's
+    prediction (what calibration and the OOM retry re-derive)."""
+    from autooffload.plan.replan import running_variant
+
+    hw = make_hardware()
+    profile = _long_context(n_blocks=8)
+    part = with_checkpoint_inputs_on_cpu(profile, hw, 3)
+    assert part.host_input_blocks == 3 and part.checkpoint_inputs_on_cpu
+    assert [u.act_bytes_checkpoint == 0 for u in part.blocks] == [True] * 3 + [False] * 5
+    assert part.blocks[5] == profile.blocks[5]
+    knobs = Knobs(0, 2, 0, profile.n_blocks)
+    peaks = [
+        predict_peak_bytes(p, hw, knobs)
+        for p in (profile, part, with_checkpoint_inputs_on_cpu(profile, hw))
+    ]
+    assert peaks[0] > peaks[1] > peaks[2]
+    profiles = {profile.chunk_size: profile}
+    budget = peaks[1] + 4 * MiB
+    no_swap = {"n_swap": 0}
+    plan = search(profiles, hw, budget, no_swap, checkpoint_inputs="auto", host_input_blocks=3)
+    policies = plan.block_policies
+    assert plan.host_input_blocks == 3 and plan.predicted_peak_bytes <= budget
+    assert [p == "checkpoint_cpu" for p in policies] == [True] * 3 + [False] * 5
+    assert set(policies[3:]) <= {"checkpoint", "keep"}
+    assert "(inputs on CPU: blocks 0-2; on the GPU: blocks 3-" in plan.summary()
+    again = make_plan(running_variant(profile, plan, hw), hw, plan.knobs, budget)
+    assert again.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert again.block_policies == policies
+    # No room at all: the device alone, as checkpoint_inputs=gpu.
+    none = search(profiles, hw, None, checkpoint_inputs="auto", host_input_blocks=0)
+    assert none.knobs == search(profiles, hw, None).knobs and none.host_input_blocks == 0
+
+
 def test_invalid_checkpoint_inputs_is_a_plan_error():
     profile = make_profile()
     with pytest.raises(PlanError, match=r"checkpoint_inputs='disk' is not valid; valid: \('auto'"):

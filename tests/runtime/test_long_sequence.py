@@ -123,8 +123,8 @@ def test_find_mlp_takes_token_wise_mlps_and_skips_routed_ones(make_llama) -> Non
 
 @pytest.mark.parametrize(
     ("share", "host_room"),
-    [(1e-9, None), (1e-9, 0), (None, None)],
-    ids=["inputs-over-share", "no-host-room", "default-share"],
+    [(1e-9, None), (1e-9, 0), (1e-9, "two"), (None, None)],
+    ids=["inputs-over-share", "no-host-room", "room-for-two", "default-share"],
 )
 def test_profiling_steps_fit_a_long_batch(
     make_llama, make_batches, offload_cpu, monkeypatch, share, host_room
@@ -138,7 +138,9 @@ def test_profiling_steps_fit_a_long_batch(
     if share is not None:
         monkeypatch.setattr(model_activations, "PROFILING_INPUTS_SHARE", share)
     if host_room is not None:
-        monkeypatch.setattr(runtime_module, "host_room_for_inputs", lambda held, ranks: host_room)
+        # "two": room for two of the three blocks' inputs (2 x batch x seq x hidden x fp32).
+        room = 2 * BATCH * SEQ * 32 * 4 if host_room == "two" else host_room
+        monkeypatch.setattr(runtime_module, "host_room_for_inputs", lambda held, ranks: room)
     base = make_llama(tied=False)
     data = make_batches(STEPS)
     seen: list[list[str]] = []
@@ -172,45 +174,49 @@ def test_profiling_steps_fit_a_long_batch(
     for handle in handles:
         handle.remove()
     autooffload.disable()
+    cpu, gpu = "checkpoint_cpu", "checkpoint"
     expected = {
-        "inputs-over-share": {"checkpoint_cpu", "tiled"},
-        "no-host-room": {"checkpoint", "tiled"},
-        "default-share": {"checkpoint", "untiled"},
+        "inputs-over-share": [cpu, cpu, cpu, "tiled", "tiled", "tiled"],
+        "no-host-room": [gpu, gpu, gpu, "tiled", "tiled", "tiled"],
+        "room-for-two": [cpu, cpu, gpu, "tiled", "tiled", "tiled"],
+        "default-share": [gpu, gpu, gpu, "untiled", "untiled", "untiled"],
     }[
         "default-share"
         if share is None
-        else ("no-host-room" if host_room is not None else "inputs-over-share")
+        else {None: "inputs-over-share", 0: "no-host-room", "two": "room-for-two"}[host_room]
     ]
-    assert seen and all(set(step) == expected for step in seen), seen
+    assert seen and all(step == expected for step in seen), seen
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-5
     )
 
 
 @pytest.mark.parametrize("chosen", ["auto", "cpu"])
-def test_the_search_keeps_inputs_on_the_device_where_the_host_cannot_hold_them(
-    monkeypatch, chosen
-) -> None:
-    """Every block's input is more than the host has room for: ``auto`` searches the device
-    alone (one line says why), ``cpu`` is an error naming the setting; with room, the choice
-    stands."""
+def test_the_search_puts_on_the_host_only_the_inputs_it_has_room_for(monkeypatch, chosen) -> None:
+    """Room for every block's input: the choice stands. Room for some: ``auto`` lets the host
+    keep the first blocks' inputs (as many as fit), ``cpu`` is an error naming the setting.
+    Room for none: ``auto`` searches the device alone."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "plan"))
     from plan_profiles import make_profile
 
     profile = make_profile(n_blocks=4)
-    need = sum(u.act_bytes_checkpoint for u in profile.blocks)
-    assert need > 0
+    one = profile.blocks[0].act_bytes_checkpoint
+    assert one > 0 and all(u.act_bytes_checkpoint == one for u in profile.blocks)
     runtime = SimpleNamespace(
         settings=autooffload.Settings.from_env(checkpoint_inputs=chosen),
         device=torch.device("cuda"),
         activations=SimpleNamespace(swapper=None),
         local_ranks=1,
     )
-    monkeypatch.setattr(planning, "host_room_for_inputs", lambda held, ranks: need)
-    assert planning._inputs_where_they_fit(runtime, profile) == chosen
-    monkeypatch.setattr(planning, "host_room_for_inputs", lambda held, ranks: need - 1)
+
+    def where(room: int):
+        monkeypatch.setattr(planning, "host_room_for_inputs", lambda held, ranks: room)
+        return planning._inputs_where_they_fit(runtime, profile)
+
+    assert where(4 * one) == (chosen, None)
     if chosen == "auto":
-        assert planning._inputs_where_they_fit(runtime, profile) == "gpu"
+        assert where(3 * one - 1) == ("auto", 2)
+        assert where(one - 1) == ("gpu", None)
     else:
         with pytest.raises(PlanError, match="checkpoint_inputs=cpu.*AUTOOFFLOAD_CHECKPOINT_INPUTS"):
-            planning._inputs_where_they_fit(runtime, profile)
+            where(4 * one - 1)

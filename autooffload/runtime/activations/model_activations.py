@@ -99,7 +99,8 @@ class ModelActivations:
     def fit_long_batch_for_profiling(self, input_bytes: int, budget: int | None) -> bool:
         """In a profiling step, at a block's forward: for a long batch (``long_batch``), every
         checkpointed block keeps its input in host memory (``checkpoint_cpu``, where host-side
-        inputs are allowed), the block entering its forward included, and every MLP runs in
+        inputs are allowed; the first blocks only, where the host has room for no more), the
+        block entering its forward included, and every MLP runs in
         tiles of ``PROFILING_MLP_TILE_TOKENS``. A long batch's inputs and one block's MLP
         intermediates would otherwise fill the device (Llama-3-8B at seq 65536: 32 x 512 MiB of
         inputs, 4 x 1.75 GiB of MLP intermediates). The blocks' profiles come from the block
@@ -110,18 +111,21 @@ class ModelActivations:
             return False
         switched = 0
         room = self.host_room(self.swapper.pool.allocated_bytes if self.swapper else 0)
-        if self.host_inputs and room is not None and len(blocks) * input_bytes > room:
+        fits = len(blocks) if room is None else min(len(blocks), room // max(1, input_bytes))
+        if self.host_inputs and fits < len(blocks):
             logger.info(
-                "profiling a long batch: its %d blocks' inputs (%.2f GiB) exceed the host memory"
-                " available for them (%.2f GiB): they stay on the device",
+                "profiling a long batch: the host has room for %d of its %d blocks' inputs"
+                " (%.2f GiB of %.2f): the rest stay on the device",
+                fits,
                 len(blocks),
+                room / 2**30 if room is not None else 0.0,
                 len(blocks) * input_bytes / 2**30,
-                room / 2**30,
             )
-        elif self.host_inputs:
+        if self.host_inputs and fits:
             if self.swapper is None:
                 self.swapper = ActivationSwapper(self.device)
-            switched = sum(keep_checkpoint_input_on_host(g.module, self.swapper) for g in blocks)
+            first = self.blocks_in_order()[:fits]  # their inputs wait longest for the backward
+            switched = sum(keep_checkpoint_input_on_host(g.module, self.swapper) for g in first)
         tiled = set_mlp_tiles((g.module for g in blocks), PROFILING_MLP_TILE_TOKENS)
         if switched or tiled:
             logger.info(

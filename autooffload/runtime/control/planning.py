@@ -266,40 +266,50 @@ def search_request(
             # Headroom for what the model does not see: allocator growth at the cap costs a
             # cudaFree + synchronize per retry, far more than the memory it saves.
             budget -= max(BUDGET_MARGIN_MIN, int(BUDGET_MARGIN_SHARE * budget))
+    where, host_blocks = _inputs_where_they_fit(runtime, profile)
     return SearchRequest(
         {profile.chunk_size: profile},
         hw,
         budget,
         fixed,
-        checkpoint_inputs=_inputs_where_they_fit(runtime, profile),
+        checkpoint_inputs=where,
+        host_input_blocks=host_blocks,
     )
 
 
-def _inputs_where_they_fit(runtime: Runtime, profile: ModelProfile) -> str:
-    """The search's ``checkpoint_inputs`` (``checkpoint_inputs_choice``), with the host left out
-    where its available memory cannot hold every block's input (``host_room_for_inputs``): on
-    ``auto`` the inputs stay on the device, on ``cpu`` it is an error before the plan runs."""
+def _inputs_where_they_fit(runtime: Runtime, profile: ModelProfile) -> tuple[str, int | None]:
+    """The search's ``checkpoint_inputs`` (``checkpoint_inputs_choice``) and the most leading
+    blocks whose inputs the host has room for (``host_room_for_inputs``; None: all). On
+    ``auto`` a host short of room takes the first blocks' inputs only, or none; on ``cpu``
+    (every checkpointed input on the host) it is an error before the plan runs."""
     chosen = checkpoint_inputs_choice(runtime.settings, runtime.device)
     if chosen == "gpu":
-        return chosen
+        return chosen, None
     swapper = runtime.activations.swapper
     room = host_room_for_inputs(swapper.pool.allocated_bytes if swapper else 0, runtime.local_ranks)
     need = sum(u.act_bytes_checkpoint for u in profile.blocks)
     if room is None or need <= room:
-        return chosen
+        return chosen, None
     if chosen == "cpu":
         raise PlanError(
             f"checkpoint_inputs=cpu: the checkpointed blocks' inputs take {format_bytes(need)},"
             f" more than the {format_bytes(room)} of host memory available for them; set"
             " AUTOOFFLOAD_CHECKPOINT_INPUTS=auto or gpu, or shorten the batch"
         )
+    fits, total = 0, 0
+    for unit in profile.blocks:
+        total += unit.act_bytes_checkpoint
+        if total > room:
+            break
+        fits += 1
     logger.info(
         "the checkpointed blocks' inputs (%s) exceed the host memory available for them (%s):"
-        " the plan keeps them on the device",
+        " the host may keep the first %d blocks' inputs, the device the rest",
         format_bytes(need),
         format_bytes(room),
+        fits,
     )
-    return "gpu"
+    return ("auto", fits) if fits else ("gpu", None)
 
 
 def checkpoint_inputs_choice(settings: Settings, device: torch.device) -> str:
@@ -322,7 +332,7 @@ def profile_for_plan(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> 
     if plan.mlp_tile_tokens:
         profile = with_mlp_tiles(profile, plan.mlp_tile_tokens)
     if "checkpoint_cpu" in plan.block_policies:
-        return with_checkpoint_inputs_on_cpu(profile, hw)
+        return with_checkpoint_inputs_on_cpu(profile, hw, plan.host_input_blocks or None)
     return profile
 
 
