@@ -22,7 +22,12 @@ from autooffload.plan import search as plan_search
 from autooffload.runtime import runtime as runtime_module
 from autooffload.runtime.activations import model_activations
 from autooffload.runtime.activations.policies import policy_of
-from autooffload.runtime.activations.tiled_mlp import find_mlp, is_tiled, set_mlp_tiles
+from autooffload.runtime.activations.tiled_mlp import (
+    find_mlp,
+    find_norms,
+    is_tiled,
+    set_mlp_tiles,
+)
 from autooffload.runtime.control import planning
 from tests.runtime.runtime_models import BATCH, SEQ, enable_cpu
 from tests.runtime.test_offload_equivalence import ATOL, RTOL, adamw, assert_same_training, train
@@ -68,6 +73,10 @@ def test_planned_long_sequence_path_trains_like_plain_autograd(
     def check(runtime) -> None:
         seen.append(runtime.plan)
         assert all(is_tiled(mlp) for mlp in decoder_mlps(runtime.model))
+        # The norms are tiled with the MLPs.
+        norms = [n for layer in runtime.model.model.layers for n in find_norms(layer)]
+        assert len(norms) == 2 * len(runtime.model.model.layers)
+        assert all(is_tiled(norm) for norm in norms)
 
     plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu)
     model = copy.deepcopy(base)

@@ -11,7 +11,13 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from autooffload.errors import PlanError
 from autooffload.runtime.activations.policies import apply_policy, is_recomputing
-from autooffload.runtime.activations.tiled_mlp import is_tiled, tile_mlp, untile_mlp
+from autooffload.runtime.activations.tiled_mlp import (
+    find_norms,
+    is_tiled,
+    set_mlp_tiles,
+    tile_mlp,
+    untile_mlp,
+)
 from tests.runtime.test_activations import assert_same_step, tiny_llama, train_step
 
 
@@ -96,3 +102,23 @@ def test_frozen_mlp_passes_only_input_grads() -> None:
     _, grads = mlp_step(mlp)
     torch.testing.assert_close(grads[0], expected[0], atol=1e-6, rtol=1e-5)
     assert all(g is None for g in grads[1:])
+
+
+def test_the_norms_of_a_decoder_layer_are_found_and_tiled_with_its_mlp() -> None:
+    """``find_norms`` returns a decoder layer's two RMSNorms, not the attention or the MLP;
+    ``set_mlp_tiles`` tiles them with the MLP (exact per token) and untiles all with 0."""
+    model = tiny_llama(n_layers=1)
+    layer = model.model.layers[0]
+    assert find_norms(layer) == [layer.input_layernorm, layer.post_attention_layernorm]
+    x = torch.randn(2, 40, layer.input_layernorm.weight.shape[0], requires_grad=True)
+    expected = layer.input_layernorm(x)
+    (grad,) = torch.autograd.grad(expected.sum(), x)
+    assert set_mlp_tiles([layer], 16) == 1
+    assert all(is_tiled(m) for m in (layer.mlp, *find_norms(layer)))
+    x2 = x.detach().requires_grad_()
+    out = layer.input_layernorm(x2)
+    (grad2,) = torch.autograd.grad(out.sum(), x2)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(grad2, grad, rtol=1e-6, atol=1e-6)
+    set_mlp_tiles([layer], 0)
+    assert not any(is_tiled(m) for m in (layer.mlp, *find_norms(layer)))

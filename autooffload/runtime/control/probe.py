@@ -17,7 +17,13 @@ from autooffload.log import logger
 from autooffload.plan.profile_types import UnitProfile
 from autooffload.runtime.activations import policies as activations
 from autooffload.runtime.activations.model_activations import long_batch
-from autooffload.runtime.activations.tiled_mlp import find_mlp, tile_mlp, tile_tokens_of, untile_mlp
+from autooffload.runtime.activations.tiled_mlp import (
+    find_mlp,
+    find_norms,
+    tile_mlp,
+    tile_tokens_of,
+    untile_mlp,
+)
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
@@ -202,9 +208,10 @@ class BlockProbe:
         policy = activations.policy_of(block)
         activations.remove_policy(block)
         mlp = find_mlp(block)
-        tiles = tile_tokens_of(mlp)
-        if tiles:
-            untile_mlp(mlp)  # type: ignore[arg-type]
+        # A long batch's profiling steps tile the MLP and the norms; the probe runs them whole.
+        tiled = [(m, tile_tokens_of(m)) for m in (mlp, *find_norms(block)) if tile_tokens_of(m)]
+        for module, _ in tiled:
+            untile_mlp(module)  # type: ignore[arg-type]
         chunks = runtime.layout.chunks_of_group[group_index]
         for index in chunks:
             runtime.manager.gather(index)
@@ -232,8 +239,8 @@ class BlockProbe:
                 runtime.manager.release(index)
             if policy != "keep":
                 runtime.activations.apply_block_policy(block, policy)
-            if tiles:
-                tile_mlp(mlp, tiles)  # type: ignore[arg-type]
+            for module, tiles in tiled:
+                tile_mlp(module, tiles)  # type: ignore[arg-type]
         return UnitProfile(
             act_bytes_checkpoint=checkpoint_bytes, name=type(block).__name__, **fields
         )
@@ -279,20 +286,30 @@ class BlockProbe:
     ) -> dict[str, Any]:
         """The block's ``UnitProfile`` fields (its MLP's included) on these inputs."""
         saved = [0]
-        mlp_inputs: list[torch.Tensor] = []
+        norms = find_norms(block) if mlp is not None else []
+        inputs: list[list[torch.Tensor]] = [[] for _ in range(1 + len(norms))]
         mlp_fields: dict[str, Any] = {}
         # The first run pays one-time costs (allocator growth, kernel selection); the timings
         # are the best of PROBE_RUNS, the memory figures those of the last run.
         best = (float("inf"), float("inf"))
         for _ in range(PROBE_RUNS):
             saved[0] = 0
-            with _capture_input(mlp, mlp_inputs):
+            with contextlib.ExitStack() as stack:
+                for module, captured in zip((mlp, *norms), inputs, strict=True):
+                    stack.enter_context(_capture_input(module, captured))
                 measured = self._once(block, self._inputs(args), kwargs, params, saved)
             fwd_s, bwd_s, kept, fwd_peak, bwd_peak = measured
             best = (min(best[0], fwd_s), min(best[1], bwd_s))
         fwd_s, bwd_s = best
-        if mlp is not None and mlp_inputs:
-            mlp_fields = self._mlp(mlp, mlp_inputs[-1], chunked_trainable)
+        if mlp is not None and inputs[0]:
+            mlp_fields = self._mlp(mlp, inputs[0][-1], chunked_trainable)
+            # The norms are tiled with the MLP: what they save beyond their input, and the
+            # forward their tiles run again, count with the MLP's.
+            for norm, captured in zip(norms, inputs[1:], strict=True):
+                if captured:
+                    extra = self._mlp(norm, captured[-1], chunked_trainable)
+                    mlp_fields["mlp_act_bytes"] += extra["mlp_act_bytes"]
+                    mlp_fields["mlp_fwd_s"] += extra["mlp_fwd_s"]
         # The probe's backward allocates the block's parameter gradients; the cost model adds
         # them (offloaded and persistent grads per unit), so they leave the transient, which
         # may go negative (down to -kept: activations are freed as the gradients are made).
