@@ -186,14 +186,33 @@ def _served_forward(state: SimpleNamespace, args: tuple, kwargs: dict) -> torch.
     return state.serve(state.vocab, state.served, *args, **kwargs)
 
 
-def served_logits(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``x -> module(x)`` from the host store's tiles while ``module`` is a served head, else
-    None (a head fused with the loss takes its logits from the tiles:
-    ``activations/fused_head.py``)."""
+def served_head_pass(
+    module: nn.Module,
+) -> Callable[[], Callable[[torch.Tensor], torch.Tensor]] | None:
+    """While ``module`` is a served head, a function that brings its whole weight to the device
+    for one pass of a head fused with the loss (``activations/fused_head.py``) and returns
+    ``rows -> module(rows)`` computed from it, in the dtype the served forward uses; else None.
+    The fused loss reads the head once per chunk of rows: streaming its tiles for each would
+    copy it in a thousand times at 500K tokens, where the whole weight (1.05 GB for Llama-3) is
+    small beside the rows' activations."""
     state = module.__dict__.get(_KEY)
     if state is None or not state.active or state.served.kind == "rows":
         return None
-    return lambda x: _head_tiles(state.vocab, state.served, x)
+    vocab, served = state.vocab, state.served
+
+    def one_pass() -> Callable[[torch.Tensor], torch.Tensor]:
+        host = vocab.host_weight(served)
+        weight = host.to(vocab.manager.device, non_blocking=True)
+        vocab.manager.stats["h2d_bytes"] += host.numel() * host.element_size()
+
+        def logits(rows: torch.Tensor) -> torch.Tensor:
+            dtype = _compute_dtype(rows, weight)
+            with torch.autocast(rows.device.type, enabled=False):
+                return F.linear(rows.to(dtype), weight.to(dtype))
+
+        return logits
+
+    return one_pass
 
 
 class _PinnedRows:

@@ -54,13 +54,33 @@ def test_fused_head_trains_like_plain_autograd(
     assert_same_training(plain, fused)
 
 
-def test_lora_with_a_served_head_fuses_with_its_tiles(monkeypatch):
-    """LoRA under a tight budget: the frozen head is served from the host store and its tiles
-    feed the fused loss, in the profiling steps and the planned ones; it trains as plain PEFT."""
+def test_lora_with_a_served_head_fuses_it_from_the_host_store(monkeypatch):
+    """LoRA under a tight budget: the frozen head is served from the host store, and each pass
+    of the fused loss (its forward, its backward) brings its weight to the device once, in the
+    profiling steps and the planned ones; it trains as plain PEFT."""
     monkeypatch.setattr(host_vocab, "HEAD_TILE_BYTES", 240 * 64 * 4)  # 18 tiles
     monkeypatch.setattr(fused_head, "FUSED_CHUNK_BYTES", 5 * 4 * vocab_test.VOCAB)  # 5 rows
     base = vocab_test._llama()
     plain = vocab_test._train(vocab_test._lora(copy.deepcopy(base)), None)
+    passes = []
+    original = host_vocab.served_head_pass
+
+    def counted(module):
+        one_pass = original(module)
+        if one_pass is None:
+            return None
+
+        def counting():
+            passes.append(1)
+            return one_pass()
+
+        return counting
+
+    monkeypatch.setattr(host_vocab, "served_head_pass", counted)
+    tiles = []
+    monkeypatch.setattr(
+        host_vocab._TiledHead, "apply", lambda *a: tiles.append(1) or pytest.fail("tiles")
+    )
     attached = vocab_test._train(
         vocab_test._lora(copy.deepcopy(base)), {"budget": "1600KiB", "fused_head": True}
     )
@@ -69,6 +89,8 @@ def test_lora_with_a_served_head_fuses_with_its_tiles(monkeypatch):
     last = len(runtime.layout.chunks) - 1
     assert all(last in s for s in served)
     assert runtime.fused_head.fused_steps == vocab_test.STEPS
+    # One copy of the head a pass (forward and backward of each step), none tile by tile.
+    assert len(passes) == 2 * vocab_test.STEPS and not tiles
 
 
 class _Largest(TorchDispatchMode):

@@ -9,8 +9,9 @@ function, which returns the loss computed there. The backward recomputes each ch
 takes their gradient to the head's input, weight and bias, a chunk at a time.
 
 The head's own forward still runs inside the ``lm_head`` module's call, so the chunk store's
-group hooks gather its weight (or serve it from the host: ``host_vocab.py``), the profiler times
-it, and the backward hook on its output (the placeholder) gathers it again for the backward.
+group hooks gather its weight (a head served from the host comes whole for each pass:
+``host_vocab.served_head_pass``), the profiler times it, and the backward hook on its output
+(the placeholder) gathers it again for the backward.
 
 Only where it is exact: the model's ``forward`` must go straight from ``self.lm_head(...)`` to
 ``self.loss_function(logits=...)`` with nothing reading the logits in between (no soft-capping,
@@ -76,10 +77,11 @@ class _FusedHead(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
-        logits_of: Callable[[torch.Tensor], torch.Tensor],
+        logits_pass: Callable[[], Callable[[torch.Tensor], torch.Tensor]],
         request: _Request,
         vocab: int,
     ) -> torch.Tensor:
+        logits_of = logits_pass()
         rows = x.reshape(-1, x.shape[-1])
         targets = request.targets
         chunk = rows_per_chunk(vocab, FUSED_CHUNK_BYTES)
@@ -98,7 +100,7 @@ class _FusedHead(torch.autograd.Function):
         # the group hooks), not saved: a saved parameter would go through saved-tensor hooks.
         ctx.save_for_backward(x)
         ctx.params = (weight, bias)
-        ctx.logits_of, ctx.request, ctx.chunk = logits_of, request, chunk
+        ctx.logits_pass, ctx.request, ctx.chunk = logits_pass, request, chunk
         ctx.autocast = _autocast_state(x.device.type)
         return torch.zeros((), dtype=dtype, device=x.device).expand(*x.shape[:-1], vocab)
 
@@ -119,11 +121,12 @@ class _FusedHead(torch.autograd.Function):
         trained = [t for t, need in ((weight, inputs_need[1]), (bias, inputs_need[2])) if need]
         sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in trained]
         device_type, enabled, dtype = ctx.autocast
+        logits_of = ctx.logits_pass()
         for start in range(0, rows.shape[0], ctx.chunk):
             part = slice(start, start + ctx.chunk)
             with torch.enable_grad(), torch.autocast(device_type, dtype, enabled=enabled):
                 piece = rows[part].requires_grad_(grad_rows is not None)
-                logits = ctx.logits_of(piece)
+                logits = logits_of(piece)
                 with torch.autocast(device_type, enabled=False):
                     upcast = logits.detach().float().requires_grad_()
                     loss = F.cross_entropy(
@@ -299,7 +302,10 @@ class FusedHead:
         return _drop_placeholder(output, request.placeholder)
 
     def fuse(
-        self, module: nn.Module, x: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        logits_pass: Callable[[], Callable[[torch.Tensor], torch.Tensor]],
     ) -> torch.Tensor | None:
         """The placeholder logits of a fused forward of ``module`` (the head) on ``x``, or None
         when this forward is not fused (the caller computes the logits)."""
@@ -321,7 +327,7 @@ class FusedHead:
         request.targets = request.targets.to(x.device)
         weight, bias = module.weight, module.bias
         vocab = weight.shape[0]
-        placeholder = _FusedHead.apply(x, weight, bias, logits_of, request, vocab)
+        placeholder = _FusedHead.apply(x, weight, bias, logits_pass, request, vocab)
         request.placeholder = placeholder
         return placeholder
 
@@ -360,15 +366,15 @@ def _head_forward(state: _HeadState, args: tuple, kwargs: dict) -> torch.Tensor:
     host store's tiles while it is served), else the forward it had."""
     module = state.owner.head
     if state.active and module is not None and len(args) == 1 and not kwargs:
-        from autooffload.runtime.host_vocab import served_logits
+        from autooffload.runtime.host_vocab import served_head_pass
 
-        logits_of = served_logits(module)
-        if logits_of is None:
+        logits_pass = served_head_pass(module)
+        if logits_pass is None:
 
-            def logits_of(rows: torch.Tensor) -> torch.Tensor:
-                return F.linear(rows, module.weight, module.bias)
+            def logits_pass() -> Callable[[torch.Tensor], torch.Tensor]:
+                return lambda rows: F.linear(rows, module.weight, module.bias)
 
-        fused = state.owner.fuse(module, args[0], logits_of)
+        fused = state.owner.fuse(module, args[0], logits_pass)
         if fused is not None:
             return fused
     return state.inner_forward(*args, **kwargs)
