@@ -57,6 +57,8 @@ class ModelActivations:
         self.host_inputs = host_inputs
         # Host bytes the inputs may take, given those the swapper holds (None: unknown).
         self.host_room = host_room
+        # The input bytes of the long batch the profiling policies were last fitted to.
+        self._fitted_batch = 0
         self.groups = groups
         self.device = device
         # Settings.activation_mode: "off" leaves the blocks (and HF's checkpointing) alone.
@@ -109,6 +111,9 @@ class ModelActivations:
         blocks = [g for g in self.groups if g.is_block]
         if self.mode != "auto" or not long_batch(len(blocks), input_bytes, budget):
             return False
+        if self._fitted_batch == input_bytes:
+            return True  # fitted at this batch's first block (the policies stay for its steps)
+        self._fitted_batch = input_bytes
         switched = 0
         room = self.host_room(self.swapper.pool.allocated_bytes if self.swapper else 0)
         fits = len(blocks) if room is None else min(len(blocks), room // max(1, input_bytes))
@@ -141,6 +146,7 @@ class ModelActivations:
 
     def apply_plan(self, plan: Plan) -> None:
         """The block policies and MLP tiles of ``plan``."""
+        self._fitted_batch = 0  # a later profiling step fits its batch again
         if plan.block_policies and self.mode != "off":
             for group, policy in zip(self.blocks_in_order(), plan.block_policies, strict=False):
                 self.apply_block_policy(group.module, policy)
