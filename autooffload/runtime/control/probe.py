@@ -226,14 +226,18 @@ class BlockProbe:
             slices = probe_slices(args, checkpoint_bytes, runtime.plan.budget_bytes)
         try:
             with runtime.step_state.probe():
+
+                def measure(call_args: tuple, call_kwargs: dict) -> dict[str, Any]:
+                    return self._measure(
+                        block, call_args, call_kwargs, params, mlp, chunked_trainable
+                    )
+
                 fields = None
                 if slices is not None:
                     seq, lengths = slices
-                    fields = self._sliced(
-                        block, args, kwargs, params, mlp, chunked_trainable, seq, lengths
-                    )
+                    fields = self._sliced(measure, args, kwargs, seq, lengths, type(block).__name__)
                 if fields is None:
-                    fields = self._measure(block, args, kwargs, params, mlp, chunked_trainable)
+                    fields = measure(args, kwargs)
         finally:
             for index in chunks:
                 runtime.manager.release(index)
@@ -245,31 +249,29 @@ class BlockProbe:
             act_bytes_checkpoint=checkpoint_bytes, name=type(block).__name__, **fields
         )
 
+    @staticmethod
     def _sliced(
-        self,
-        block: nn.Module,
+        measure: Callable[[tuple, dict], dict[str, Any]],
         args: tuple,
         kwargs: dict,
-        params: list,
-        mlp: nn.Module | None,
-        chunked_trainable: Callable[[Iterable[torch.Tensor]], list[torch.Tensor]],
         seq: int,
         lengths: tuple[int, ...],
+        name: str,
     ) -> dict[str, Any] | None:
-        """The block's fields measured on the first ``lengths`` positions of its sequence and
-        extrapolated to ``seq``; None where a slice does not run (then the whole batch runs)."""
+        """The block's fields ``measure``-d on the first ``lengths`` positions of its sequence
+        and extrapolated to ``seq``; None where a slice does not run (then the whole batch
+        runs)."""
         measured = []
         for length in lengths:
-            cut_args, cut_kwargs = sliced(args, kwargs, seq, length)
             try:
-                fields = self._measure(block, cut_args, cut_kwargs, params, mlp, chunked_trainable)
+                fields = measure(*sliced(args, kwargs, seq, length))
             except (RuntimeError, ValueError, IndexError) as error:
                 logger.debug("block probe on %d of %d positions failed: %s", length, seq, error)
                 return None
             measured.append((length, fields))
         logger.info(
             "block probe of a long batch: %s measured on %s of %d positions",
-            type(block).__name__,
+            name,
             ", ".join(str(t) for t in lengths),
             seq,
         )
