@@ -24,7 +24,7 @@ of ``logits.float()`` + ``cross_entropy``; the weight's gradient is summed over 
 What the user sees: ``outputs.logits`` is None in the training steps the head is fused
 (``outputs.loss`` is the loss); evaluation, ``no_grad`` forwards and forwards without labels are
 untouched. ``Settings.fused_head``: on, off, or auto (fused where the step's logits would take
-at least ``AUTO_SHARE`` of the device budget).
+at least ``AUTO_SHARE`` of the memory budget).
 """
 
 from __future__ import annotations
