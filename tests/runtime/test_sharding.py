@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "plan"))
 from plan_profiles import make_hardware, make_profile  # noqa: E402
 
+from autooffload.bench.workloads import LLAMA3_8B, LLAMA32_3B  # noqa: E402
 from autooffload.plan.cost_time import predict_step_time  # noqa: E402
 from autooffload.plan.profile_types import HardwareProfile  # noqa: E402
 from autooffload.plan.types import Knobs  # noqa: E402
@@ -76,44 +77,29 @@ def test_equal_chunks_stay_round_robin_and_an_oversized_one_counts_as_its_bytes(
     assert balanced_owners([4, *[1] * 8], 2, oversized=[0]) == [0, 1, 1, 1, 1, 0, 1, 0, 1]
 
 
-def meta_llama_layout(tied: bool, **dims: int):
-    """The chunk layout of a Llama with ``dims`` (real sizes, on the meta device: no memory)."""
+def meta_llama_layout(dims: dict):
+    """The chunk layout of a Llama with the bench's ``dims`` (real sizes, on the meta device: no
+    memory)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from autooffload.runtime.blocks import discover_groups
     from autooffload.runtime.placement import chunk_layout
     from autooffload.runtime.quantized import QuantizedParams
 
-    config = LlamaConfig(tie_word_embeddings=tied, vocab_size=128256, **dims)
+    config = LlamaConfig(**dims)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
-    if tied:
+    if config.tie_word_embeddings:
         model.tie_weights()
     return chunk_layout(discover_groups(model), [], QuantizedParams.collect(model.modules()), None)
 
 
-LLAMA32_3B = dict(
-    hidden_size=3072,
-    intermediate_size=8192,
-    num_hidden_layers=28,
-    num_attention_heads=24,
-    num_key_value_heads=8,
-)
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-)
-
-
 @pytest.mark.parametrize(
-    ("tied", "dims", "world"),
-    [(True, LLAMA32_3B, 2), (True, LLAMA32_3B, 4), (False, LLAMA3_8B, 2), (False, LLAMA3_8B, 4)],
+    ("dims", "world"),
+    [(LLAMA32_3B, 2), (LLAMA32_3B, 4), (LLAMA3_8B, 2), (LLAMA3_8B, 4)],
     ids=["3b-x2", "3b-x4", "8b-x2", "8b-x4"],
 )
-def test_every_rank_hosts_about_its_share_of_a_large_vocabulary_model(tied, dims, world):
+def test_every_rank_hosts_about_its_share_of_a_large_vocabulary_model(dims, world):
     """Ownership by bytes, as attach assigns it: the vocabulary chunks (788 MB at 3B, tied;
     1.05 GB each for 8B's embedding and head, against 201 and 436 MB blocks) no longer land on
     rank 0 on top of its share of blocks. Round robin hosted 2.05 GiB on rank 0 and 1.31 on
@@ -122,7 +108,7 @@ def test_every_rank_hosts_about_its_share_of_a_large_vocabulary_model(tied, dims
     proportion."""
     from autooffload.runtime.control.host_need import chunk_host_bytes
 
-    layout = meta_llama_layout(tied, **dims)
+    layout = meta_llama_layout(dims)
     block = max(c.nbytes for c in layout.chunks[1:-1])
     weights = chunk_host_bytes(layout, master_weights=False)
     hosted = []
