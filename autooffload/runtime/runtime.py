@@ -13,7 +13,6 @@ from autooffload.plan.profile_types import ModelProfile
 from autooffload.plan.search import Candidates, SearchRequest
 from autooffload.plan.types import Plan, format_bytes
 from autooffload.runtime import allocator
-from autooffload.runtime.activations import fused_head
 from autooffload.runtime.activations.fused_head import FusedHead
 from autooffload.runtime.activations.model_activations import ModelActivations
 from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
@@ -160,7 +159,6 @@ class Runtime:
         self.hooks = StepHooks(self)
         # The LM head fused with the loss where the logits would not fit (activations/fused_head).
         self.fused_head = FusedHead(model, settings.fused_head, budget_bytes(settings, device))
-        fused_head.register(self.fused_head)
         # The profiling steps serve every frozen vocabulary chunk from the host (the least
         # device memory); the searched plan weighs serving against gathering.
         self.control.adopt_plan(
@@ -448,7 +446,6 @@ class Runtime:
             self.oom.remove()
         self.activations.remove()
         self.host_vocab.stop()
-        fused_head.unregister(self.fused_head)
         self.fused_head.remove()
         return_from_device(
             self.model, self.manager, self.quantized, self.resident_params, target, fetched

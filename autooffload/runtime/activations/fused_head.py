@@ -226,10 +226,6 @@ class FusedHead:
             model.register_forward_hook(self._end, always_call=True),
         ]
 
-    @property
-    def installed(self) -> bool:
-        return bool(self._handles)
-
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -381,30 +377,15 @@ def _head_forward(state: _HeadState, args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def loss_for(logits: Any, labels: Any, kwargs: dict) -> torch.Tensor | None:
-    """The fused loss when ``logits`` is a fused head's placeholder, else None
+    """The fused loss when ``logits`` is an attached runtime's fused-head placeholder, else None
     (``patches/transformers_loss``)."""
-    for head in _live_heads():
-        loss = head.loss(logits, labels, kwargs)
+    from autooffload.runtime import registry
+
+    for runtime in registry.runtimes():
+        loss = runtime.fused_head.loss(logits, labels, kwargs)
         if loss is not None:
             return loss
     return None
-
-
-_LIVE: list[FusedHead] = []
-
-
-def _live_heads() -> list[FusedHead]:
-    return [h for h in _LIVE if h._request is not None]
-
-
-def register(head: FusedHead) -> None:
-    if head.installed:
-        _LIVE.append(head)
-
-
-def unregister(head: FusedHead) -> None:
-    if head in _LIVE:
-        _LIVE.remove(head)
 
 
 def _drop_placeholder(output: Any, placeholder: torch.Tensor) -> Any:
