@@ -169,20 +169,20 @@ def test_profiling_steps_fit_a_long_batch(
 
     plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu)
     model = copy.deepcopy(base)
-    enable_cpu(budget="1GiB", checkpoint_inputs="cpu")
-    model.to("cpu")
-    handles = record(rt.runtime_of(model))
-    optimizer = adamw(model.parameters())
-    losses = []
-    for ids in data:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    for handle in handles:
-        handle.remove()
-    autooffload.disable()
+    handles: list = []
+
+    def hook_first_step(micro: int) -> None:
+        if not handles:
+            handles.extend(record(rt.runtime_of(model)))
+
+    run = train(
+        model,
+        data,
+        attach={"budget": "1GiB", "checkpoint_inputs": "cpu"},
+        offload_cpu=offload_cpu,
+        before_micro=hook_first_step,
+        before_detach=lambda runtime: [handle.remove() for handle in handles],
+    )
     cpu, gpu = "checkpoint_cpu", "checkpoint"
     expected = {
         "inputs-over-share": [cpu, cpu, cpu, "tiled", "tiled", "tiled"],
@@ -196,7 +196,7 @@ def test_profiling_steps_fit_a_long_batch(
     ]
     assert seen and all(step == expected for step in seen), seen
     torch.testing.assert_close(
-        torch.tensor(losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-5
+        torch.tensor(run.losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-5
     )
 
 
