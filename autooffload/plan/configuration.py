@@ -89,13 +89,13 @@ def with_checkpoint_inputs_on_cpu(
     """
     n_host = profile.n_blocks if blocks is None else max(0, min(blocks, profile.n_blocks))
     units = []
-    copied_out = 0
+    host_inputs = []
     for index, unit in enumerate(profile.blocks):
         if index >= n_host:
             units.append(unit)
             continue
         c = unit.act_bytes_checkpoint
-        copied_out += c
+        host_inputs.append(c)
         units.append(
             replace(
                 unit,
@@ -108,10 +108,21 @@ def with_checkpoint_inputs_on_cpu(
     return replace(
         profile,
         blocks=tuple(units),
-        other_s=profile.other_s + copied_out / hw.d2h_bps,
+        other_s=profile.other_s + sum(host_inputs) / hw.d2h_bps,
         checkpoint_inputs_on_cpu=True,
         host_input_blocks=n_host,
+        host_input_bytes=tuple(host_inputs),
     )
+
+
+def host_activation_bytes(profile: ModelProfile, n_swap: int, n_checkpoint: int) -> int:
+    """Host bytes a configuration's activations take at the end of the forward: every swapped
+    block's saved tensors (``act_bytes_keep``; blocks ``[0, n_swap)``) and the input of every
+    checkpointed block that keeps it on the host (``host_input_bytes``; blocks
+    ``[n_swap, n_swap + n_checkpoint)`` among the first ``host_input_blocks``), pinned memory
+    the search bounds by what the host has room for (``SearchRequest.host_room``)."""
+    swapped = sum(unit.act_bytes_keep for unit in profile.blocks[:n_swap])
+    return swapped + sum(profile.host_input_bytes[n_swap : n_swap + n_checkpoint])
 
 
 def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:

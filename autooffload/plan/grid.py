@@ -52,8 +52,11 @@ def search_layout(
     rows: list[tuple[np.ndarray, ...]] | None,
     by_peak: bool,
     min_persist: int = 0,
+    host_room: int | None = None,
 ) -> Pick | None:
-    """Evaluate every configuration of one layout (see the module docstring for the shape)."""
+    """Evaluate every configuration of one layout (see the module docstring for the shape);
+    with ``host_room``, only those whose activations in host memory fit it
+    (``configuration.host_activation_bytes``)."""
     tables = chunk_tables(profile)
     n_blocks, n_units = profile.n_blocks, profile.n_units
     if fixed.get("n_persist", 0) > profile.n_chunks:
@@ -171,8 +174,16 @@ def search_layout(
 
     best = None
     unit_index = np.arange(n_units)
+    # Host bytes of the first n blocks swapped, and of the first n blocks' inputs on the host.
+    swap_host = np.concatenate([[0], np.cumsum(keep[1 : n_blocks + 1])])
+    inputs = np.zeros(n_blocks, dtype=np.int64)
+    inputs[: len(profile.host_input_bytes)] = profile.host_input_bytes
+    inputs_host = np.concatenate([[0], np.cumsum(inputs)])
     for n_swap in knob_values(fixed, "n_swap", n_blocks):
         checkpoints = knob_values(fixed, "n_checkpoint", n_blocks - n_swap)
+        if host_room is not None:
+            held = swap_host[n_swap] + inputs_host[n_swap + checkpoints] - inputs_host[n_swap]
+            checkpoints = checkpoints[held <= host_room]
         if checkpoints.size == 0:
             continue
         swapped = (unit_index >= 1) & (unit_index <= n_swap)

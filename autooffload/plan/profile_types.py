@@ -254,6 +254,10 @@ class ModelProfile:
     """In that variant, how many leading blocks keep their inputs on the host (all of them, or
     as many as the host has room for); a checkpointed block after them keeps its input on the
     device."""
+    host_input_bytes: tuple[int, ...] = ()
+    """In that variant, the bytes of each host-kept block's input (the first
+    ``host_input_blocks`` blocks'): what the host holds for a checkpointed one
+    (``configuration.host_activation_bytes``)."""
     mlp_tile_tokens: int = 0
     """Tokens per tile of the blocks' MLPs in this variant (``configuration.with_mlp_tiles``);
     0 for the measured, untiled profile."""
@@ -412,4 +416,5 @@ class ModelProfile:
         values["pre"] = UnitProfile(**data["pre"])
         values["post"] = UnitProfile(**data["post"])
         values["fragmentation"] = dict(data.get("fragmentation", {}))
+        values["host_input_bytes"] = tuple(data.get("host_input_bytes", ()))
         return cls(**values)

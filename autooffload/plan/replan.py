@@ -137,6 +137,7 @@ def calibrated(
         min_persist=plan.n_persist if drift else 0,
         checkpoint_inputs=request.checkpoint_inputs,
         host_input_blocks=request.host_input_blocks,
+        host_room=request.host_room,
     )
     outcome: Plan | str
     try:

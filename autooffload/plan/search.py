@@ -27,6 +27,7 @@ from autooffload.errors import PlanError
 from autooffload.plan.configuration import (
     assign_block_policies,
     has_tileable_mlp,
+    host_activation_bytes,
     host_input_policies,
     serves_chunks,
     with_checkpoint_inputs_on_cpu,
@@ -99,6 +100,9 @@ class SearchRequest:
     """Tokens per MLP tile to try (``search``); None: ``MLP_TILE_TOKENS``."""
     host_input_blocks: int | None = None
     """The most leading blocks whose inputs the host has room for (None: all of them)."""
+    host_room: int | None = None
+    """Host bytes the activations may take, swapped blocks' and host-kept inputs together
+    (``configuration.host_activation_bytes``; None: unbounded)."""
 
     def plan(self) -> Plan:
         """The fastest feasible configuration (``search``)."""
@@ -118,6 +122,7 @@ class SearchRequest:
             self.checkpoint_inputs,
             self.mlp_tiles,
             self.host_input_blocks,
+            self.host_room,
         )
 
 
@@ -130,6 +135,7 @@ def search(
     checkpoint_inputs: str = "gpu",
     mlp_tiles: tuple[int, ...] | None = None,
     host_input_blocks: int | None = None,
+    host_room: int | None = None,
 ) -> Plan:
     """The fastest configuration whose predicted peak fits ``budget_bytes`` (None: unbounded).
 
@@ -145,20 +151,48 @@ def search(
     slower than the fastest untiled plan unbounded, or none fits. Tiling only adds time to a
     plan with the same knobs (the backward's second MLP forward); it wins where its smaller
     activations let faster knobs fit, and the fastest plan over every tile size is taken.
+
+    ``host_room`` bounds the host bytes of the activations (swapped blocks' saved tensors and
+    host-kept checkpoint inputs, ``configuration.host_activation_bytes``): a configuration
+    over it is not feasible, and where only such configurations fit, the error says so.
     """
     fixed = _check_fixed(profiles_by_chunk_size, fixed or {})
     host = host_input_blocks
     variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs, 0, host)
-    best, _ = _run(variants, hw, budget_bytes, fixed, min_persist=min_persist)
+    best, _ = _run(variants, hw, budget_bytes, fixed, min_persist=min_persist, host_room=host_room)
     tiles = _mlp_tile_choices(profiles_by_chunk_size, mlp_tiles)
     if tiles and budget_bytes is not None:
-        unbounded, _ = _run(variants, hw, None, fixed, min_persist=min_persist)
+        unbounded, _ = _run(variants, hw, None, fixed, min_persist=min_persist, host_room=host_room)
         if best is None or (unbounded is not None and best.step_s > unbounded.step_s * (1 + 1e-9)):
             for tile in tiles:
                 tiled = _variants(profiles_by_chunk_size, hw, checkpoint_inputs, tile, host)
-                pick, _ = _run(tiled, hw, budget_bytes, fixed, min_persist=min_persist)
+                pick, _ = _run(
+                    tiled, hw, budget_bytes, fixed, min_persist=min_persist, host_room=host_room
+                )
                 if pick is not None and (best is None or pick_order(pick) < pick_order(best)):
                     best = pick
+    if best is None and host_room is not None:
+        try:
+            unlimited = search(
+                profiles_by_chunk_size,
+                hw,
+                budget_bytes,
+                fixed,
+                min_persist,
+                checkpoint_inputs,
+                mlp_tiles,
+                host_input_blocks,
+            )
+        except PlanError:
+            pass  # nothing fits the device either: that error, below
+        else:
+            held = unlimited.host_activation_bytes
+            raise PlanError(
+                f"every configuration that fits the device keeps more activations in host memory"
+                f" than the {format_bytes(host_room)} available for them (the fastest:"
+                f" {format_bytes(held)}, {unlimited.n_swap} blocks swapped); free host memory,"
+                " raise the budget, shorten the batch, or fix AUTOOFFLOAD_N_SWAP lower"
+            )
     if best is None:
         every = variants + [
             v
@@ -216,6 +250,7 @@ def search_all(
     checkpoint_inputs: str = "gpu",
     mlp_tiles: tuple[int, ...] | None = None,
     host_input_blocks: int | None = None,
+    host_room: int | None = None,
 ) -> Candidates:
     """Every feasible configuration the search evaluates, with its predicted peak and throughput
     (``n_buffer`` values above the last useful one are not evaluated: they only add memory),
@@ -225,7 +260,9 @@ def search_all(
     variants = _variants(profiles_by_chunk_size, hw, checkpoint_inputs, 0, host)
     for tile in _mlp_tile_choices(profiles_by_chunk_size, mlp_tiles):
         variants += _variants(profiles_by_chunk_size, hw, checkpoint_inputs, tile, host)
-    return _run(variants, hw, budget_bytes, fixed, True, min_persist=min_persist)[1]
+    return _run(
+        variants, hw, budget_bytes, fixed, True, min_persist=min_persist, host_room=host_room
+    )[1]
 
 
 def _mlp_tile_choices(
@@ -301,6 +338,7 @@ def make_plan(
             profile.host_input_blocks,
         ),
         host_input_blocks=profile.host_input_blocks if profile.checkpoint_inputs_on_cpu else 0,
+        host_activation_bytes=host_activation_bytes(profile, knobs.n_swap, knobs.n_checkpoint),
         budget_bytes=budget_bytes,
         predicted_peak_bytes=int(memory["peak"]),
         predicted_step_s=prediction.step_s,
@@ -350,16 +388,17 @@ def _run(
     collect: bool = False,
     by_peak: bool = False,
     min_persist: int = 0,
+    host_room: int | None = None,
 ) -> tuple[Pick | None, Candidates]:
     """Search every layout: the best pick (fastest feasible, or smallest peak with ``by_peak``)
-    and, with ``collect``, every feasible row."""
+    and, with ``collect``, every feasible row (``host_room``: as for ``search``)."""
     best = None
     rows: list[tuple[np.ndarray, ...]] = []
     for profile in profiles:
         if fixed.get("chunk_size", profile.chunk_size) != profile.chunk_size:
             continue
         pick = search_layout(
-            profile, hw, budget, fixed, rows if collect else None, by_peak, min_persist
+            profile, hw, budget, fixed, rows if collect else None, by_peak, min_persist, host_room
         )
         if pick is not None and (
             best is None or pick_order(pick, by_peak) < pick_order(best, by_peak)

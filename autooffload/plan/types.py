@@ -75,6 +75,9 @@ class Plan:
     host_input_blocks: int = 0
     """Leading blocks whose checkpointed inputs the plan's variant keeps on the host
     (``ModelProfile.host_input_blocks``; 0: the inputs stay on the device)."""
+    host_activation_bytes: int = 0
+    """Host bytes the activations take at the end of the forward: swapped blocks' saved tensors
+    and host-kept checkpoint inputs (``configuration.host_activation_bytes``)."""
     host_served_chunks: tuple[int, ...] = ()
     """Chunks served from the host store, never gathered whole (``runtime/host_vocab.py``: a
     frozen embedding's rows, a frozen head's tiles); neither persistent nor streamed, whatever
@@ -180,9 +183,11 @@ class Plan:
                 where = f" (inputs on CPU){_block_ranges(self.block_policies, kind)}"
             else:
                 where = _block_ranges(self.block_policies, kind)
+            held = self.host_activation_bytes
+            in_host = f"; {format_bytes(held)} of them held on the host" if held else ""
             lines.append(
                 f"  activations: {n_keep} blocks keep, {self.n_checkpoint} checkpoint{where},"
-                f" {self.n_swap} swap{_block_ranges(self.block_policies, 'swap')}"
+                f" {self.n_swap} swap{_block_ranges(self.block_policies, 'swap')}{in_host}"
             )
         if self.mlp_tile_tokens:
             lines.append(

@@ -22,7 +22,7 @@ from autooffload.runtime.control.controller import PlanControl
 from autooffload.runtime.control.host_need import (
     check_host_memory,
     host_memory_now,
-    host_room_for_inputs,
+    host_room_for_activations,
 )
 from autooffload.runtime.control.oom import OomRetry
 from autooffload.runtime.control.planning import (
@@ -154,7 +154,7 @@ class Runtime:
             settings.activation_mode,
             self.position,
             host_inputs=checkpoint_inputs_choice(settings, device) != "gpu",
-            host_room=lambda held: host_room_for_inputs(held, self.local_ranks),
+            host_room=lambda held: host_room_for_activations(held, self.local_ranks),
         )
         self.hooks = StepHooks(self)
         # The LM head fused with the loss where the logits would not fit (activations/fused_head).

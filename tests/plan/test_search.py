@@ -660,6 +660,42 @@ def test_a_host_short_of_room_keeps_the_first_blocks_inputs_and_the_device_the_r
     assert none.knobs == search(profiles, hw, None).knobs and none.host_input_blocks == 0
 
 
+def test_swapped_blocks_and_host_kept_inputs_share_the_hosts_room():
+    """Swapped blocks' saved tensors and checkpointed blocks' host-kept inputs both sit in host
+    memory: the search keeps their sum within ``host_room``, trading swaps for recompute or
+    keeps; it is the plan's ``host_activation_bytes``; where only plans over the room fit the
+    device, the error names host memory (a swap that filled the host was killed, not told)."""
+    hw = make_hardware()
+    profile = _long_context(n_blocks=8)
+    keep, inputs = profile.blocks[0].act_bytes_keep, profile.blocks[0].act_bytes_checkpoint
+    profiles = {profile.chunk_size: profile}
+    tight = 800 * MiB  # the smallest peak is ~798 MiB: 7 blocks swapped, 1 checkpointed
+    free = search(profiles, hw, tight, checkpoint_inputs="auto")
+    assert free.n_swap == 7 and free.block_policies[-1] == "checkpoint_cpu"
+    assert free.host_activation_bytes == 7 * keep + inputs
+    for room in (300 * MiB, 200 * MiB, 100 * MiB):
+        plan = search(profiles, hw, tight, checkpoint_inputs="auto", host_room=room)
+        swapped = plan.block_policies.count("swap")
+        on_host = plan.block_policies.count("checkpoint_cpu")
+        assert plan.host_activation_bytes == swapped * keep + on_host * inputs <= room
+        assert plan.predicted_peak_bytes <= tight
+        assert plan.predicted_step_s > free.predicted_step_s  # recompute instead of swaps
+        assert f"{format_bytes(plan.host_activation_bytes)} of them held on the host" in (
+            plan.summary()
+        )
+    # Every candidate listed is within the room too.
+    roomy = search_all(profiles, hw, None, checkpoint_inputs="auto")
+    bounded = search_all(profiles, hw, None, checkpoint_inputs="auto", host_room=2 * keep)
+    assert 0 < len(bounded) < len(roomy) and bounded.n_swap.max() == 2
+    # No room: nothing on the host; the only plans that fit the tight budget need it.
+    unbounded = search(profiles, hw, None, checkpoint_inputs="auto", host_room=0)
+    assert unbounded.host_activation_bytes == 0 and unbounded.n_swap == 0
+    with pytest.raises(PlanError, match=r"more activations in host memory than the 0 B .*7 blocks"):
+        search(profiles, hw, tight, checkpoint_inputs="auto", host_room=0)
+    with pytest.raises(PlanError, match=r"than the 200 MiB available .*8 blocks swapped"):
+        search(profiles, hw, None, {"n_swap": 8}, host_room=200 * MiB)
+
+
 def test_invalid_checkpoint_inputs_is_a_plan_error():
     profile = make_profile()
     with pytest.raises(PlanError, match=r"checkpoint_inputs='disk' is not valid; valid: \('auto'"):

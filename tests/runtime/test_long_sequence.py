@@ -149,7 +149,7 @@ def test_profiling_steps_fit_a_long_batch(
     if host_room is not None:
         # "two": room for two of the three blocks' inputs (2 x batch x seq x hidden x fp32).
         room = 2 * BATCH * SEQ * 32 * 4 if host_room == "two" else host_room
-        monkeypatch.setattr(runtime_module, "host_room_for_inputs", lambda held, ranks: room)
+        monkeypatch.setattr(runtime_module, "host_room_for_activations", lambda held, ranks: room)
     base = make_llama(tied=False)
     data = make_batches(STEPS)
     seen: list[list[str]] = []
@@ -219,8 +219,7 @@ def test_the_search_puts_on_the_host_only_the_inputs_it_has_room_for(monkeypatch
     )
 
     def where(room: int):
-        monkeypatch.setattr(planning, "host_room_for_inputs", lambda held, ranks: room)
-        return planning._inputs_where_they_fit(runtime, profile)
+        return planning._inputs_where_they_fit(runtime, profile, room)
 
     assert where(4 * one) == (chosen, None)
     if chosen == "auto":
@@ -229,3 +228,37 @@ def test_the_search_puts_on_the_host_only_the_inputs_it_has_room_for(monkeypatch
     else:
         with pytest.raises(PlanError, match="checkpoint_inputs=cpu.*AUTOOFFLOAD_CHECKPOINT_INPUTS"):
             where(4 * one - 1)
+
+
+@pytest.mark.parametrize("room", ["all", "none"])
+def test_swapped_blocks_are_planned_within_the_hosts_room(
+    make_llama, make_batches, offload_cpu, monkeypatch, room
+) -> None:
+    """Swapped blocks' saved tensors live in host memory: with room for all of them the plan
+    swaps every block (``activation_mode=swap``), says how much the host holds and trains like
+    plain; with no room the searched plan is a ``PlanError`` naming host memory, where the swap
+    would have filled the host until it was killed."""
+    held_room = {"all": 1 << 40, "none": 0}[room]
+    monkeypatch.setattr(planning, "host_room_for_activations", lambda held, ranks: held_room)
+    base = make_llama()
+    data = make_batches(STEPS)
+    attach = {"activation_mode": "swap"}
+    if room == "none":
+        with pytest.raises(PlanError, match="more activations in host memory than the 0 B"):
+            train(copy.deepcopy(base), data, attach=attach, offload_cpu=offload_cpu)
+        return
+    plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu)
+    plans: list = []
+    run = train(
+        copy.deepcopy(base),
+        data,
+        attach=attach,
+        offload_cpu=offload_cpu,
+        before_detach=lambda runtime: plans.append((runtime.plan, runtime.profile)),
+    )
+    ((plan, profile),) = plans
+    assert set(plan.block_policies) == {"swap"} and plan.source == "user+search"
+    swapped = sum(unit.act_bytes_keep for unit in profile.blocks)
+    assert plan.host_activation_bytes == swapped > 0
+    assert "of them held on the host" in plan.summary()
+    assert_same_training(plain, run)

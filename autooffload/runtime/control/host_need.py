@@ -120,16 +120,18 @@ def check_host_memory(
     )
 
 
-# Of the host memory available, the share checkpointed blocks' inputs kept there may take (the
-# rest for the process's own growth: pinned copies, the data loader, the optimizer's threads).
-HOST_INPUTS_SHARE = 0.8
+# Of the host memory available, the share activations kept there (swapped blocks' saved tensors,
+# checkpointed blocks' inputs) may take (the rest for the process's own growth: pinned copies,
+# the data loader, the optimizer's threads).
+HOST_ACTIVATIONS_SHARE = 0.8
 
 
-def host_room_for_inputs(held_bytes: int = 0, local_ranks: int = 1) -> int | None:
-    """Host bytes this rank's checkpointed inputs may take: ``HOST_INPUTS_SHARE`` of the memory
-    available now (its share where ``local_ranks`` share the host), plus ``held_bytes`` the
-    rank already holds for them (its swapper's pool); None where the host's RAM is unknown."""
+def host_room_for_activations(held_bytes: int = 0, local_ranks: int = 1) -> int | None:
+    """Host bytes this rank's activations (swapped blocks' saved tensors, checkpointed blocks'
+    inputs) may take: ``HOST_ACTIVATIONS_SHARE`` of the memory available now (its share where
+    ``local_ranks`` share the host), plus ``held_bytes`` the rank already holds for them (its
+    swapper's pool); None where the host's RAM is unknown."""
     memory = host_memory_now()
     if memory is None:
         return None
-    return int(HOST_INPUTS_SHARE * memory.available_bytes / max(1, local_ranks)) + held_bytes
+    return int(HOST_ACTIVATIONS_SHARE * memory.available_bytes / max(1, local_ranks)) + held_bytes

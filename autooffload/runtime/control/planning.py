@@ -21,7 +21,7 @@ from autooffload.plan.profile_types import HardwareProfile, ModelProfile
 from autooffload.plan.search import SearchRequest
 from autooffload.plan.types import Plan, format_bytes
 from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
-from autooffload.runtime.control.host_need import host_room_for_inputs
+from autooffload.runtime.control.host_need import host_room_for_activations
 from autooffload.runtime.control.profiler import StepProfiler
 from autooffload.runtime.host_vocab import servable_chunks
 from autooffload.runtime.parallel.distributed import local_world_size, world
@@ -266,7 +266,10 @@ def search_request(
             # Headroom for what the model does not see: allocator growth at the cap costs a
             # cudaFree + synchronize per retry, far more than the memory it saves.
             budget -= max(BUDGET_MARGIN_MIN, int(BUDGET_MARGIN_SHARE * budget))
-    where, host_blocks = _inputs_where_they_fit(runtime, profile)
+    swapper = runtime.activations.swapper
+    held = swapper.pool.allocated_bytes if swapper else 0
+    room = host_room_for_activations(held, runtime.local_ranks)
+    where, host_blocks = _inputs_where_they_fit(runtime, profile, room)
     return SearchRequest(
         {profile.chunk_size: profile},
         hw,
@@ -274,19 +277,21 @@ def search_request(
         fixed,
         checkpoint_inputs=where,
         host_input_blocks=host_blocks,
+        host_room=room,
     )
 
 
-def _inputs_where_they_fit(runtime: Runtime, profile: ModelProfile) -> tuple[str, int | None]:
+def _inputs_where_they_fit(
+    runtime: Runtime, profile: ModelProfile, room: int | None
+) -> tuple[str, int | None]:
     """The search's ``checkpoint_inputs`` (``checkpoint_inputs_choice``) and the most leading
-    blocks whose inputs the host has room for (``host_room_for_inputs``; None: all). On
-    ``auto`` a host short of room takes the first blocks' inputs only, or none; on ``cpu``
-    (every checkpointed input on the host) it is an error before the plan runs."""
+    blocks whose inputs the host's ``room`` holds (``host_room_for_activations``; None: all).
+    On ``auto`` a host short of room takes the first blocks' inputs only, or none; on ``cpu``
+    (every checkpointed input on the host) it is an error before the plan runs. Swapped blocks
+    share the room: the search bounds both together (``SearchRequest.host_room``)."""
     chosen = checkpoint_inputs_choice(runtime.settings, runtime.device)
     if chosen == "gpu":
         return chosen, None
-    swapper = runtime.activations.swapper
-    room = host_room_for_inputs(swapper.pool.allocated_bytes if swapper else 0, runtime.local_ranks)
     need = sum(u.act_bytes_checkpoint for u in profile.blocks)
     if room is None or need <= room:
         return chosen, None
