@@ -152,6 +152,52 @@ def test_pool_is_reused_across_steps() -> None:
     assert after_third["host_reuses"] >= 2 * after_first["swapped_tensors"]
 
 
+def test_pinned_buffers_are_carved_from_power_of_two_slabs(monkeypatch) -> None:
+    """torch's pinned allocator rounds every allocation up to a power of two, so the pool pins
+    power-of-two slabs and carves its buffers from them, first fit: the bytes pinned stay close
+    to the buffers' (odd sizes one per allocation would pin up to 2x), ``allocated_bytes`` is
+    what is pinned, buffers never overlap, a second step allocates nothing, and ``clear`` frees
+    every slab none of whose buffers is in use. Scaled by 1/1024 (slabs of 1 MiB for 1 GiB):
+    hidden states at seq 24576, MLP intermediates at seq 32768, small tensors."""
+    from autooffload.runtime.activations import swap
+
+    pinned: list[int] = []
+    empty = torch.empty
+
+    def record(*size, dtype=None, pin_memory=False):
+        if pin_memory:
+            pinned.append(size[0])
+        return empty(*size, dtype=dtype)  # no CUDA here: pageable, as big as asked
+
+    monkeypatch.setattr(torch, "empty", record)
+    monkeypatch.setattr(swap, "SLAB_BYTES", 1 << 20)
+    pool = swap.HostBufferPool(pin_memory=True)
+    sizes = [24576 * 4096 * 2 >> 10] * 10 + [32768 * 14336 * 2 >> 10] * 3 + [5000] * 20
+    buffers = [pool.acquire(n) for n in sizes]
+    assert pinned and all(n & (n - 1) == 0 for n in pinned), pinned
+    assert pool.allocated_bytes == sum(pinned)
+    carved = sum(b.size_class for b in buffers)
+    one_each = sum(1 << (b.size_class - 1).bit_length() for b in buffers)
+    assert carved <= pool.allocated_bytes <= 1.12 * carved < one_each
+    spans = sorted((b.data.data_ptr(), b.data.data_ptr() + b.size_class) for b in buffers)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    for buffer, n in zip(buffers, sizes):
+        offset = buffer.data.data_ptr() - buffer.slab.data.data_ptr()
+        assert buffer.data.numel() >= n and offset % 4096 == 0  # any dtype's alignment
+    slabs = len(pinned)
+    for buffer in buffers:
+        pool.release(buffer)
+    again = [pool.acquire(n) for n in sizes]
+    assert len(pinned) == slabs
+    assert pool.allocations == len(sizes) and pool.reuses == len(sizes)
+    big = again[10]  # one MLP intermediate stays in use
+    for buffer in again:
+        if buffer is not big:
+            pool.release(buffer)
+    pool.clear()
+    assert pool.allocated_bytes == big.slab.data.numel() == 1 << 20
+
+
 def test_prefetch_brings_block_back_before_unpack() -> None:
     model = tiny_llama()
     swapper = ActivationSwapper("cpu", min_swap_bytes=1024)
