@@ -50,7 +50,8 @@ def _size_class(nbytes: int) -> int:
     return -(-nbytes // granule) * granule
 
 
-# Pinned buffers are carved from slabs of at least this many bytes (a power of two).
+# Pinned buffers are carved from slabs that double from the first buffer's power of two up to
+# this many bytes (a few KiB pin a few KiB; a long batch's tens of GiB take 1 GiB slabs).
 SLAB_BYTES = 1 << 30
 
 
@@ -87,15 +88,18 @@ class _HostBuffer:
 class HostBufferPool:
     """Host buffers (pinned when ``pin_memory``) keyed by size class and reused across steps.
 
-    Pinned buffers are views of power-of-two slabs (``SLAB_BYTES``, or the power of two above a
-    larger buffer), filled first fit: torch's pinned allocator would round each buffer up to a
-    power of two on its own (a 1.1 GiB buffer pinning 2 GiB). ``allocated_bytes`` counts the
-    slabs: the pinned memory really held."""
+    Pinned buffers are views of power-of-two slabs, filled first fit, since torch's pinned
+    allocator would round each buffer up to a power of two on its own (a 1.1 GiB buffer pinning
+    2 GiB): a buffer within 1/8 of a power of two gets that power of two (its tail serves
+    smaller buffers), the others share slabs each twice the last, up to ``SLAB_BYTES`` (or the
+    power of two above a larger buffer). ``allocated_bytes`` counts the slabs: the pinned
+    memory really held."""
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self._idle: dict[int, list[_HostBuffer]] = defaultdict(list)
         self._slabs: list[_Slab] = []
+        self._shared = 0  # bytes of the last slab made to be shared by buffers
         self._lock = threading.Lock()
         self.allocations = 0
         self.allocated_bytes = 0
@@ -126,7 +130,13 @@ class HostBufferPool:
             view = slab.carve(size_class)
             if view is not None:
                 return _HostBuffer(view, size_class, slab)
-        slab = _Slab(max(SLAB_BYTES, 1 << (size_class - 1).bit_length()), pin_memory=True)
+        own = 1 << (size_class - 1).bit_length()
+        if 8 * size_class >= 7 * own:
+            nbytes = own  # rounding it alone wastes little; its tail serves smaller buffers
+        else:
+            self._shared = max(own, min(SLAB_BYTES, 2 * self._shared))
+            nbytes = self._shared
+        slab = _Slab(nbytes, pin_memory=True)
         self._slabs.append(slab)
         self.allocated_bytes += slab.data.numel()
         view = slab.carve(size_class)
