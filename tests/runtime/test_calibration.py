@@ -39,6 +39,7 @@ from autooffload.runtime.control.calibration import (
     COPY_RATE_MIN_BYTES,
     DRIFT_WINDOW_STEPS,
     StepTimer,
+    calibrate_after,
     calibrate_after_steps,
 )
 
@@ -765,6 +766,23 @@ def test_arming_the_calibration_times_the_plan_from_the_switch(
     assert schedule.at_step == runtime.steps_taken + CALIBRATE_AFTER_STEPS
     assert schedule.timer.plan is runtime.plan and not schedule.timer.marks
     assert not schedule.settled and not runtime.plan_settled
+
+
+def test_a_plan_of_long_steps_is_checked_sooner(make_llama, offload_cpu, make_batches, monkeypatch):
+    """Five planned steps before the first check cost minutes where one step takes seconds (a
+    long sequence): the check comes once the predicted steps fill ``CALIBRATE_WINDOW_S``, after
+    the switch step and one timed step at the least; short steps keep the five."""
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    monkeypatch.setattr(calibration, "fresh_peak", lambda device: None)
+    plan = runtime.plan
+    steps = [None, 0.1, 2.0, 2.6, 6.4, 600.0]
+    windows = [calibrate_after(dataclasses.replace(plan, predicted_step_s=s)) for s in steps]
+    assert windows == [CALIBRATE_AFTER_STEPS, 5, 5, 4, 2, 2]
+    schedule = runtime.control.calibration
+    schedule.arm(runtime, dataclasses.replace(plan, predicted_step_s=60.0))
+    assert schedule.at_step == runtime.steps_taken + 2
+    schedule.arm(runtime, plan)  # the tiny model's steps: milliseconds
+    assert schedule.at_step == runtime.steps_taken + CALIBRATE_AFTER_STEPS
 
 
 def test_a_calibration_that_no_plan_fits_warns_once_and_changes_nothing(

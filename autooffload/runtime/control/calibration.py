@@ -21,8 +21,14 @@ if TYPE_CHECKING:
     from autooffload.runtime.update.cpu_optimizer import CpuOptimizer
 
 # Steps run under the searched plan before its measured peak and CPU update rate are compared
-# with what the plan assumed (the margins are ``plan/replan.py``'s).
+# with what the plan assumed (the margins are ``plan/replan.py``'s) ...
 CALIBRATE_AFTER_STEPS = 5
+# ... or fewer where the plan's predicted steps fill CALIBRATE_WINDOW_S sooner: a long sequence's
+# step takes seconds to minutes and measures steadily in one (Llama-3-8B LoRA at seq 32768:
+# 6.4 s), and five of them before the timed steps would cost minutes. Never fewer than
+# MIN_CALIBRATE_STEPS: the switch step, which is not timed, and one timed step.
+CALIBRATE_WINDOW_S = 10.0
+MIN_CALIBRATE_STEPS = 2
 # A window with less than COPY_RATE_MIN_BYTES copied one way does not measure that way.
 COPY_RATE_MIN_BYTES = 1 << 30
 # A calibration that switches the plan checks the new plan the same way, CALIBRATE_AFTER_STEPS
@@ -33,6 +39,16 @@ CALIBRATION_ROUNDS = 3
 # prediction: the host drifts within a run (the CPU update 2.6 -> 3.9 Gparam/s over 20 steps).
 # Beyond ``replan.DRIFT_MARGIN`` the model is calibrated again.
 DRIFT_WINDOW_STEPS = 50
+
+
+def calibrate_after(plan: Plan) -> int:
+    """Steps from a searched ``plan``'s switch to its check: ``CALIBRATE_AFTER_STEPS``, or as
+    many predicted steps as fill ``CALIBRATE_WINDOW_S``, at least ``MIN_CALIBRATE_STEPS``."""
+    step_s = plan.predicted_step_s
+    if not step_s or step_s <= 0:
+        return CALIBRATE_AFTER_STEPS
+    window = math.ceil(CALIBRATE_WINDOW_S / step_s)
+    return max(MIN_CALIBRATE_STEPS, min(CALIBRATE_AFTER_STEPS, window))
 
 
 class StepTimer:
@@ -121,15 +137,16 @@ class CalibrationSchedule:
         if self._timer is not None:
             self._timer.mark(backwards)
 
-    def arm(self, runtime: Runtime, plan: Plan, after: int = CALIBRATE_AFTER_STEPS) -> None:
-        """A searched ``plan`` starts to run: its first check comes ``after`` steps on, its
+    def arm(self, runtime: Runtime, plan: Plan, after: int | None = None) -> None:
+        """A searched ``plan`` starts to run: its first check comes ``after`` steps on (None:
+        ``calibrate_after(plan)``), its
         steps are timed, its peak measured from here (``fresh_peak``) and the CPU worker's
         rate from this mark (the worker is idle: whoever switched waited for it)."""
         if runtime.manager.is_cuda:
             fresh_peak(runtime.device)
         self._switches = 0
         self._settled = False
-        self._start_window(runtime, plan, after)
+        self._start_window(runtime, plan, calibrate_after(plan) if after is None else after)
 
     def _start_window(self, runtime: Runtime, plan: Plan, steps: int) -> None:
         self._at_step = runtime.steps_taken + steps
@@ -163,7 +180,7 @@ class CalibrationSchedule:
         )
         self._switches = self._switches + 1 if new_plan is not None else 0
         self._settled = new_plan is None or self._switches >= CALIBRATION_ROUNDS
-        window = DRIFT_WINDOW_STEPS if self._settled else CALIBRATE_AFTER_STEPS
+        window = DRIFT_WINDOW_STEPS if self._settled else calibrate_after(runtime.plan)
         self._start_window(runtime, runtime.plan, window)
         return new_plan
 
