@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from autooffload.atomic import write_text_atomic
-from autooffload.bench.cli_values import cap_label, parse_options
+from autooffload.bench.cli_values import cap_label, parse_options, parse_size
 from autooffload.bench.deepspeed_configs import DEVICE_OOM, FAILED, FITS, HOST_OOM, HostNeed
 from autooffload.bench.peers import get_peer
 from autooffload.bench.workloads import UnknownNameError, Workload, get_workload, workload_to_dict
@@ -35,12 +35,15 @@ class PeerSpec:
 
     name: str
     options: dict[str, Any] = field(default_factory=dict)
+    cap: str | None = None
+    """The peer's own cap (``hf_gc[cap=78GiB]``), in place of ``--cap``: one run per repeat."""
 
     @property
     def label(self) -> str:
-        if not self.options:
+        shown = {**self.options, **({"cap": self.cap} if self.cap is not None else {})}
+        if not shown:
             return self.name
-        inner = ",".join(f"{k}={v}" for k, v in self.options.items())
+        inner = ",".join(f"{k}={v}" for k, v in shown.items())
         return f"{self.name}[{inner}]"
 
 
@@ -67,12 +70,21 @@ def parse_peers(text: str, autooffload_opts: dict[str, Any] | None = None) -> li
         options: dict[str, Any] = {}
         if peer.autooffload_settings:
             options.update(autooffload_opts or {})
-        if match.group(2):
+        given = [o for o in (match.group(2) or "").split(",") if o.strip()]
+        # Any peer takes its own cap (``hf_gc[cap=78GiB]``): the runner's, not the peer's.
+        caps = [o.split("=", 1)[1].strip() for o in given if o.split("=", 1)[0].strip() == "cap"]
+        given = [o for o in given if o.split("=", 1)[0].strip() != "cap"]
+        if caps:
+            try:
+                parse_size(caps[-1])
+            except ValueError as error:
+                raise UnknownNameError(f"peer {part!r}: cap: {error}") from None
+        if given:
             if not peer.takes_options:
                 raise UnknownNameError(f"peer {name!r} takes no options (got {part!r})")
-            options.update(parse_options([o for o in match.group(2).split(",") if o.strip()]))
+            options.update(parse_options(given))
         peer.check_options(options)
-        specs.append(PeerSpec(name, options))
+        specs.append(PeerSpec(name, options, caps[-1] if caps else None))
     if not specs:
         raise UnknownNameError("no peers given")
     return specs
@@ -144,8 +156,18 @@ def _peer_runs(
     """One workload's runs of one repeat on ``nproc`` GPUs: per cap, every peer (``plan_runs``)."""
     runs = []
     done_vanilla: set[int | None] = set()
+    done_own: set[str] = set()
     for cap in caps:
         for peer in peers:
+            if peer.cap is not None:
+                if peer.label not in done_own:
+                    done_own.add(peer.label)
+                    own = parse_size(peer.cap)
+                    runs += [
+                        RunSpec(workload, spec, own, rep, nproc, sweep, seq_sweep)
+                        for spec, sweep in _configurations(peer, workload, own)
+                    ]
+                continue
             if peer.name == "vanilla" and vanilla_caps is not None:
                 for vcap in vanilla_caps:
                     if vcap not in done_vanilla:
@@ -167,7 +189,7 @@ def _configurations(
     if sweep is None or peer.options:
         return [(peer, None)]
     candidates = sweep.candidates(workload, cap)
-    return [(PeerSpec(peer.name, dict(options)), peer.name) for options in candidates]
+    return [(PeerSpec(peer.name, dict(options), peer.cap), peer.name) for options in candidates]
 
 
 @dataclass

@@ -67,6 +67,37 @@ def test_each_length_is_its_own_set_of_runs() -> None:
     assert single[0].describe() == "llama-tiny | cap 1GiB | vanilla | rep 0"
 
 
+def test_a_peer_with_its_own_cap_runs_once_per_length_beside_the_swept_caps() -> None:
+    """``hf_gc[cap=78GiB]``: HF's reference at the cap of an 80 GB card beside autooffload at
+    smaller caps, in one command; any peer takes it; a bad size names the peer."""
+    from autooffload.bench.runner import parse_peers
+    from autooffload.bench.workloads import UnknownNameError
+
+    peers = parse_peers("hf_gc[cap=78GiB],save_on_cpu[cap=none],autooffload[n_persist=0]")
+    assert [(p.name, p.options, p.cap) for p in peers] == [
+        ("hf_gc", {}, "78GiB"),
+        ("save_on_cpu", {}, "none"),
+        ("autooffload", {"n_persist": 0}, None),
+    ]
+    assert peers[0].label == "hf_gc[cap=78GiB]"
+    w = get_workload("llama-tiny")
+    runs = plan_runs([w], [16 * GiB, 24 * GiB], peers, 1, seqs=[64, 128])
+    order = [(r.workload.seq, r.peer.label, r.cap) for r in runs]
+    assert order == [
+        (64, "hf_gc[cap=78GiB]", 78 * GiB),
+        (64, "save_on_cpu[cap=none]", None),
+        (64, "autooffload[n_persist=0]", 16 * GiB),
+        (64, "autooffload[n_persist=0]", 24 * GiB),
+        (128, "hf_gc[cap=78GiB]", 78 * GiB),
+        (128, "save_on_cpu[cap=none]", None),
+        (128, "autooffload[n_persist=0]", 16 * GiB),
+        (128, "autooffload[n_persist=0]", 24 * GiB),
+    ]
+    assert all("cap" not in r.peer.options for r in runs)  # the peer never sees it
+    with pytest.raises(UnknownNameError, match="hf_gc\\[cap=78G\\]': cap: invalid size"):
+        parse_peers("hf_gc[cap=78G]")
+
+
 def test_dry_run_lists_the_runs_of_every_length(capsys) -> None:
     argv = ["--workload", "llama-tiny", "--device", "cpu", "--peers", "vanilla,autooffload"]
     assert main([*argv, "--seq", "64,128", "--dry-run"]) == 0
