@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--host-memory",
         metavar="SIZE",
-        help="host memory a run's estimated need (DeepSpeed peers) is checked against: a size,"
-        " or none (no check); default: what the host has available before each run",
+        help="host memory a run's estimated need (DeepSpeed, save_on_cpu) is checked against:"
+        " a size, or none (no check); default: what the host has available before each run",
     )
     parser.add_argument("--log-dir", type=Path, help="keep each worker's output here")
     parser.add_argument("--verbose", action="store_true", help="stream worker output")

@@ -61,6 +61,25 @@ def test_save_on_cpu_steps_inside_save_on_cpu(monkeypatch: pytest.MonkeyPatch) -
     assert entered == [False] and loss.isfinite()  # no pinning without an accelerator
 
 
+def test_save_on_cpu_at_a_length_no_host_holds_is_skipped_before_it_starts() -> None:
+    """save_on_cpu pins every saved tensor: the runner skips a length whose lower bound is over
+    the host's available memory (the host would kill it, or its neighbours), and runs the
+    lengths that fit, the estimate beside."""
+    from dataclasses import replace
+
+    from autooffload.bench.runner import CommonSettings, host_check, parse_peers, plan_runs
+
+    GiB = 1 << 30
+    w = replace(get_workload("llama-8b-lora"), bs=1)
+    runs = plan_runs([w], [None], parse_peers("save_on_cpu"), 1, seqs=[8192, 32768])
+    common = CommonSettings("cuda", steps=1, warmup=1, host_memory_bytes=120 * GiB)
+    (short, _), (long, reason) = (host_check(run, common) for run in runs)
+    assert host_check(runs[0], common)[1] is None
+    assert 44 < short["host_need_gib"] < 46  # 43 GiB of layers' tensors, 2 of logits
+    assert long["host_need_gib"] > 4 * short["host_need_gib"] - 1
+    assert reason == "host memory: needs ~180 GiB, the host has 120 GiB available"
+
+
 @pytest.mark.parametrize(
     ("peer", "mode"),
     [
