@@ -110,6 +110,13 @@ def loss_check(result: dict[str, Any], ref: dict[str, Any] | None) -> str:
     return "ok"
 
 
+def smallest_peak_gib(run: dict[str, Any]) -> float | None:
+    """The smallest predicted peak of a planned run's search (its frontier's first row, GiB):
+    the least the planner expects this batch to need, whatever the cap."""
+    frontier = (run.get("candidates") or {}).get("frontier") or []
+    return min(row[0] for row in frontier) if frontier else None
+
+
 def annotate(results: list[dict[str, Any]]) -> None:
     """Add ratios vs vanilla, ``loss_vs_vanilla`` and ``loss_check`` to each result, in place."""
     for result in results:
@@ -153,6 +160,9 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             predicted = _median([r.get(f"{key}_bytes") for r in ok])
             row[f"{key}_gib"] = predicted / GiB if predicted is not None else None
         row["predicted_step_s"] = _median([r.get("predicted_step_s") for r in ok])
+        row["smallest_peak_gib"] = _median([smallest_peak_gib(r) for r in ok])
+        profiling = _median([r.get("profiling_peak_bytes") for r in ok])
+        row["profiling_peak_gib"] = profiling / GiB if profiling is not None else None
         row["expandable_segments"] = bool(ok) and all(r.get("expandable_segments") for r in ok)
         _prediction_errors(row)
         checks = {r.get("loss_check") for r in ok}

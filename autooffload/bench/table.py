@@ -8,6 +8,7 @@ from typing import Any
 from autooffload.bench.frontier import is_planned
 from autooffload.bench.report import (
     PREDICTED_TERMS,
+    GiB,
     config_of,
     is_sweep_configuration,
     several_seqs,
@@ -122,6 +123,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines += _sweep_lines(rows, with_seq)
     lines += _prediction_notes(rows, with_seq)
     lines += _predicted_step_lines(rows, with_seq)
+    lines += _smallest_cap_lines(rows, with_seq)
     if notes:
         lines += ["", "Notes:", *notes]
     return "\n".join(lines)
@@ -221,3 +223,28 @@ def _predicted_step_lines(rows: list[dict[str, Any]], with_seq: bool = False) ->
     if not lines:
         return []
     return ["", "Where the predicted step goes (ms; stalls are time beyond compute):", *lines]
+
+
+def _smallest_cap_lines(rows: list[dict[str, Any]], with_seq: bool = False) -> list[str]:
+    """Per planned run, the smallest predicted peak of its search and the cap that leaves the
+    planner that much (``planning.cap_for_peak``), beside the profiling steps' own reserved
+    peak under this run's cap: the lowest cap this batch is predicted to train under is about
+    the larger of the two (under a lower cap the profiling steps stream through fewer buffers)."""
+    from autooffload.runtime.control.planning import cap_for_peak
+
+    lines = []
+    for row in rows:
+        smallest = row.get("smallest_peak_gib")
+        if not smallest:
+            continue
+        cap = cap_for_peak(int(smallest * GiB)) / GiB
+        profiling = row.get("profiling_peak_gib")
+        beside = f"; its profiling steps {profiling:.2f} GiB reserved" if profiling else ""
+        lines.append(
+            f"- {where(row, with_seq)} / {row['cap']} / {row['peer_label']}: {smallest:.2f} GiB,"
+            f" a cap of {cap:.2f} GiB{beside}"
+        )
+    if not lines:
+        return []
+    title = "Smallest predicted peak of the planner's search (the lowest CUDA cap it fits):"
+    return ["", title, *lines]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -275,8 +276,32 @@ def test_the_report_says_where_the_predicted_step_goes() -> None:
     run.update(predicted_step_s=0.91, step_s_median=1.0, predicted_breakdown=terms)
     older = {**planned_run(16.0, 1), "predicted_breakdown": None}  # a JSON from before
     text = format_table(report.summarise([run, older]))
-    lines = text.split("Where the predicted step goes")[1].splitlines()[1:]
+    lines = text.split("Where the predicted step goes")[1].split("\n\n")[0].splitlines()[1:]
     assert lines == [
         "- w / 12GiB / autooffload: predicted 910 ms (fwd compute 200, bwd compute 400,"
         " recompute 150, H2D stall 50, CPU-update stall 100, other 10); measured 1000 ms"
+    ], lines
+
+
+def test_the_report_names_the_smallest_predicted_peak_and_the_cap_it_needs() -> None:
+    """The search's smallest predicted peak (its frontier's first row) and the cap that leaves
+    the planner that much (the budget's margin: 4%, at least 256 MiB), beside the profiling
+    steps' own peak; a run without candidates (an older JSON, a fixed plan) has no line."""
+    from autooffload.runtime.control.planning import cap_for_peak
+
+    assert cap_for_peak(1 * GiB) == 1 * GiB + (256 << 20)
+    assert cap_for_peak(20 * GiB) == math.ceil(20 * GiB / 0.96)
+    run = planned_run(12.0, 0)
+    smallest = min(row[0] for row in run["candidates"]["frontier"])
+    assert smallest == min(run["candidates"]["frontier"], key=lambda row: row[0])[0] > 0
+    run["profiling_peak_bytes"] = int(9.5 * GiB)
+    without = {**planned_run(16.0, 1), "candidates": None}
+    rows = report.summarise([run, without])
+    assert rows[0]["smallest_peak_gib"] == pytest.approx(smallest)
+    assert rows[1]["smallest_peak_gib"] is None
+    lines = format_table(rows).split("Smallest predicted peak")[1].splitlines()[1:]
+    cap = cap_for_peak(int(smallest * GiB)) / GiB
+    assert lines == [
+        f"- w / 12GiB / autooffload: {smallest:.2f} GiB, a cap of {cap:.2f} GiB;"
+        " its profiling steps 9.50 GiB reserved"
     ], lines

@@ -36,8 +36,15 @@ DEFAULT_SAFETY_MARGIN = 1 << 30
 # The source of the plan an OOM retry of a much longer batch runs while profiling it
 # (``runtime/control/oom.py``); the plan searched from that profile keeps its persistent chunks.
 REPROFILE_SOURCE = "OOM retry, re-profiling"
+# On a CUDA device the search plans for the budget less this margin (``search_request``).
 BUDGET_MARGIN_SHARE = 0.04
 BUDGET_MARGIN_MIN = 256 << 20
+
+
+def cap_for_peak(peak: int) -> int:
+    """The smallest CUDA budget whose searched plans may peak at ``peak`` bytes: the budget less
+    its margin (``BUDGET_MARGIN_SHARE`` of it, at least ``BUDGET_MARGIN_MIN``) holds the peak."""
+    return max(peak + BUDGET_MARGIN_MIN, math.ceil(peak / (1 - BUDGET_MARGIN_SHARE)))
 
 
 def budget_bytes(settings: Settings, device: torch.device) -> int | None:
