@@ -180,10 +180,11 @@ class Runtime:
         if profiling:
             self.control.start_profiling()
             logger.debug("%s", self.plan.summary(self.device.type))
-            # Two: a warm-up step that pays one-time costs, then the measured one
-            # (PlanControl.profile_after_step).
+            # Two: a warm-up step that pays one-time costs, then the measured one; one where
+            # the first is long (PlanControl.profile_after_step).
             logger.info(
-                "attached %s: %d chunks of %s; the next 2 optimizer steps are profiling steps"
+                "attached %s: %d chunks of %s; the next 2 optimizer steps (1 if the first takes"
+                " 20 s or more) are profiling steps"
                 " under a conservative plan (%d chunks streamed from the host), then the plan"
                 " is searched for what they measured",
                 type(model).__name__,

@@ -262,3 +262,33 @@ def test_swapped_blocks_are_planned_within_the_hosts_room(
     assert plan.host_activation_bytes == swapped > 0
     assert "of them held on the host" in plan.summary()
     assert_same_training(plain, run)
+
+
+@pytest.mark.parametrize("first_step_s", [0.0, None], ids=["long-first-step", "short-first-step"])
+def test_a_long_first_profiling_step_is_measured_itself(
+    make_llama, make_batches, offload_cpu, monkeypatch, first_step_s
+) -> None:
+    """A first profiling step of ``MEASURE_FIRST_STEP_S`` or more (a long sequence's: minutes)
+    is the measured one: the searched plan runs from the second step, a step sooner than after a
+    short first step, and training stays plain autograd's."""
+    from autooffload.runtime.control import controller
+
+    if first_step_s is not None:
+        monkeypatch.setattr(controller, "MEASURE_FIRST_STEP_S", first_step_s)
+    base = make_llama()
+    data = make_batches(STEPS)
+    plain = train(copy.deepcopy(base), data, attach=None, offload_cpu=offload_cpu)
+    model = copy.deepcopy(base)
+    sources: list[str] = []
+
+    def before_micro(micro: int) -> None:
+        sources.append(rt.runtime_of(model).plan.source)
+
+    run = train(model, data, attach={}, offload_cpu=offload_cpu, before_micro=before_micro)
+    # Read before each step's forward, which switches to a plan searched at the step before:
+    # one profiling step, then the plan from the second step's forward on; or two, and the
+    # third's.
+    profiling = 2 if first_step_s is not None else 3
+    assert sources[:profiling] == ["profiling step"] * profiling, sources
+    assert all(source.startswith("search") for source in sources[profiling:]), sources
+    assert_same_training(plain, run)

@@ -3,7 +3,8 @@ the search, the calibration schedule); its state changes through its methods onl
 
 A run goes through three phases, each owned here:
 - **profiling**: the conservative initial plan runs while a ``StepProfiler`` watches two
-  optimizer steps (the first pays one-time costs; the second is measured). Its profile is
+  optimizer steps (the first pays one-time costs; the second is measured), or one where the
+  first takes ``MEASURE_FIRST_STEP_S`` or longer. Its profile is
   searched at the next forward (``before_forward``): other optimizers of the model step after
   the one that ended the profile.
 - **calibrating**: the searched plan runs; ``CalibrationSchedule`` compares its measured peak,
@@ -41,6 +42,13 @@ from autooffload.runtime.control.planning import (
     step_profile,
 )
 from autooffload.runtime.control.profiler import StepProfiler
+
+# A first profiling step at least this long is measured itself instead of being followed by a
+# second: its one-time costs (kernel selection, the allocator's growth, lazily made state) are a
+# few percent of it at most, and a long sequence's step takes minutes (Llama-3-8B LoRA at seq
+# 131072 about one, at 524288 over ten). One process only: data-parallel ranks would have to
+# agree on it.
+MEASURE_FIRST_STEP_S = 20.0
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
@@ -180,8 +188,13 @@ class PlanControl:
         if profiler is None or not runtime.step_state.backwards_this_step:
             return None
         if not profiler.warm:
-            self.start_profiling(warm=True)
-            return None
+            if runtime.data_parallel is not None or profiler.elapsed_s() < MEASURE_FIRST_STEP_S:
+                self.start_profiling(warm=True)
+                return None
+            logger.info(
+                "the first profiling step took %.0f s: it is measured itself, no second one",
+                profiler.elapsed_s(),
+            )
         # Probe before the CPU update starts: it would compete for the host cores that launch
         # the probe's kernels and inflate the measured block times.
         self._profiler = None

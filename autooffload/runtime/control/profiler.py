@@ -113,7 +113,8 @@ class StepProfiler:
 
     runtime: Runtime
     warm: bool = False
-    """False for the first step (one-time costs make its times useless), True for the next."""
+    """False for the first step (one-time costs make its times useless), True for the next;
+    a first step longer than ``controller.MEASURE_FIRST_STEP_S`` is measured itself."""
     marks: list[_Mark] = field(default_factory=list)
     block_inputs: dict[type, tuple[int, tuple, dict]] = field(default_factory=dict)
     input_bytes: dict[int, int] = field(default_factory=dict)
@@ -138,6 +139,13 @@ class StepProfiler:
         # the device, which the cost model counts apart (static_bytes excludes them as it
         # excludes their weights: 3.6B with 15 pinned counted 9 GB twice and found no plan).
         self.start_allocated = self.clock.allocated() - _persistent_extras(self.runtime)
+
+    def elapsed_s(self) -> float:
+        """Seconds since the step's first mark (the device's timeline on a GPU, waiting for it),
+        0 before any mark."""
+        if not self.marks:
+            return 0.0
+        return self.clock.seconds(self.marks[0].time, self.clock.mark())
 
     def _mark(self, group: Group, phase: str) -> None:
         self.marks.append(_Mark(group.index, phase, self.clock.allocated(), self.clock.mark()))
