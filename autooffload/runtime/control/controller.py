@@ -188,12 +188,13 @@ class PlanControl:
         if profiler is None or not runtime.step_state.backwards_this_step:
             return None
         if not profiler.warm:
-            if runtime.data_parallel is not None or profiler.elapsed_s() < MEASURE_FIRST_STEP_S:
+            elapsed = profiler.elapsed_s() if runtime.data_parallel is None else None
+            if elapsed is None or elapsed < MEASURE_FIRST_STEP_S:
                 self.start_profiling(warm=True)
                 return None
             logger.info(
                 "the first profiling step took %.0f s: it is measured itself, no second one",
-                profiler.elapsed_s(),
+                elapsed,
             )
         # Probe before the CPU update starts: it would compete for the host cores that launch
         # the probe's kernels and inflate the measured block times.
