@@ -113,6 +113,18 @@ def test_sharded_state_each_rank_keeps_its_half_and_saving_needs_consolidate(cpu
     assert "to=1 for this rank" in facts[1]["consolidated_to_0_error"]
 
 
+def test_a_long_first_profiling_step_is_measured_on_every_rank_as_rank_0_decides(cpu_run):
+    """Rank 0 finds its first profiling step long, rank 1 does not: both measure it (one
+    profiling step; the plan read before each forward, which switches), no rank waits in a
+    collective the other skipped, and training is the averaged reference's."""
+    reports, _ = cpu_run
+    for report in reports:
+        sources = report["long_first_step_sources"]
+        assert sources[:2] == ["profiling step"] * 2, sources
+        assert all(source.startswith("search") for source in sources[2:]), sources
+        assert report["long_first_step_vs_averaged"] < TOL
+
+
 def test_the_fused_head_trains_like_the_averaged_reference(cpu_run):
     """AUTOOFFLOAD_FUSED_HEAD=1 on both ranks (sharded state): every step of each rank is
     fused, and the replicas train like one process averaging the halves."""

@@ -46,8 +46,7 @@ from autooffload.runtime.control.profiler import StepProfiler
 # A first profiling step at least this long is measured itself instead of being followed by a
 # second: its one-time costs (kernel selection, the allocator's growth, lazily made state) are a
 # few percent of it at most, and a long sequence's step takes minutes (Llama-3-8B LoRA at seq
-# 131072 about one, at 524288 over ten). One process only: data-parallel ranks would have to
-# agree on it.
+# 131072 about one, at 524288 over ten). Data-parallel ranks follow rank 0's step.
 MEASURE_FIRST_STEP_S = 20.0
 
 if TYPE_CHECKING:
@@ -188,8 +187,11 @@ class PlanControl:
         if profiler is None or not runtime.step_state.backwards_this_step:
             return None
         if not profiler.warm:
-            elapsed = profiler.elapsed_s() if runtime.data_parallel is None else None
-            if elapsed is None or elapsed < MEASURE_FIRST_STEP_S:
+            elapsed = profiler.elapsed_s()
+            long_first = elapsed >= MEASURE_FIRST_STEP_S
+            if runtime.data_parallel is not None:  # every rank as rank 0 decides
+                long_first = bool(runtime.data_parallel.agree_object(long_first))
+            if not long_first:
                 self.start_profiling(warm=True)
                 return None
             logger.info(
