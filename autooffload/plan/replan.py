@@ -31,6 +31,9 @@ from autooffload.plan.update_split import GPU_UPDATE_AUTO, GPU_UPDATE_OFF
 # the measured CPU update (or gradient adds), before the model is calibrated.
 CALIBRATION_MARGIN = 0.02
 CPU_RATE_MARGIN = 0.10
+# How far from the planned rate the user's optimizer measured updating the persistent chunks
+# on the device at ``step()`` before that rate is replaced.
+GPU_RATE_MARGIN = 0.10
 # The host copies' measured rates raise the probed ones by more than this.
 COPY_RATE_MARGIN = 0.10
 # How far the measured step time may be from the prediction (with the calibrated peak, CPU
@@ -50,13 +53,15 @@ CAPPED_NAMED = 3
 class Measured:
     """One window's measurements: the device memory it needed (bytes), the CPU worker's update
     and gradient-add rates (params/s), the median step (s), the chunk copies' H2D and D2H rates
-    (bytes/s); None where unmeasured."""
+    (bytes/s), the user's optimizer's rate on the device params at ``step()`` (params/s); None
+    where unmeasured."""
 
     peak: int
     cpu_rate: float | None = None
     step_s: float | None = None
     copy_bps: tuple[float | None, float | None] | None = None
     accumulate_rate: float | None = None
+    gpu_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,13 @@ def calibrated(
         found.append(
             f"CPU update {measured_cpu_rate / 1e9:.2f} Gparam/s measured vs"
             f" {planned_rate / 1e9:.2f} planned"
+        )
+    planned_gpu = hw.gpu_optim_params_per_s
+    if measured.gpu_rate and abs(measured.gpu_rate / planned_gpu - 1) > GPU_RATE_MARGIN:
+        hw = replace(hw, gpu_optim_params_per_s=measured.gpu_rate)
+        found.append(
+            f"GPU update {measured.gpu_rate / 1e9:.1f} Gparam/s measured vs"
+            f" {planned_gpu / 1e9:.1f} planned"
         )
     planned_adds = hw.cpu_accumulate_params_per_s
     if measured_accumulate_rate and not (

@@ -311,10 +311,12 @@ class Runtime:
         backward, and before the run's first update check that a plan fits the budget."""
         self.hooks.recover_interrupted()
         self.control.before_update(optimizer)
+        self.control.calibration.device_update_starts(optimizer)
 
     def after_step(self, optimizer: torch.optim.Optimizer, apply_update: bool = True) -> None:
         """The user's optimizer stepped the GPU params; queue the CPU update of the rest
         (none when ``apply_update`` is False: a step skipped for non-finite gradients)."""
+        self.control.calibration.device_update_ends(apply_update)
         self.backward_update.observe(optimizer, self.step_state.backwards_this_step)
         self.cpu_optim.early.settle_persistent(optimizer)
         profile = self.control.profile_after_step(optimizer)

@@ -101,3 +101,44 @@ def test_a_cap_needs_a_few_units_outlasting_a_step_it_can_reach():
     assert calibrate_compute_cap(replace(stalled, blocks=blocks), step_of, measured) is None
     floor = step_of(stalled.with_outliers_capped(measured, 0.0))
     assert calibrate_compute_cap(stalled, step_of, floor * (1 - 2 * COMPUTE_SCALE_FIT)) is None
+
+
+def test_a_device_update_slower_or_faster_than_planned_replaces_the_planned_rate():
+    """The user's optimizer measured updating the persistent chunks at ``step()`` far from the
+    probed GPU rate: the rate is replaced (not the blocks' compute scaled to fit the step), the
+    running plan's prediction is the measured step, and the log's words name both rates; within
+    ``GPU_RATE_MARGIN`` nothing changes."""
+    true_rate, probed = 60e9, 3e9
+    profile = make_profile(n_blocks=8, fwd_s=0.005)
+    hw = make_hardware(gpu_optim_params_per_s=probed)
+    # Every chunk persistent (pinned): the update at step() is all the device's.
+    n_chunks = len(profile.chunks)
+    request = SearchRequest({profile.chunk_size: profile}, hw, None, {"n_persist": n_chunks})
+    plan = request.plan()
+    assert plan.n_persist == n_chunks, plan.summary()
+    measured = _step(profile, replace(hw, gpu_optim_params_per_s=true_rate), plan)
+    assert plan.predicted_step_s > 1.2 * measured, "the probed rate must matter to this step"
+    found = calibrated(
+        plan,
+        request,
+        profile,
+        profile.chunk_size,
+        Measured(plan.predicted_peak_bytes, step_s=measured, gpu_rate=true_rate),
+    )
+    assert found is not None
+    assert found.request.hw.gpu_optim_params_per_s == true_rate
+    assert "GPU update 60.0 Gparam/s measured vs 3.0 planned" in found.what, found.what
+    assert "compute x" not in found.what, found.what
+    assert found.profile.blocks == profile.blocks
+    assert isinstance(found.outcome, Plan)
+    assert found.outcome.predicted_step_s == pytest.approx(measured, rel=1e-6)
+    close = probed * (1 + replan.GPU_RATE_MARGIN / 2)
+    predicted = plan.predicted_step_s
+    kept = calibrated(
+        plan,
+        request,
+        profile,
+        profile.chunk_size,
+        Measured(plan.predicted_peak_bytes, step_s=predicted, gpu_rate=close),
+    )
+    assert kept is None

@@ -221,8 +221,8 @@ def test_the_runtime_checks_the_peak_two_steps_after_the_switch(
     monkeypatch.setattr(
         calibration,
         "calibrate_after_steps",
-        lambda r, peak, rate, step_s, drift, measured_copy_bps, measured_accumulate_rate: (
-            seen.append((r, peak, rate, step_s))
+        lambda r, peak, rate, step_s, drift, measured_copy_bps, measured_accumulate_rate, **kw: (
+            seen.append((r, peak, rate, step_s, kw["measured_gpu_rate"]))
         ),
     )
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 123)
@@ -235,10 +235,13 @@ def test_the_runtime_checks_the_peak_two_steps_after_the_switch(
         optimizer.step()
         optimizer.zero_grad()
     assert len(seen) == 1, "checked never, or more than once"
-    (r, peak, rate, step_s) = seen[0]
+    (r, peak, rate, step_s, gpu_rate) = seen[0]
     assert (r, peak, rate) == (runtime, 123, PLANNED_RATE)
     # Two steps timed between the three marks, on the host clock here.
     assert step_s is not None and 0 < step_s < 60
+    # The user's optimizer stepped the persistent chunks' params each of the three steps.
+    assert runtime.plan.n_persist > 0, runtime.plan.summary()
+    assert gpu_rate is not None and gpu_rate > 0
     # The plan stayed: it is settled, and checked for drift a window later, timed afresh.
     schedule = runtime.control.calibration
     assert schedule.settled
@@ -256,7 +259,7 @@ def test_under_sharded_state_the_ranks_rates_are_judged_per_model(
     monkeypatch.setattr(
         calibration,
         "calibrate_after_steps",
-        lambda r, peak, rate, step_s, drift, measured_copy_bps, measured_accumulate_rate: (
+        lambda r, peak, rate, step_s, drift, measured_copy_bps, measured_accumulate_rate, **kw: (
             seen.append((rate, measured_accumulate_rate))
         ),
     )
@@ -278,6 +281,48 @@ def test_under_sharded_state_the_ranks_rates_are_judged_per_model(
     finally:
         manager.sharding = unsharded  # the detach at the test's end reads it
     assert seen[-1] == (2 * PLANNED_RATE, 6e9)
+
+
+def test_the_users_device_update_is_timed_and_calibrates_the_planned_gpu_rate(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    """Each window times the user's optimizer on the params it steps on the device (the
+    persistent chunks'); a planned rate far from it is replaced at the check, and the rate the
+    running plan is predicted with is the measured one. A step that updates no device param
+    (every gradient offloaded) or whose update was skipped is not timed."""
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    runtime = _planned(make_llama, offload_cpu, make_batches, None, monkeypatch)
+    assert runtime.plan.n_persist > 0, runtime.plan.summary()
+    schedule = runtime.control.calibration
+    schedule.arm(runtime, runtime.plan, after=100)
+    model, optimizer = runtime.model, runtime.optimizers[0]
+    for ids in make_batches(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    timer = schedule.device_update
+    assert timer is not None and len(timer.spans) == 3
+    stepped = sum(c.trainable_numel for c in runtime.profile.chunks[: runtime.plan.n_persist])
+    assert all(numel == stepped for _, _, numel in timer.spans)
+    measured = timer.rate()
+    assert measured is not None and measured > 0
+    # Nothing to time: no span; a skipped update: no span either.
+    timer.start(0)
+    timer.stop(True)
+    timer.start(stepped)
+    timer.stop(False)
+    assert len(timer.spans) == 3
+    # The search was told a rate 100x the measured one: the check replaces it.
+    request = runtime.search_request
+    told = dataclasses.replace(request.hw, gpu_optim_params_per_s=100 * measured)
+    runtime.control.adopt_profile(runtime.profile, dataclasses.replace(request, hw=told))
+    with _info_lines() as records:
+        schedule.check(runtime)
+    assert runtime.search_request.hw.gpu_optim_params_per_s == pytest.approx(measured, rel=1e-9)
+    assert any("GPU update" in line and "measured vs" in line for line in records.lines), (
+        records.lines
+    )
 
 
 def test_the_step_timer_times_one_plan_of_one_backward_per_step(monkeypatch):
@@ -538,29 +583,44 @@ def test_under_data_parallelism_the_slowest_ranks_step_is_judged(
     monkeypatch.setattr(
         calibration,
         "_calibration",
-        lambda r, p, rate, step, drift, copies, adds: judged.append((p, rate, step, copies, adds)),
+        lambda r, p, rate, step, drift, copies, adds, gpu: judged.append(
+            (p, rate, step, copies, adds, gpu)
+        ),
     )
     mine = (40e9, 50e9)
-    other = (peak + 5, PLANNED_RATE / 2, 0.3, (45e9, 30e9), 3e9)
+    other = (peak + 5, PLANNED_RATE / 2, 0.3, (45e9, 30e9), 3e9, 60e9)
     monkeypatch.setattr(runtime, "data_parallel", _TwoRanks(other))
     calibrate_after_steps(
-        runtime, peak, PLANNED_RATE, 0.2, measured_copy_bps=mine, measured_accumulate_rate=5e9
+        runtime,
+        peak,
+        PLANNED_RATE,
+        0.2,
+        measured_copy_bps=mine,
+        measured_accumulate_rate=5e9,
+        measured_gpu_rate=80e9,
     )
-    # The largest peak, the slowest CPU update, step, copies (each way) and gradient adds of
-    # any rank.
-    assert judged[-1] == (peak + 5, PLANNED_RATE / 2, 0.3, (40e9, 30e9), 3e9), "not the worst"
+    # The largest peak, the slowest CPU update, step, copies (each way), gradient adds and
+    # device update of any rank.
+    assert judged[-1] == (peak + 5, PLANNED_RATE / 2, 0.3, (40e9, 30e9), 3e9, 60e9), "not worst"
     # A rank without a step measurement (a step of another count of backwards there), or
     # without a copy rate one way (too few bytes moved): none is judged. A rank that added no
     # gradients leaves the other's rate.
-    other = (peak, PLANNED_RATE, None, (45e9, None), None)
+    other = (peak, PLANNED_RATE, None, (45e9, None), None, None)
     monkeypatch.setattr(runtime, "data_parallel", _TwoRanks(other))
     calibrate_after_steps(
-        runtime, peak, PLANNED_RATE, 0.2, measured_copy_bps=mine, measured_accumulate_rate=5e9
+        runtime,
+        peak,
+        PLANNED_RATE,
+        0.2,
+        measured_copy_bps=mine,
+        measured_accumulate_rate=5e9,
+        measured_gpu_rate=80e9,
     )
-    assert judged[-1] == (peak, PLANNED_RATE, None, (40e9, None), 5e9)
-    monkeypatch.setattr(runtime, "data_parallel", _TwoRanks((peak, PLANNED_RATE, None, None, None)))
+    assert judged[-1] == (peak, PLANNED_RATE, None, (40e9, None), 5e9, 80e9)
+    nothing = (peak, PLANNED_RATE, None, None, None, None)
+    monkeypatch.setattr(runtime, "data_parallel", _TwoRanks(nothing))
     calibrate_after_steps(runtime, peak, PLANNED_RATE, 0.2, measured_copy_bps=mine)
-    assert judged[-1][3] is None and judged[-1][4] is None
+    assert judged[-1][3] is None and judged[-1][4] is None and judged[-1][5] is None
 
 
 def test_a_switch_is_checked_again_and_a_kept_plan_settles_into_drift_checks(

@@ -92,6 +92,62 @@ class StepTimer:
         return statistics.median(spans)
 
 
+class DeviceUpdateTimer:
+    """The user's optimizer steps of the params it updates on the device at ``step()`` (the
+    persistent chunks', which the cost model charges at ``HardwareProfile.gpu_optim_params_per_s``):
+    how long each took and how many params it updated. CUDA events on the current stream (the
+    device's own time for the update's kernels), host clock readings on a CPU device. The
+    attach-time probe times one tensor alone, and is not steady: on H200s it read 9-20 Gparam/s
+    at one rank and 90-97 at two (bf16 AdamW, fused); where it reads low, persistent chunks look
+    costly to the search and the step is predicted long (3.2B at 24 GiB: 370 ms predicted,
+    307 measured)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.spans: list[tuple[Any, Any, int]] = []
+        self._open: tuple[Any, int] | None = None
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self, numel: int) -> None:
+        """Before the user's optimizer steps ``numel`` params on the device (0: nothing to time)."""
+        self._open = (self._now(), numel) if numel > 0 else None
+
+    def stop(self, applied: bool) -> None:
+        """After that step; a step that did not apply its update (``applied`` False: a
+        GradScaler's skipped step) is not counted."""
+        if self._open is None:
+            return
+        (start, numel), self._open = self._open, None
+        if applied:
+            self.spans.append((start, self._now(), numel))
+
+    def rate(self) -> float | None:
+        """Params updated per second of the timed steps, or None with none timed."""
+        if not self.spans:
+            return None
+        if self.cuda:
+            self.spans[-1][1].synchronize()
+            seconds = sum(a.elapsed_time(b) / 1e3 for a, b, _ in self.spans)
+        else:
+            seconds = sum(b - a for a, b, _ in self.spans)
+        numel = sum(n for _, _, n in self.spans)
+        return numel / seconds if seconds > 0 else None
+
+
+def device_update_numel(optimizer: torch.optim.Optimizer) -> int:
+    """Params ``optimizer`` is about to update on the device: those with a gradient (an
+    offloaded param's ``.grad`` is None, its update is the CPU worker's)."""
+    return sum(
+        p.numel() for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+    )
+
+
 # The CPU worker's counters at a mark (``CpuOptimizer.mark``): busy seconds, params updated,
 # seconds adding gradients, gradient elements added.
 WorkerMark = tuple[float, int, float, int]
@@ -109,6 +165,7 @@ class CalibrationSchedule:
         self._settled = False
         self._switches = 0
         self._timer: StepTimer | None = None
+        self._device_update: DeviceUpdateTimer | None = None
         self._copy_mark: tuple[float, float, float, float] | None = None
 
     @property
@@ -137,6 +194,21 @@ class CalibrationSchedule:
         if self._timer is not None:
             self._timer.mark(backwards)
 
+    def device_update_starts(self, optimizer: torch.optim.Optimizer) -> None:
+        """The user's ``optimizer`` is about to step: time its update of the device params."""
+        if self._device_update is not None:
+            self._device_update.start(device_update_numel(optimizer))
+
+    def device_update_ends(self, applied: bool) -> None:
+        """The user's optimizer stepped (``applied``: its update was not skipped)."""
+        if self._device_update is not None:
+            self._device_update.stop(applied)
+
+    @property
+    def device_update(self) -> DeviceUpdateTimer | None:
+        """This window's timer of the user's device updates (None: not armed)."""
+        return self._device_update
+
     def arm(self, runtime: Runtime, plan: Plan, after: int | None = None) -> None:
         """A searched ``plan`` starts to run: its first check comes ``after`` steps on (None:
         ``calibrate_after(plan)``), its
@@ -153,6 +225,7 @@ class CalibrationSchedule:
         self._timer = StepTimer(
             plan, cuda=runtime.manager.is_cuda, micro_batches=_micro_batches(runtime)
         )
+        self._device_update = DeviceUpdateTimer(cuda=runtime.manager.is_cuda)
         runtime.control.mark_worker()
         self._copy_mark = copy_mark(runtime)
 
@@ -177,6 +250,7 @@ class CalibrationSchedule:
             drift=self._settled,
             measured_copy_bps=copy_rates(self._copy_mark, runtime),
             measured_accumulate_rate=per_model(accumulate_rate(mark, runtime.cpu_optim)),
+            measured_gpu_rate=self._device_update.rate() if self._device_update else None,
         )
         self._switches = self._switches + 1 if new_plan is not None else 0
         self._settled = new_plan is None or self._switches >= CALIBRATION_ROUNDS
@@ -273,12 +347,16 @@ def calibrate_after_steps(
     drift: bool = False,
     measured_copy_bps: tuple[float | None, float | None] | None = None,
     measured_accumulate_rate: float | None = None,
+    measured_gpu_rate: float | None = None,
 ) -> Plan | None:
     """Check the planned steps against what their plan assumed, in this order:
     - the measured peak (``measured_need``) above the prediction by more than
       ``CALIBRATION_MARGIN`` calibrates the fragmentation factor (``calibration_model.calibrate``);
     - the CPU worker's measured rate (``worker_rate``: the update contended by the running step,
       gradient accumulation included) off the planned one by more than ``CPU_RATE_MARGIN``
+      replaces it;
+    - the user's optimizer's measured rate on the device params at ``step()``
+      (``DeviceUpdateTimer``) off the planned GPU update rate by more than ``GPU_RATE_MARGIN``
       replaces it;
     - gradient accumulation: the worker's measured rate of adds (``accumulate_rate``) off the
       planned one by more than ``CPU_RATE_MARGIN`` (or none planned) replaces it;
@@ -316,14 +394,17 @@ def calibrate_after_steps(
                 measured_step_s,
                 measured_copy_bps,
                 measured_accumulate_rate,
+                measured_gpu_rate,
             )
         )
-        peaks, cpu_rates, steps, copies, adds = zip(*measured)
+        peaks, cpu_rates, steps, copies, adds, gpu_rates = zip(*measured)
         measured_peak = max(peaks)
         rates = [rate for rate in cpu_rates if rate]
         measured_cpu_rate = min(rates) if rates else None
         add_rates = [rate for rate in adds if rate]
         measured_accumulate_rate = min(add_rates) if add_rates else None
+        device_rates = [rate for rate in gpu_rates if rate]
+        measured_gpu_rate = min(device_rates) if device_rates else None
         measured_step_s = max(steps) if all(steps) else None
         # Each rank's link raises the plan only as far as the slowest rank's copies show.
         measured_copy_bps = None
@@ -341,6 +422,7 @@ def calibrate_after_steps(
             drift,
             measured_copy_bps,
             measured_accumulate_rate,
+            measured_gpu_rate,
         )
     if dp is not None:
         decision = dp.agree_object(decision)
@@ -355,6 +437,7 @@ def _calibration(
     drift: bool = False,
     measured_copy_bps: tuple[float | None, float | None] | None = None,
     measured_accumulate_rate: float | None = None,
+    measured_gpu_rate: float | None = None,
 ) -> Calibration | None:
     """The running plan's calibration from this window's measurements (``replan.calibrated``)."""
     request, profile = runtime.search_request, runtime.profile
@@ -371,6 +454,7 @@ def _calibration(
             measured_step_s,
             measured_copy_bps,
             measured_accumulate_rate,
+            measured_gpu_rate,
         ),
         drift,
     )
