@@ -118,3 +118,24 @@ def test_it_refuses_to_combine_with_the_oom_retry(make_llama, offload_cpu):
     with pytest.raises(AttachError, match="AUTOOFFLOAD_UPDATE_IN_BACKWARD=1"):
         model.to("cpu")
     autooffload.disable()
+
+
+def test_persistent_updates_in_the_backward_are_timed_for_the_calibration(
+    make_llama, offload_cpu, make_batches
+):
+    """Under the update in the backward the persistent chunk is stepped as its backward ends,
+    not at ``step()``: the calibration's device-update timer times it there (one span a step,
+    its trainable params), and the user's ``step()``, with no device gradient left, adds none."""
+    model, runtime, optimizer, ids = _armed(make_llama, offload_cpu, make_batches)
+    assert runtime.cpu_optim.in_backward.persistent_armed
+    schedule = runtime.control.calibration
+    schedule.arm(runtime, runtime.plan, after=100)
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    timer = schedule.device_update
+    persistent = [c for c in runtime.layout.chunks if c.index in runtime.manager.persistent]
+    numel = sum(s.param.numel() for c in persistent for s in c.trainable_slots)
+    assert timer is not None and [n for _, _, n in timer.spans] == [numel, numel]
+    assert timer.rate() is not None and timer.rate() > 0

@@ -94,7 +94,8 @@ class StepTimer:
 
 class DeviceUpdateTimer:
     """The user's optimizer steps of the params it updates on the device at ``step()`` (the
-    persistent chunks', which the cost model charges at ``HardwareProfile.gpu_optim_params_per_s``):
+    persistent chunks', which the cost model charges at ``HardwareProfile.gpu_optim_params_per_s``),
+    or in the backward under the update in the backward (``BackwardUpdates.update_persistent``):
     how long each took and how many params it updated. CUDA events on the current stream (the
     device's own time for the update's kernels), host clock readings on a CPU device. The
     attach-time probe times one tensor alone, and is not steady: on H200s it read 9-20 Gparam/s
@@ -226,6 +227,7 @@ class CalibrationSchedule:
             plan, cuda=runtime.manager.is_cuda, micro_batches=_micro_batches(runtime)
         )
         self._device_update = DeviceUpdateTimer(cuda=runtime.manager.is_cuda)
+        runtime.cpu_optim.in_backward.device_timer = self._device_update
         runtime.control.mark_worker()
         self._copy_mark = copy_mark(runtime)
 

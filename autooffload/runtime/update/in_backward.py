@@ -20,6 +20,7 @@ from autooffload.runtime.update.twins import Twins, twin_group
 
 if TYPE_CHECKING:
     from autooffload.runtime.chunks.store import ChunkManager
+    from autooffload.runtime.control.calibration import DeviceUpdateTimer
     from autooffload.runtime.parallel.distributed import Reduction
     from autooffload.runtime.update.gpu_update import GpuUpdater
     from autooffload.runtime.update.host_grads import HostGradNorms
@@ -211,6 +212,9 @@ class BackwardUpdates:
         # The chunks the GPU updates at the end of their backward, weights and gradients still
         # resident (plan/update_split.backward_split).
         self.gpu_chunks: set[int] = set()
+        # Times the persistent chunks' updates here, as at step() (set by the calibration's
+        # window: runtime/control/calibration.py).
+        self.device_timer: DeviceUpdateTimer | None = None
 
     def arm(self, offloaded: bool | None = None, persistent: bool | None = None) -> None:
         """Turn the update in the backward of offloaded chunks and of persistent chunks on or
@@ -324,6 +328,11 @@ class BackwardUpdates:
             if owner is not None:
                 by_owner.setdefault(id(owner), (owner, set()))[1].add(id(param))
         entries = []
+        timer = self.device_timer
+        if timer is not None:
+            timer.start(
+                sum(p.numel() for p in with_grad if id(p) in self._twins.optimizer_of_param)
+            )
         for owner, ids in by_owner.values():
             groups = step_params(owner, ids)
             hyper = [twin_group(owner.param_groups[g], type(owner)) for g in groups]
@@ -331,5 +340,7 @@ class BackwardUpdates:
             for param in with_grad:
                 if id(param) in ids:
                     param.grad = None
+        if timer is not None:
+            timer.stop(True)
         if entries:
             self._early.record_persistent(chunk.index, entries)
