@@ -200,7 +200,7 @@ def _offloaded_owned(runtime: Runtime, optimizer: torch.optim.Optimizer) -> dict
     for chunk in runtime.layout.chunks:
         if chunk.index in runtime.manager.persistent:
             continue
-        for slot in chunk.trainable_slots:
+        for slot in chunk.trained_slots:
             pid = id(slot.param)
             mine = cpu_optim.twins.optimizer_of_param.get(pid) is optimizer
             if pid in cpu_optim.offloaded_ids and mine:
@@ -288,7 +288,7 @@ def twin_states(runtime: Runtime, optimizer: torch.optim.Optimizer) -> dict[int,
         twin = cpu_optim.twins.get(chunk.index, optimizer)
         if twin is None:
             continue
-        for slot in chunk.trainable_slots:
+        for slot in chunk.trained_slots:
             master = cpu_optim.masters.get(id(slot.param))
             state = twin.state.get(master) if master is not None else None
             if state:
@@ -317,13 +317,13 @@ def load_offloaded_state(
     runtime.synchronize()
     chunks = {chunk.index: chunk for chunk in owned.values()}
     for index, chunk in chunks.items():
-        needs_state = any(id(s.param) in states for s in chunk.trainable_slots)
+        needs_state = any(id(s.param) in states for s in chunk.trained_slots)
         twin = cpu_optim.twins.get(index, optimizer)
         if twin is None and needs_state:
             twin = cpu_optim.twins.twin(chunk, optimizer)
         if twin is None:
             continue
-        for slot in chunk.trainable_slots:
+        for slot in chunk.trained_slots:
             pid = id(slot.param)
             if pid not in owned:
                 continue

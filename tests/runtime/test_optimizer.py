@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -456,3 +457,30 @@ def test_an_accumulation_does_not_hold_back_the_next_gather(make_llama, offload_
     optimizer.step()
     # The update writes the weights: the gather waits for it, and so does a GPU update.
     assert all(manager.host_busy.get(i) is cpu.staging.grads_busy[i] for i in trained)
+
+
+def test_a_layer_frozen_between_backward_and_step_is_stepped_like_plain(make_llama, offload_cpu):
+    """Torch's optimizers step every param holding a gradient, frozen since its backward or
+    not: the offloaded ones with host gradients too."""
+    base = make_llama(n_layers=2)
+    data = [
+        torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
+        for s in (0, 1, 2)
+    ]
+    runs = []
+    for attached in (False, True):
+        model = copy.deepcopy(base)
+        if attached:
+            offload_cpu(n_persist=0, activation_mode="keep")
+            model.to("cpu")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for step, ids in enumerate(data):
+            model(input_ids=ids, labels=ids).loss.backward()
+            if step == 1:
+                model.model.layers[0].requires_grad_(False)
+            optimizer.step()
+            optimizer.zero_grad()
+        autooffload.disable()
+        runs.append({k: v.clone() for k, v in model.state_dict().items()})
+    for name, value in runs[0].items():
+        torch.testing.assert_close(runs[1][name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -423,6 +423,48 @@ def test_loaded_optimizer_state_reaches_the_cpu_twins() -> None:
     assert_same_optimizer_state(optimizer.state_dict(), plain_optimizer.state_dict())
 
 
+def _set_layer_trainable(model: nn.Module, trainable: bool) -> None:
+    model.model.layers[1].requires_grad_(trainable)
+
+
+@pytest.mark.parametrize("then", ["state_dict", "load_state_dict", "add_param_group", "detach"])
+def test_optimizer_state_of_a_layer_frozen_mid_training_is_kept(then: str) -> None:
+    """A layer trainable at attach, frozen after some steps: its optimizer state is saved,
+    loaded, kept through ``add_param_group`` and handed back at detach, as torch keeps it, so
+    training after unfreezing it equals plain."""
+    data = batches(6)
+    base = tiny_llama(tied=False)
+    runs = []
+    for attached in (False, True):
+        model = copy.deepcopy(base)
+        # Added later by ``add_param_group``; the other cases train it from the start.
+        extra = model.lm_head.weight if then == "add_param_group" else None
+        if attached:
+            attach(model, n_persist=0)
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p is not extra], lr=1e-2, fused=True
+        )
+        scheduler = scheduler_of(optimizer)
+        train(model, optimizer, scheduler, data[:2])
+        _set_layer_trainable(model, False)
+        train(model, optimizer, scheduler, data[2:3])
+        saved = copy.deepcopy(optimizer.state_dict())
+        if then == "load_state_dict":
+            optimizer.load_state_dict(copy.deepcopy(saved))
+        if then == "add_param_group":
+            optimizer.add_param_group({"params": [extra], "lr": 1e-3})
+            scheduler = scheduler_of(optimizer)
+        if then == "detach" and attached:
+            autooffload.disable()
+        _set_layer_trainable(model, True)
+        train(model, optimizer, scheduler, data[3:])
+        runs.append((weights(model), saved))
+        autooffload.disable()
+    (plain_weights, plain_state), (attached_weights, attached_state) = runs
+    assert_same_weights(attached_weights, plain_weights)
+    assert_same_optimizer_state(attached_state, plain_state)
+
+
 # ---- resume -------------------------------------------------------------------------------------
 
 

@@ -25,6 +25,9 @@ class ParamSlot:
     nbytes: int
     shape: torch.Size
     dtype: torch.dtype
+    # Whether the param required grad when the layout was made (at attach): those have host
+    # gradient buffers, masters and optimizer state while offloaded, frozen later or not.
+    trained: bool = False
 
     @property
     def numel(self) -> int:
@@ -42,7 +45,14 @@ class Chunk:
 
     @property
     def trainable_slots(self) -> list[ParamSlot]:
+        """Slots whose param requires grad now."""
         return [s for s in self.slots if s.param.requires_grad]
+
+    @property
+    def trained_slots(self) -> list[ParamSlot]:
+        """Slots whose param required grad at attach (frozen since or not): the ones with
+        optimizer state to keep."""
+        return [s for s in self.slots if s.trained]
 
     @property
     def trainable_bytes(self) -> int:
@@ -98,7 +108,13 @@ def build_layout(
                 for tensor_name, tensor in unit:
                     nbytes = tensor.numel() * tensor.element_size()
                     slot = ParamSlot(
-                        tensor, tensor_name, current.nbytes, nbytes, tensor.shape, tensor.dtype
+                        tensor,
+                        tensor_name,
+                        current.nbytes,
+                        nbytes,
+                        tensor.shape,
+                        tensor.dtype,
+                        trained=tensor.requires_grad,
                     )
                     current.slots.append(slot)
                     current.nbytes += _align(nbytes)

@@ -31,15 +31,13 @@ def host_bytes_needed(
     chunks this rank keeps on its host (sharded state: frozen ones and those it owns)."""
     mine = [c for c in layout.chunks if hosts is None or hosts(c.index)]
     staging = sum(
-        (slot.nbytes + ALIGN - 1) // ALIGN * ALIGN
-        for chunk in mine
-        for slot in chunk.trainable_slots
+        (slot.nbytes + ALIGN - 1) // ALIGN * ALIGN for chunk in mine for slot in chunk.trained_slots
     )
     masters = optimizer = 0
     for chunk in mine:
         if chunk.index < n_persist:
             continue
-        for slot in chunk.trainable_slots:
+        for slot in chunk.trained_slots:
             dtype = slot.dtype
             widened = master_weights and dtype != torch.float32 and dtype.is_floating_point
             master_bytes = 4 * slot.numel if widened else slot.nbytes

@@ -423,7 +423,7 @@ def consolidate(runtime: Runtime, dst: int | None = 0) -> None:
                 continue
             payloads[index] = {
                 slot.name: dict(twin.state[master])
-                for slot in chunks[index].trainable_slots
+                for slot in chunks[index].trained_slots
                 if (master := cpu_optim.masters.get(id(slot.param))) is not None
                 and master in twin.state
             }
@@ -431,7 +431,7 @@ def consolidate(runtime: Runtime, dst: int | None = 0) -> None:
         consolidated[id(optimizer)] = {
             id(slot.param): by_name[slot.name]
             for index, by_name in merged.items()
-            for slot in chunks[index].trainable_slots
+            for slot in chunks[index].trained_slots
             if slot.name in by_name
         }
     sharding.consolidated = consolidated if dst in (None, sharding.rank) else {}

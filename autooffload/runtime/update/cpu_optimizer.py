@@ -108,12 +108,12 @@ class CpuOptimizer:
         for chunk in manager.chunks:
             if chunk.index in manager.persistent:
                 continue
-            self.offloaded_ids.update(id(s.param) for s in chunk.trainable_slots)
+            self.offloaded_ids.update(id(s.param) for s in chunk.trained_slots)
             if self.sharding is None or self.sharding.owns(chunk.index):
                 self._make_masters(chunk)
 
     def _make_masters(self, chunk: Chunk) -> None:
-        for slot in chunk.trainable_slots:
+        for slot in chunk.trained_slots:
             host = self.manager.host_view(slot, chunk)
             if self.master_weights and host.dtype != torch.float32 and host.is_floating_point():
                 self.masters[id(slot.param)] = host.float()
@@ -132,12 +132,12 @@ class CpuOptimizer:
                 master.copy_(host)
 
     def offloaded_slots(self) -> list[tuple[Chunk, ParamSlot]]:
-        """Every trainable slot of a non-persistent chunk."""
+        """Every slot of a non-persistent chunk trainable at attach (frozen since or not)."""
         return [
             (chunk, slot)
             for chunk in self.manager.chunks
             if chunk.index not in self.manager.persistent
-            for slot in chunk.trainable_slots
+            for slot in chunk.trained_slots
         ]
 
     @property
@@ -245,7 +245,9 @@ class CpuOptimizer:
         on_gpu: list[tuple[Chunk, torch.optim.Optimizer, list[dict], Future | None]] = []
         gpu_ok = bool(self.gpu_chunks) and self.gpu_path_problem(optimizer) is None
         for chunk in self.manager.chunks:
-            if chunk.index in self.manager.persistent or not chunk.trainable_slots:
+            # A param frozen since its backward still has its host gradient, which torch's
+            # optimizers step like any other.
+            if chunk.index in self.manager.persistent or not chunk.trained_slots:
                 continue
             twin = self.twins.twin(chunk, optimizer)
             if twin is None:
@@ -386,10 +388,11 @@ class CpuOptimizer:
         states = self.release_chunk(chunk)
         if self.sharding is not None and chunk.index in self.sharding.trainable:
             # Only the owner had the state; every rank's optimizer takes it over.
-            by_name = {s.name: states.get(id(s.param)) for s in chunk.trainable_slots}
+            by_name = {s.name: states.get(id(s.param)) for s in chunk.trained_slots}
             by_name = self.sharding.broadcast_states(by_name, chunk.index)
-            states = {id(s.param): by_name[s.name] for s in chunk.trainable_slots}
-        for slot in chunk.trainable_slots:
+            states = {id(s.param): by_name[s.name] for s in chunk.trained_slots}
+        # Frozen ones too: torch keeps their state for when they are trained again.
+        for slot in chunk.trained_slots:
             state = states.get(id(slot.param))
             optimizer = self.twins.optimizer_of_param.get(id(slot.param))
             if not state or optimizer is None:
@@ -414,7 +417,7 @@ class CpuOptimizer:
         state) and are updated by the CPU twins from now on. Their state is still in the
         user's optimizer; ``state.adopt_existing_state`` moves it to the twins."""
         self.wait()
-        for slot in chunk.trainable_slots:
+        for slot in chunk.trained_slots:
             # The gradient left from the step just taken (no zero_grad yet): an offloaded
             # param has none on the device, and zero_grad(set_to_none=False) would keep this
             # one there for good, memory the new plan does not count.
