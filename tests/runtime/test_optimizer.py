@@ -484,3 +484,41 @@ def test_a_layer_frozen_between_backward_and_step_is_stepped_like_plain(make_lla
         runs.append({k: v.clone() for k, v in model.state_dict().items()})
     for name, value in runs[0].items():
         torch.testing.assert_close(runs[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("then", ["step", "clip_then_step", "accumulate_then_step"])
+def test_gradients_of_a_backward_before_detach_are_the_params_grads_after(
+    make_llama, offload_cpu, then
+):
+    """``disable()`` between a backward and ``step()``: the offloaded params' host gradients
+    (clipped where clipping is pending) become their ``.grad``, as plain torch keeps them, so
+    the loop goes on like plain."""
+    base = make_llama(n_layers=2)
+    data = [
+        torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
+        for s in (0, 1, 2)
+    ]
+    runs = []
+    for attached in (False, True):
+        model = copy.deepcopy(base)
+        if attached:
+            offload_cpu(n_persist=0, activation_mode="keep", update_in_backward=False)
+            model.to("cpu")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        model(input_ids=data[0], labels=data[0]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model(input_ids=data[1], labels=data[1]).loss.backward()
+        if then == "clip_then_step":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        autooffload.disable()
+        if then == "accumulate_then_step":
+            model(input_ids=data[2], labels=data[2]).loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        runs.append((grads, {k: v.clone() for k, v in model.state_dict().items()}))
+    (plain_grads, plain), (grads, weights) = runs
+    for name, value in plain_grads.items():
+        torch.testing.assert_close(grads[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    for name, value in plain.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)

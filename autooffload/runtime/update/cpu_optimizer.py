@@ -369,6 +369,23 @@ class CpuOptimizer:
             self._copy_backs[chunk.index] = pairs
         return pairs
 
+    def grads_to_params(self, device: torch.device) -> None:
+        """Detach: each offloaded param's host gradient (pending clipping applied) becomes its
+        ``.grad`` on ``device``, where plain torch would have kept it until ``zero_grad``: a
+        ``step()`` after detach, or a later backward adding to it, goes on like plain. Not for
+        chunks updated in the backward (their gradients were used), nor under sharded state
+        (a rank holds only its own chunks' gradients)."""
+        if self.sharding is not None:
+            return
+        self.wait()
+        coef = self.grad_norms.clip_coef
+        for chunk, slot in self.offloaded_slots():
+            master = self.masters.get(id(slot.param))
+            if master is None or master.grad is None or chunk.index in self.early.offloaded:
+                continue
+            grad = master.grad * coef if coef != 1.0 else master.grad
+            slot.param.grad = grad.to(device=device, dtype=slot.dtype, copy=True).view(slot.shape)
+
     def release_chunk(self, chunk: Chunk) -> dict[int, dict]:
         """Stop managing ``chunk`` (it became persistent): drop its masters, host grads and
         twins; return the twins' state per param id, for the user's optimizer to take over."""
