@@ -99,9 +99,9 @@ class DeviceUpdateTimer:
     how long each took and how many params it updated. CUDA events on the current stream (the
     device's own time for the update's kernels), host clock readings on a CPU device. The
     attach-time probe times one tensor alone, and is not steady: on H200s it read 9-20 Gparam/s
-    at one rank and 90-97 at two (bf16 AdamW, fused); where it reads low, persistent chunks look
-    costly to the search and the step is predicted long (3.2B at 24 GiB: 370 ms predicted,
-    307 measured)."""
+    in one-rank runs and 49-97 in most multi-rank ones (bf16 AdamW, fused); where it reads low,
+    persistent chunks look costly to the search and the step is predicted long (3.2B at 24 GiB:
+    370 ms predicted, 307 measured)."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
