@@ -138,6 +138,20 @@ class ModelStateHooks:
             # Wrong types and shapes are left to torch, which reports them as usual.
             if not isinstance(value, torch.Tensor) or value.shape != param.shape:
                 continue
+            if local_metadata.get("assign_to_params_buffers") and value.dtype != param.dtype:
+                # torch would make the param the checkpoint's tensor, dtype and all; a chunk's
+                # bytes are laid out for the dtype it was attached with. Reported as torch
+                # reports a size mismatch: torch raises once every module is loaded.
+                error_msgs.append(
+                    f"autooffload: load_state_dict(assign=True) would change {key} from"
+                    f" {param.dtype} to {value.dtype}, and an attached model's chunked"
+                    " parameters keep the dtype they were attached with: load with"
+                    " assign=False (the values are cast), cast the state dict first, or load"
+                    " before attaching (autooffload.disable() detaches)"
+                )
+                del state_dict[key]
+                consumed.append(key)
+                continue
             if not consumed:
                 self.runtime.synchronize()
             chunk, slot = self.slots[id(param)]

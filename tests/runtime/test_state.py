@@ -585,3 +585,20 @@ def test_optimizer_state_that_does_not_fit_at_detach_leaves_a_whole_model(monkey
     assert rt.runtime_of(attached) is None
     assert not any(t.is_alive() for t in worker._threads), "CPU optimizer thread not joined"
     assert_same_weights(attached.state_dict(), plain.state_dict())
+
+
+def test_load_state_dict_assign_of_another_dtype_is_a_clear_error() -> None:
+    """``assign=True`` would give a param the checkpoint's dtype; a chunked param keeps the
+    dtype it was attached with, so that is refused, as torch refuses a size mismatch, naming
+    the key and both dtypes; ``assign=False`` casts, as for a plain model."""
+    model = tiny_llama()
+    attach(model, n_persist=1)
+    state = {k: v.to(torch.bfloat16) for k, v in tiny_llama(seed=3).state_dict().items()}
+    with pytest.raises(
+        RuntimeError, match=r"would change .*weight from torch.float32 to torch.bfloat16"
+    ):
+        model.load_state_dict(copy.deepcopy(state), assign=True)
+    model.load_state_dict(copy.deepcopy(state), assign=False)
+    plain = tiny_llama()
+    plain.load_state_dict(copy.deepcopy(state), assign=False)
+    assert_same_weights(weights(model), plain.state_dict())
