@@ -1,6 +1,7 @@
-"""PEFT patches: LoRA layer code that reads or writes base weights outside a block's forward
-(merge, unmerge, delta weights, DoRA/PiSSA init, ``modules_to_save`` copies) runs with the
-owning chunks on the device, and merged bytes are stored back to the host.
+"""PEFT patches: tuner layer code (LoRA and every other PEFT tuner) that reads or writes base
+weights outside a block's forward (merge, unmerge, delta weights, DoRA/PiSSA init, trainable
+tokens, ``modules_to_save`` copies) runs with the owning chunks on the device, and merged bytes
+are stored back to the host.
 
 Inside a block's forward every chunk of the block is resident (the runtime's group hooks), so
 ``lora.Linear.forward`` and DoRA's magnitude path need nothing. Everything here runs outside
@@ -33,15 +34,22 @@ from autooffload.settings import Settings
 
 TARGETS = ("peft",)
 
-# Methods of LoRA layers that read base weights; those in _WRITES also change them in place.
+# Methods of PEFT tuner layers (LoRA, DoRA and every other tuner: IA3, LoHa, LoKr, VeRA, OFT,
+# trainable tokens, ...) that read base weights; those in _WRITES also change them in place.
 _READS = ("merge", "unmerge", "get_delta_weight", "update_layer")
 _WRITES = ("merge", "unmerge", "update_layer")
 
 
 def _subclasses(cls: type) -> Iterator[type]:
-    yield cls
-    for sub in cls.__subclasses__():
-        yield from _subclasses(sub)
+    """``cls`` and its subclasses, each once (tuner layers inherit from several bases)."""
+    seen: set[type] = set()
+    pending = [cls]
+    while pending:
+        current = pending.pop()
+        if current not in seen:
+            seen.add(current)
+            yield current
+            pending.extend(current.__subclasses__())
 
 
 def _base_params(layer: nn.Module) -> list[nn.Parameter]:
@@ -87,10 +95,11 @@ def _layer_wrapper(writes: bool) -> Callable[..., Any]:
 
 
 def _forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """A LoRA layer outside a block (lm_head, embeddings) is several groups: the base layer and,
+    """A tuner layer outside a block (lm_head, embeddings) is several groups: the base layer and,
     when adapters are chunked, each adapter module. DoRA reads the base weight after the base
-    forward released it and calls the adapters twice: hold every chunk of the layer through
-    its forward (inside a block, where they are resident already, this costs a few lookups)."""
+    forward released it and calls the adapters twice; trainable tokens read the base embedding
+    without calling its forward at all: hold every chunk of the layer through its forward
+    (inside a block, where they are resident already, this costs a few lookups)."""
     from autooffload.runtime.access import params_on_device, runtime_managing
 
     layer = _layer_of(instance, args)
@@ -173,8 +182,7 @@ def _prepare_kbit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict
 
 
 def install(settings: Settings, target: str) -> None:
-    from peft.tuners.lora import LoraLayer
-    from peft.tuners.tuners_utils import BaseTuner
+    from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
     from peft.utils.other import ModulesToSaveWrapper, prepare_model_for_kbit_training
 
     _registry.wrap(BaseTuner, "inject_adapter", _inject_wrapper, __name__)
@@ -182,7 +190,7 @@ def install(settings: Settings, target: str) -> None:
     # Scripts import it by name, often before enable(): redirected, so every binding is caught.
     if isinstance(prepare_model_for_kbit_training, types.FunctionType):
         _registry.redirect(prepare_model_for_kbit_training, _prepare_kbit_wrapper, __name__)
-    for cls in _subclasses(LoraLayer):
+    for cls in _subclasses(BaseTunerLayer):
         for attr in _READS:
             if attr in cls.__dict__:
                 _registry.wrap(cls, attr, _layer_wrapper(attr in _WRITES), __name__)
