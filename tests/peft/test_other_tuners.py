@@ -10,14 +10,27 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from peft import IA3Config, LoHaConfig, LoKrConfig, OFTConfig, PeftConfig, VeraConfig
+from peft import (
+    IA3Config,
+    LoHaConfig,
+    LoKrConfig,
+    OFTConfig,
+    PeftConfig,
+    PrefixTuningConfig,
+    TaskType,
+    VeraConfig,
+    get_peft_model,
+)
 
 import autooffload
+from autooffload.errors import PlanError
 from tests.peft.peft_runs import (
     Run,
     assert_same_training,
     batches,
+    enable_cpu,
     lora,
+    runtime_for,
     tiny_llama,
     train,
     trained_weights,
@@ -75,3 +88,36 @@ def test_tuner_trains_and_merges_like_plain_peft(tuner, order, size):
     assert_same_training(plain, attached)
     for name, expected, actual in zip(("unmerged", "merged", "detached"), plain_logits, logits):
         torch.testing.assert_close(actual, expected, rtol=MERGE_RTOL, atol=MERGE_ATOL, msg=name)
+
+
+def test_prefix_tuning_needs_kept_activations_and_then_trains_like_plain():
+    """Prefix tuning hands its trained prefix to every block as a filled KV cache: a checkpointed
+    or swapped block cannot take it (a recompute appends to it again), and dropping it, as for
+    an empty cache, would change the result. That is a clear error; with activations kept the
+    run trains like plain PEFT."""
+
+    def prefix_model(**settings) -> torch.nn.Module:
+        base = tiny_llama()
+        if settings:
+            enable_cpu(**settings)
+            base.to("cpu")
+        torch.manual_seed(123)
+        config = PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+        model = get_peft_model(base, config)
+        if settings:
+            model.to("cpu")
+            assert runtime_for(model) is not None
+        return model
+
+    data = batches(STEPS)
+    plain = prefix_model()
+    expected = Run(train(plain, data), trained_weights(plain))
+
+    with pytest.raises(PlanError, match="AUTOOFFLOAD_ACTIVATION_MODE=keep"):
+        train(prefix_model(activation_mode="auto"), data)
+    autooffload.disable()
+
+    model = prefix_model(activation_mode="keep")
+    losses = train(model, data)
+    autooffload.disable()
+    assert_same_training(expected, Run(losses, trained_weights(model)))

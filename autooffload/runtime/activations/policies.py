@@ -223,6 +223,25 @@ def is_kv_cache(name: str, value: Any) -> bool:
     return cache_class is not None and isinstance(value, cache_class)
 
 
+def _refuse_filled_cache(block: nn.Module, name: str, value: Any) -> None:
+    """A cache holding states before the block runs (PEFT prefix tuning hands the trained prefix
+    in as ``past_key_values``) is part of the input: dropping it changes the result."""
+    seq_length = getattr(value, "get_seq_length", None)
+    if not callable(seq_length):
+        return
+    try:
+        filled = seq_length() > 0
+    except Exception:  # a cache type whose length cannot be read here is dropped as before
+        return
+    if filled:
+        raise PlanError(
+            f"{type(block).__name__} got a filled KV cache ({name}=) in a training forward (PEFT"
+            " prefix tuning passes its prefix this way); its blocks cannot be checkpointed or"
+            " swapped, since a recompute would append to the cache again. Set"
+            " AUTOOFFLOAD_ACTIVATION_MODE=keep (enable(activation_mode='keep'))"
+        )
+
+
 def _without_cache(block: nn.Module, kwargs: dict) -> dict:
     # As HF's own checkpointing does: a recompute would append to a KV cache a second time, and a
     # cache holding device K/V would pin swapped activations on the device.
@@ -232,6 +251,7 @@ def _without_cache(block: nn.Module, kwargs: dict) -> dict:
     if not getattr(block, "_can_checkpoint_with_cache", False):
         for name, value in kwargs.items():
             if is_kv_cache(name, value):
+                _refuse_filled_cache(block, name, value)
                 changed[name] = None
     if changed != kwargs:
         logger.debug("%s: KV cache disabled for a training forward", type(block).__name__)
