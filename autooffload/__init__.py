@@ -163,5 +163,6 @@ def gathered(params: Any, modify: bool = False) -> Iterator[None]:
     if runtime is None:
         yield
         return
+    runtime.cpu_optim.early.check_no_early_read("autooffload.gathered()")
     with params_on_device(runtime, params, written=params if modify else ()):
         yield

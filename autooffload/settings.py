@@ -279,7 +279,7 @@ class Settings:
         "AUTOOFFLOAD_UPDATE_IN_BACKWARD",
         parse_optional_bool,
         "update offloaded chunks during backward; auto = when the profiling steps show no"
-        " clipping, accumulation, gradient reads or hyperparameter changes before step()",
+        " clipping, accumulation, gradient or weight reads or hyperparameter changes before step()",
     )
     gpu_update_chunks: int | None = _knob(
         0,

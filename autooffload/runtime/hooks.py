@@ -231,6 +231,7 @@ class StepHooks:
             # every model; Qwen2-VL embeds tokens before its vision tower, and ending the trace
             # there left one group in it, so no chunk was ever released in a backward.)
             self._trace_end()
+        self.cpu_optim.early.check_no_early_read("a forward of the attached model")
         self.control.before_forward()
         self._trace.append(group.index)
         self._active.append(group.index)

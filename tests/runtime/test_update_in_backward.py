@@ -92,7 +92,9 @@ def test_the_update_starts_before_step(make_llama, offload_cpu, make_batches):
     assert not runtime.cpu_optim.early.offloaded
 
 
-@pytest.mark.parametrize("misuse", ["clip", "scaler", "accumulate", "lr_change", "skip_step"])
+@pytest.mark.parametrize(
+    "misuse", ["clip", "scaler", "accumulate", "lr_change", "skip_step", "eval", "gathered"]
+)
 def test_a_loop_it_cannot_honour_gets_a_clear_error(make_llama, offload_cpu, make_batches, misuse):
     model, _, optimizer, ids = _armed(make_llama, offload_cpu, make_batches)
     model(input_ids=ids, labels=ids).loss.backward()  # armed: updates queued in here
@@ -105,6 +107,12 @@ def test_a_loop_it_cannot_honour_gets_a_clear_error(make_llama, offload_cpu, mak
             scaler.unscale_(optimizer)
         elif misuse == "accumulate":
             model(input_ids=ids, labels=ids).loss.backward()
+        elif misuse == "eval":  # would see weights the backward already updated
+            with torch.no_grad():
+                model(input_ids=ids)
+        elif misuse == "gathered":
+            with autooffload.gathered(model):
+                pass
         elif misuse == "lr_change":
             optimizer.param_groups[0]["lr"] = 5e-3
             optimizer.step()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from runtime_models import BATCH, SEQ, VOCAB
 
+import autooffload
 from autooffload import runtime as rt
 from autooffload.errors import UpdateInBackwardError
 from autooffload.runtime.update.update_mode import CHOOSE_GAIN
@@ -211,6 +212,42 @@ def test_a_reason_seen_after_early_updates_is_a_clear_error(make_llama, offload_
     optimizer.param_groups[0]["lr"] = LR / 2  # a schedule that starts late, set before step()
     with pytest.raises(UpdateInBackwardError, match="AUTOOFFLOAD_UPDATE_IN_BACKWARD=auto.*=0"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("read", ["no_grad", "generate", "gathered"])
+def test_a_loop_reading_the_weights_between_backward_and_step_keeps_it_off(
+    make_llama, offload_cpu, make_batches, read
+):
+    """An evaluation, a ``generate`` or a weight read between a backward and its step sees the
+    weights before the step in plain PyTorch; an update in the backward had already changed
+    them, so such a loop keeps the update at ``step()``, and every read equals plain's."""
+    plain, model, runtime = _pair(make_llama, offload_cpu)
+    prompt = make_batches(1, seed=9)[0][:1]
+    seen: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+    for net in (plain, model):
+        attached = net is model
+        optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
+        for ids in make_batches(5):
+            net(input_ids=ids, labels=ids).loss.backward()
+            if read == "no_grad":
+                net.eval()
+                with torch.no_grad():
+                    seen[attached].append(net(input_ids=prompt).logits)
+                net.train()
+            elif read == "generate":
+                out = net.generate(prompt[:, :3], max_new_tokens=4, do_sample=False, pad_token_id=0)
+                seen[attached].append(out)
+            else:
+                weight = net.model.layers[1].mlp.up_proj.weight
+                with autooffload.gathered(weight):
+                    seen[attached].append(weight.detach().clone())
+            optimizer.step()
+            optimizer.zero_grad()
+    runtime.synchronize()
+    _assert_same_weights(model, plain)
+    assert not runtime.backward_update.on
+    for got, want in zip(seen[True], seen[False], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("setting", [False, True])

@@ -114,6 +114,22 @@ class EarlyUpdates:
                 " steps or read the gradients before step()"
             )
 
+    def check_no_early_read(self, what: str) -> None:
+        """Raise if a chunk was updated in this backward: ``what`` reads the weights, which
+        plain PyTorch has unchanged until ``optimizer.step()``. Between a backward and its
+        step, ``what`` is also a reason the loop cannot take the update in the backward."""
+        if self.backward_since_step:
+            self.loop_reasons.add(what)
+        if self.count:
+            raise UpdateInBackwardError(
+                f"{what} after a backward in which the update in the backward"
+                f" ({self.origin}) already updated {self.count} chunks: it would read the"
+                " weights of the step that optimizer.step() has not made yet; read them after"
+                " optimizer.step(), or set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 for loops that"
+                " accumulate gradients, evaluate, generate or read the weights between backward"
+                " and step()"
+            )
+
     def record(self, index: int, optimizer: Optimizer, hyper: list[dict]) -> None:
         """Offloaded chunk ``index`` is being updated in this backward, with ``hyper``."""
         self.offloaded[index] = (optimizer, hyper)
