@@ -102,32 +102,33 @@ class EarlyUpdates:
         """Raise if a chunk was updated in this backward: ``what`` needs the gradients before
         any update. Between a backward and its step, ``what`` is also a reason the loop cannot
         take the update in the backward (``loop_reasons``, for the auto mode)."""
-        if self.backward_since_step:
-            self.loop_reasons.add(what)
-        if self.count:
-            raise UpdateInBackwardError(
-                f"{what} after a backward in which the update in the backward"
-                f" ({self.origin}) already updated {self.count}"
-                " chunks with that backward's raw gradients (not unscaled by a GradScaler, not"
-                " clipped); optimizer.step() applies the rest of that update, and"
-                " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 suits loops that clip, use a GradScaler, skip"
-                " steps or read the gradients before step()"
-            )
+        self._refuse_after_update(
+            what,
+            "chunks with that backward's raw gradients (not unscaled by a GradScaler, not"
+            " clipped); optimizer.step() applies the rest of that update, and"
+            " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 suits loops that clip, use a GradScaler, skip"
+            " steps or read the gradients before step()",
+        )
 
     def check_no_early_read(self, what: str) -> None:
         """Raise if a chunk was updated in this backward: ``what`` reads the weights, which
         plain PyTorch has unchanged until ``optimizer.step()``. Between a backward and its
         step, ``what`` is also a reason the loop cannot take the update in the backward."""
+        self._refuse_after_update(
+            what,
+            "chunks: it would read the weights of the step that optimizer.step() has not made"
+            " yet; read them after optimizer.step(), or set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 for"
+            " loops that accumulate gradients, evaluate, generate or read the weights between"
+            " backward and step()",
+        )
+
+    def _refuse_after_update(self, what: str, consequence: str) -> None:
         if self.backward_since_step:
             self.loop_reasons.add(what)
         if self.count:
             raise UpdateInBackwardError(
                 f"{what} after a backward in which the update in the backward"
-                f" ({self.origin}) already updated {self.count} chunks: it would read the"
-                " weights of the step that optimizer.step() has not made yet; read them after"
-                " optimizer.step(), or set AUTOOFFLOAD_UPDATE_IN_BACKWARD=0 for loops that"
-                " accumulate gradients, evaluate, generate or read the weights between backward"
-                " and step()"
+                f" ({self.origin}) already updated {self.count} {consequence}"
             )
 
     def record(self, index: int, optimizer: Optimizer, hyper: list[dict]) -> None:
