@@ -459,14 +459,13 @@ def test_an_accumulation_does_not_hold_back_the_next_gather(make_llama, offload_
     assert all(manager.host_busy.get(i) is cpu.staging.grads_busy[i] for i in trained)
 
 
-def test_a_layer_frozen_between_backward_and_step_is_stepped_like_plain(make_llama, offload_cpu):
+def test_a_layer_frozen_between_backward_and_step_is_stepped_like_plain(
+    make_llama, offload_cpu, make_batches
+):
     """Torch's optimizers step every param holding a gradient, frozen since its backward or
     not: the offloaded ones with host gradients too."""
     base = make_llama(n_layers=2)
-    data = [
-        torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
-        for s in (0, 1, 2)
-    ]
+    data = make_batches(3)
     runs = []
     for attached in (False, True):
         model = copy.deepcopy(base)
@@ -488,16 +487,13 @@ def test_a_layer_frozen_between_backward_and_step_is_stepped_like_plain(make_lla
 
 @pytest.mark.parametrize("then", ["step", "clip_then_step", "accumulate_then_step"])
 def test_gradients_of_a_backward_before_detach_are_the_params_grads_after(
-    make_llama, offload_cpu, then
+    make_llama, offload_cpu, make_batches, then
 ):
     """``disable()`` between a backward and ``step()``: the offloaded params' host gradients
     (clipped where clipping is pending) become their ``.grad``, as plain torch keeps them, so
     the loop goes on like plain."""
     base = make_llama(n_layers=2)
-    data = [
-        torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
-        for s in (0, 1, 2)
-    ]
+    data = make_batches(3)
     runs = []
     for attached in (False, True):
         model = copy.deepcopy(base)
