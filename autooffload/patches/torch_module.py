@@ -121,17 +121,52 @@ def _move_around(instance: nn.Module, runtime: Any, device: torch.device) -> nn.
     return instance
 
 
+_DTYPE_METHODS = {
+    "float": torch.float32,
+    "double": torch.float64,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _converts(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _keep_dtype(instance: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``instance`` holds parameters an attached runtime manages: then a conversion to
+    ``dtype`` is applied only where it changes nothing of theirs (their dtype already, as
+    ``model.float()`` of an fp32 model), to the module's other tensors as torch would; any other
+    conversion is refused before anything changed."""
+    runtimes = registry.runtimes()
+    if not runtimes:
+        return False
+    params = list(instance.parameters())
+    managed = [p for p in params if any(r.manages(p) for r in runtimes)]
+    if not managed:
+        return False
+    if any(_converts(p) and p.dtype != dtype for p in managed):
+        raise AttachError(
+            f"cannot change the dtype of an attached model to {dtype}; convert the model"
+            " before moving it to the GPU (model.to(dtype) then model.to('cuda'))"
+        )
+    kept = {id(p) for p in managed}
+    for param in params:
+        if id(param) not in kept and _converts(param) and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    for module in instance.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and _converts(buffer) and buffer.dtype != dtype:
+                module._buffers[name] = buffer.to(dtype)
+    return True
+
+
 def _move(instance: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> Any:
     """Handle a move of an attached model, or attach; returns NotImplemented to fall through."""
     if device is None and dtype is None:
         return NotImplemented
     runtime = registry.attached(instance)
     if runtime is not None:
-        if dtype is not None:
-            raise AttachError(
-                f"cannot change the dtype of an attached model to {dtype}; convert the model"
-                " before moving it to the GPU (model.to(dtype) then model.to('cuda'))"
-            )
         if device.type == runtime.device.type:
             return instance
         rt.detach(instance, device)
@@ -161,9 +196,29 @@ def _call_through(wrapped: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _to_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if dtype is not None and _keep_dtype(instance, dtype):
+        if device is None:
+            return instance
+        result = _move(instance, device, None)
+        if result is not NotImplemented:
+            return result
+        rest = {"non_blocking": non_blocking, "memory_format": memory_format}
+        return _call_through(wrapped, (device,), {k: v for k, v in rest.items() if v is not None})
     result = _move(instance, device, dtype)
     return _call_through(wrapped, args, kwargs) if result is NotImplemented else result
+
+
+def _dtype_method_wrapper(dtype: torch.dtype) -> Any:
+    """``float()``, ``half()``, ``bfloat16()``, ``double()``: a no-op on an attached model already
+    in that dtype, refused otherwise (``_keep_dtype``)."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if _keep_dtype(instance, dtype):
+            return instance
+        return wrapped(*args, **kwargs)
+
+    return wrapper
 
 
 def _cuda_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -241,6 +296,8 @@ def install(settings: Settings, target: str) -> None:
     _registry.wrap(nn.Module, "cuda", _cuda_wrapper, __name__)
     _registry.wrap(nn.Module, "cpu", _cpu_wrapper, __name__)
     _registry.wrap(nn.Module, "_apply", _apply_wrapper, __name__)
+    for method, dtype in _DTYPE_METHODS.items():
+        _registry.wrap(nn.Module, method, _dtype_method_wrapper(dtype), __name__)
     _registry.wrap(nn.Module, "zero_grad", _zero_grad_wrapper, __name__)
     _registry.wrap(nn.Parameter, "__repr__", _param_repr_wrapper, __name__)
     _registry.wrap(torch, "compile", _compile_wrapper, __name__)

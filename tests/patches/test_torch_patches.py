@@ -357,3 +357,55 @@ def test_moving_a_compiled_model_to_the_device_refuses_to_attach(how: str):
     with pytest.raises(AttachError, match="torch.compile"):
         model.to("cpu")
     assert not rt.runtimes()
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda m: m.to(torch.float32),
+        lambda m: m.to("cpu", torch.float32),
+        lambda m: m.to(device="cpu", dtype=torch.float32),
+        lambda m: m.float(),
+    ],
+    ids=["to_f32", "to_cpu_f32", "to_kwargs", "float"],
+)
+def test_converting_an_attached_model_to_its_own_dtype_changes_nothing(convert):
+    model = tiny_llama()
+    expected = copy.deepcopy(model)(input_ids=IDS).logits
+    enable_cpu(force_attach=True, n_persist=0)
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    assert convert(model) is model
+    assert rt.runtime_of(model) is runtime
+    torch.testing.assert_close(model(input_ids=IDS).logits, expected)
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.half(),
+        lambda m: m["model"].model.to(torch.float64),
+    ],
+    ids=["wrapper_to_bf16", "wrapper_half", "submodule_to_f64"],
+)
+def test_changing_the_dtype_around_or_inside_an_attached_model_raises(convert):
+    model = tiny_llama()
+    expected = copy.deepcopy(model)(input_ids=IDS).logits
+    enable_cpu(force_attach=True, n_persist=0)
+    box = nn.ModuleDict({"model": model, "head": nn.Linear(4, 4)})
+    model.to("cpu")
+    with pytest.raises(AttachError, match=r"convert the model before moving it"):
+        convert(box)
+    assert all(p.dtype == torch.float32 for p in box.parameters())
+    torch.testing.assert_close(model(input_ids=IDS).logits, expected)
+
+
+def test_converting_a_wrapper_to_its_attached_models_dtype_converts_only_the_rest():
+    model = tiny_llama()
+    enable_cpu(force_attach=True, n_persist=0)
+    box = nn.ModuleDict({"model": model, "head": nn.Linear(4, 4).double()})
+    model.to("cpu")
+    assert box.to(torch.float32) is box
+    assert box["head"].weight.dtype == torch.float32
+    assert model(input_ids=IDS, labels=IDS).loss.isfinite()
