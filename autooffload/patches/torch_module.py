@@ -4,7 +4,7 @@ offloaded parameter shows its real values."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -107,17 +107,29 @@ def _runtime_inside(module: nn.Module) -> Any:
     return None
 
 
+def _apply_around(
+    instance: nn.Module,
+    params_kept: set[int],
+    buffers_kept: set[int],
+    convert: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Apply ``convert`` to ``instance``'s params and buffers but those whose ids are kept (what
+    an attached runtime manages), as ``nn.Module._apply`` would to them."""
+    for param in instance.parameters():
+        if id(param) not in params_kept:
+            param.data = convert(param.data)
+    for module in instance.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and id(buffer) not in buffers_kept:
+                module._buffers[name] = convert(buffer)
+
+
 def _move_around(instance: nn.Module, runtime: Any, device: torch.device) -> nn.Module:
     """Move what a wrapper adds around an attached model (new adapters, buffers) to ``device``;
     the attached model's own params stay where the runtime keeps them."""
-    for param in instance.parameters():
-        if not runtime.manages(param):
-            param.data = param.data.to(device)
+    managed = {id(p) for p in instance.parameters() if runtime.manages(p)}
     inner = {id(b) for b in runtime.model.buffers()}
-    for module in instance.modules():
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None and id(buffer) not in inner:
-                module._buffers[name] = buffer.to(device)
+    _apply_around(instance, managed, inner, lambda t: t.to(device))
     return instance
 
 
@@ -150,14 +162,9 @@ def _keep_dtype(instance: nn.Module, dtype: torch.dtype) -> bool:
             f"cannot change the dtype of an attached model to {dtype}; convert the model"
             " before moving it to the GPU (model.to(dtype) then model.to('cuda'))"
         )
-    kept = {id(p) for p in managed}
-    for param in params:
-        if id(param) not in kept and _converts(param) and param.dtype != dtype:
-            param.data = param.data.to(dtype)
-    for module in instance.modules():
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None and _converts(buffer) and buffer.dtype != dtype:
-                module._buffers[name] = buffer.to(dtype)
+    _apply_around(
+        instance, {id(p) for p in managed}, set(), lambda t: t.to(dtype) if _converts(t) else t
+    )
     return True
 
 
