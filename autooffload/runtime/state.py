@@ -130,6 +130,7 @@ class ModelStateHooks:
         error_msgs: list[str],
     ) -> None:
         consumed = []
+        synchronized = False
         for name, param in module._parameters.items():
             key = prefix + name
             if param is None or id(param) not in self.slots or key not in state_dict:
@@ -152,8 +153,9 @@ class ModelStateHooks:
                 del state_dict[key]
                 consumed.append(key)
                 continue
-            if not consumed:
+            if not synchronized:
                 self.runtime.synchronize()
+                synchronized = True
             chunk, slot = self.slots[id(param)]
             write_param(self.runtime, chunk, slot, value)
             # torch would copy_ into the (possibly freed) chunk view, or assign over it.
