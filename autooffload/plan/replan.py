@@ -14,6 +14,8 @@ from autooffload.plan.calibration_model import (
     calibrate,
     calibrate_compute,
     calibrate_compute_cap,
+    calibrate_link,
+    with_link_scaled,
 )
 from autooffload.plan.configuration import (
     with_accumulation_of,
@@ -135,7 +137,7 @@ def calibrated(
     if measured_step_s:
         step = step_calibration(plan, calibrated, hw, measured_step_s)
         if step is not None:
-            calibrated, what = step
+            calibrated, hw, what = step
             found.append(what)
     if not found:
         return None
@@ -259,15 +261,17 @@ def with_running_split(profile: ModelProfile, plan: Plan) -> ModelProfile:
 
 def step_calibration(
     plan: Plan, profile: ModelProfile, hw: HardwareProfile, measured_step_s: float
-) -> tuple[ModelProfile, str] | None:
-    """``profile`` with its compute re-derived from the measured step, and the log's words for
-    it; None when the step is within ``STEP_MARGIN`` of the prediction, or no change of the
-    compute explains it.
+) -> tuple[ModelProfile, HardwareProfile, str] | None:
+    """``profile`` with its compute re-derived from the measured step, or ``hw`` with its host
+    link's rates, and the log's words for it; None when the step is within ``STEP_MARGIN`` of
+    the prediction, or neither explains it.
 
     Unit times that outlast the whole measured step held a stall: they alone are cut to fit
     it (``calibration_model.calibrate_compute_cap``). Otherwise every unit's times are scaled
     by one factor (``calibrate_compute``): the step runs its blocks slower or faster than the
-    probe timed them alone."""
+    probe timed them alone. Where the compute does not set the step (a change of it does not
+    move the prediction enough), the host copies' times are scaled by one factor
+    (``calibrate_link``): the step's copies run slower or faster than the probe's."""
     tables = chunk_tables(profile)
 
     def step_of(candidate: ModelProfile) -> float:
@@ -279,17 +283,40 @@ def step_calibration(
     missed = f"measured step {measured_step_s * 1e3:.0f} ms vs predicted {predicted * 1e3:.0f} ms"
     cap = calibrate_compute_cap(profile, step_of, measured_step_s)
     if cap is not None:
-        return profile.with_outliers_capped(measured_step_s, cap), (
-            f"{missed} (the profiled compute times were an outlier:"
-            f" {outlasting_times(profile, measured_step_s)} outlasted the whole step;"
-            f" capped at {cap * 1e3:.1f} ms)"
+        return (
+            profile.with_outliers_capped(measured_step_s, cap),
+            hw,
+            (
+                f"{missed} (the profiled compute times were an outlier:"
+                f" {outlasting_times(profile, measured_step_s)} outlasted the whole step;"
+                f" capped at {cap * 1e3:.1f} ms)"
+            ),
         )
-    factor = calibrate_compute(running_variant(profile, plan, hw), hw, plan.knobs, measured_step_s)
-    if factor is None:
+    running = running_variant(profile, plan, hw)
+    factor = calibrate_compute(running, hw, plan.knobs, measured_step_s)
+    if factor is not None:
+        low, high = COMPUTE_OUTLIER_BAND
+        outlier = "" if low <= factor <= high else "; the profiled compute times were an outlier"
+        return (
+            profile.with_compute_scaled(factor),
+            hw,
+            f"{missed} (compute x{factor:.2f}{outlier})",
+        )
+
+    def step_on(link_hw: HardwareProfile) -> float:
+        variant = running_variant(profile, plan, link_hw)
+        return predict_step_time(variant, link_hw, plan.knobs, tables)[0]
+
+    link = calibrate_link(hw, step_on, measured_step_s)
+    if link is None:
         return None
-    low, high = COMPUTE_OUTLIER_BAND
-    outlier = "; the profiled compute times were an outlier" if not low <= factor <= high else ""
-    return profile.with_compute_scaled(factor), f"{missed} (compute x{factor:.2f}{outlier})"
+    scaled = with_link_scaled(hw, link)
+    return (
+        profile,
+        scaled,
+        f"{missed} (host copies x{link:.2f} the probed time: H2D {scaled.h2d_bps / 1e9:.1f},"
+        f" D2H {scaled.d2h_bps / 1e9:.1f} GB/s)",
+    )
 
 
 def running_variant(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> ModelProfile:

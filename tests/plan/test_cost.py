@@ -13,8 +13,11 @@ from autooffload.errors import PlanError
 from autooffload.plan.calibration_model import (
     COMPUTE_ELASTICITY_MIN,
     COMPUTE_SCALE_RANGE,
+    LINK_SCALE_RANGE,
     calibrate,
     calibrate_compute,
+    calibrate_link,
+    with_link_scaled,
 )
 from autooffload.plan.configuration import assign_block_policies
 from autooffload.plan.cost_memory import (
@@ -193,6 +196,45 @@ def test_calibrate_compute_declines_a_fit_that_lands_on_a_floor_compute_does_not
     assert calibrate_compute(profile, hw, knobs, 0.302) is None
     # Above the floor the same curve is compute's to explain.
     assert calibrate_compute(profile, hw, knobs, 0.33) == pytest.approx(0.33 / 0.355, rel=1e-3)
+
+
+def _link_bound(profile):
+    """A slow host link and every chunk streamed: the copies set the step."""
+    slow = make_hardware(h2d_bps=2e9, d2h_bps=2e9, duplex_bps=3e9)
+    knobs = _knobs(profile, n_persist=0)
+    _, _, bottleneck = _time(profile, slow, knobs)
+    assert bottleneck.startswith("pcie")
+    return slow, knobs
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.3, 2.0])
+def test_calibrate_link_recovers_the_scale_of_a_link_bound_step(profile, factor):
+    slow, knobs = _link_bound(profile)
+    measured, _, _ = _time(profile, with_link_scaled(slow, factor), knobs)
+    step_of = lambda hw: _time(profile, hw, knobs)[0]  # noqa: E731
+    # Compute does not set this step: it declines, the link explains it.
+    if factor > 1:
+        assert calibrate_compute(profile, slow, knobs, measured) is None
+    found = calibrate_link(slow, step_of, measured)
+    assert found == pytest.approx(factor, rel=1e-3)
+    scaled = with_link_scaled(slow, found)
+    assert scaled.h2d_bps == pytest.approx(slow.h2d_bps / factor, rel=1e-3)
+    assert scaled.duplex_bps == pytest.approx(slow.duplex_bps / factor, rel=1e-3)
+
+
+def test_calibrate_link_declines_a_step_the_copies_do_not_set(profile, hw):
+    """A compute-bound step (fast links, everything persistent) does not move with the copies'
+    time; a link-bound one measured beyond every factor's reach is not the link's either."""
+    knobs = _knobs(profile, n_persist=profile.n_chunks, n_checkpoint=2)
+    step, _, bottleneck = _time(profile, hw, knobs)
+    assert not bottleneck.startswith("pcie")
+    assert calibrate_link(hw, lambda h: _time(profile, h, knobs)[0], 1.3 * step) is None
+    slow, knobs = _link_bound(profile)
+    step_of = lambda h: _time(profile, h, knobs)[0]  # noqa: E731
+    ceiling = step_of(with_link_scaled(slow, LINK_SCALE_RANGE[1]))
+    assert calibrate_link(slow, step_of, 1.5 * ceiling) is None
+    with pytest.raises(PlanError, match="measured_step_s"):
+        calibrate_link(slow, step_of, 0.0)
 
 
 def test_fast_links_make_the_step_compute_bound(profile, hw):

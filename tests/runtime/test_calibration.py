@@ -805,7 +805,8 @@ def test_a_slower_step_is_fitted_with_the_running_split():
     expected = predict_step_time(replan.with_running_split(profile, running), slow, running.knobs)[
         0
     ]
-    scaled, what = replan.step_calibration(running, profile, slow, 1.2 * expected)
+    scaled, hw, what = replan.step_calibration(running, profile, slow, 1.2 * expected)
+    assert hw is slow, "a compute-bound miss leaves the link as probed"
     assert scaled.gpu_update == -1, "the calibrated profile keeps the auto split"
     as_running = replan.with_running_split(scaled, running)
     refit = predict_step_time(as_running, slow, running.knobs)[0]
@@ -877,3 +878,34 @@ def test_the_need_is_the_allocated_peak_under_expandable_segments(monkeypatch, e
     )
     need = calibration.measured_need(runtime)
     assert need == (math.ceil(18 * gib * EXPANDABLE_FRAGMENTATION) if expandable else 26 * gib)
+
+
+def test_a_link_bound_step_that_misses_calibrates_the_host_link_not_compute():
+    """A step the model finds bound by the host copies (every chunk streamed over a slow link)
+    measured 30% slower: scaling compute cannot explain it, so the copies' rates are lowered
+    until the prediction meets the measurement, the compute times stay as profiled, and the
+    re-planned prediction is the measured step (8B at 24 GiB on four GPUs ran 920 ms against
+    680 predicted, bound by D2H, and no check said so)."""
+    profile = make_profile(seed=5, n_blocks=4, chunk_size=48 * MiB, block_param_bytes=64 * MiB)
+    slow = make_hardware(h2d_bps=2e9, d2h_bps=2e9, duplex_bps=3e9)
+    request = SearchRequest({profile.chunk_size: profile}, slow, None, fixed={"n_persist": 0})
+    plan = request.plan()
+    assert plan.bottleneck.startswith("pcie")
+    measured = 1.3 * plan.predicted_step_s
+    found = replan.calibrated(
+        plan,
+        request,
+        profile,
+        profile.chunk_size,
+        replan.Measured(plan.predicted_peak_bytes, step_s=measured),
+    )
+    assert found is not None and "(host copies x" in found.what
+    assert "compute x" not in found.what
+    assert found.profile.blocks[0].fwd_s == profile.blocks[0].fwd_s
+    hw = found.request.hw
+    assert hw.h2d_bps < slow.h2d_bps / 1.2 and hw.d2h_bps < slow.d2h_bps / 1.2
+    assert hw.cpu_optim_params_per_s == slow.cpu_optim_params_per_s
+    assert found.outcome.predicted_step_s == pytest.approx(measured, rel=0.03)
+    # Within STEP_MARGIN nothing is calibrated.
+    near = replan.Measured(plan.predicted_peak_bytes, step_s=1.02 * plan.predicted_step_s)
+    assert replan.calibrated(plan, request, profile, profile.chunk_size, near) is None

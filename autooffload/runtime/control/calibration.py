@@ -369,7 +369,8 @@ def calibrate_after_steps(
       calibrations above (at the plan's own GPU update split) by more than ``STEP_MARGIN``
       re-derives the units' compute times (``replan.step_calibration``): unit times that
       outlast the whole step (a stall in a profiled span) are cut to fit it, else every unit's
-      times are scaled, when a scale explains it.
+      times are scaled, when a scale explains it, else the host copies' rates are, when the
+      copies set the step.
     Any of them re-runs the search, which may promote chunks or demote them (their optimizer
     state moves between the user's optimizer and the CPU twins: ``Runtime.apply_plan``); a
     ``drift`` check only promotes.
