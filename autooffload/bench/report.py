@@ -23,13 +23,17 @@ SCHEMA = "autooffload.bench/1"
 #   drop of vanilla's loss so far): a peer that drops or mangles updates misses by a large part
 #   of the drop. Pure-bf16 vanilla against an fp32-master peer may legitimately differ by a few
 #   percent of it.
-# The window ends where vanilla's loss first rises by more than FINAL_TOL_ABS over its previous
-# step, but holds at least CHECK_MIN_STEPS steps: training on one repeated batch at lr 1e-3 turns
-# unstable there (3.6B: from step 3), and from then on rounding differences between equally
-# correct peers grow to the size of the loss's movement. A stable run is compared to its end.
+# The window ends with the step at which vanilla's loss first rises by more than FINAL_TOL_ABS
+# over its previous step (at least CHECK_MIN_STEPS steps: the first update is always compared):
+# training on one repeated batch at lr 1e-3 turns unstable there (3.6B and 8B: at step 3), and
+# from then on rounding differences between equally correct peers grow to the size of the
+# loss's movement. Vanilla DDP on four H200s read 9.763 and 9.888 at 8B's step 4 in two runs of
+# the same command (10.401 and 11.090 at step 5), where autooffload and vanilla of one run agreed
+# within 0.013 at step 3.
+# A stable run is compared to its end.
 FIRST_TOL_ABS, FIRST_TOL_REL = 0.02, 0.002
 FINAL_TOL_ABS, FINAL_TOL_DROP = 0.05, 0.10
-CHECK_MIN_STEPS = 4
+CHECK_MIN_STEPS = 2
 
 SUMMARY_NUMBERS = (
     "tokens_per_s",
@@ -80,11 +84,11 @@ def _vanilla_reference(
 
 
 def check_window(ref_losses: list[float]) -> int:
-    """How many leading steps the loss check compares: up to vanilla's first rise by more than
-    ``FINAL_TOL_ABS`` (the run turning unstable), at least ``CHECK_MIN_STEPS``."""
+    """How many leading steps the loss check compares: through vanilla's first rise by more
+    than ``FINAL_TOL_ABS`` (the run turning unstable), at least ``CHECK_MIN_STEPS``."""
     for index in range(1, len(ref_losses)):
         if ref_losses[index] > ref_losses[index - 1] + FINAL_TOL_ABS:
-            return min(len(ref_losses), max(CHECK_MIN_STEPS, index))
+            return min(len(ref_losses), max(CHECK_MIN_STEPS, index + 1))
     return len(ref_losses)
 
 

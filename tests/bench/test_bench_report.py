@@ -162,17 +162,38 @@ def _check(reference: list[float], peer: list[float]) -> str:
 
 
 def test_the_loss_check_stops_where_the_reference_turns_unstable() -> None:
-    assert report.check_window(VANILLA_3B6) == report.CHECK_MIN_STEPS
+    assert report.check_window(VANILLA_3B6) == 3  # through the rise at step 3
     assert report.check_window(VANILLA_1B) == len(VANILLA_1B)
     assert abs(AUTOOFFLOAD_3B6[-1] - VANILLA_3B6[-1]) > 1.0  # beyond the old final tolerance
     assert _check(VANILLA_3B6, AUTOOFFLOAD_3B6) == "ok"
 
 
+# Llama-3-8B full, 4x H200, two runs of the same bench command: vanilla DDP's steps 4 and 5
+# moved by 0.13 and 0.69 between them; autooffload agreed with vanilla of its own run within
+# 0.013 through step 3.
+VANILLA_8B_X4 = [12.5626, 10.1195, 10.6542, 9.8884, 11.0896, 8.9199, 8.7618, 8.8655]
+VANILLA_8B_X4_AGAIN = [12.5626, 10.1208, 10.6992, 9.7631, 10.401, 8.9329, 8.7689, 8.8524]
+AUTOOFFLOAD_8B_X4 = [12.5626, 10.1209, 10.6423, 10.18, 11.6634, 8.8799, 8.7482, 8.8796]
+
+
+def test_the_unstable_steps_after_vanillas_first_rise_are_not_compared() -> None:
+    """Step 4 of 8B on four GPUs differs between two vanilla runs by about half of what it
+    differs between vanilla and autooffload: a flag there is no evidence of a wrong update."""
+    assert report.check_window(VANILLA_8B_X4) == 3
+    assert _check(VANILLA_8B_X4, VANILLA_8B_X4_AGAIN) == "ok"
+    assert _check(VANILLA_8B_X4, AUTOOFFLOAD_8B_X4) == "ok"
+    # A wrong update before the rise is still caught at its step.
+    dropped = [*AUTOOFFLOAD_8B_X4[:1], 12.5626, *AUTOOFFLOAD_8B_X4[2:]]
+    assert _check(VANILLA_8B_X4, dropped) == "DIFF step 2"
+
+
 def test_a_lost_or_wrong_update_is_flagged_at_its_step() -> None:
     skipped_first_update = [12.39, 12.39, *AUTOOFFLOAD_3B6[2:]]
     assert _check(VANILLA_3B6, skipped_first_update) == "DIFF step 2"
-    bad_third_update = [*AUTOOFFLOAD_3B6[:3], 10.2, *AUTOOFFLOAD_3B6[4:]]
-    assert _check(VANILLA_3B6, bad_third_update) == "DIFF step 4"
+    bad_second_update = [*AUTOOFFLOAD_3B6[:2], 12.4, *AUTOOFFLOAD_3B6[3:]]
+    assert _check(VANILLA_3B6, bad_second_update) == "DIFF step 3"
+    bad_third_update = [*VANILLA_1B[:3], 8.6, *VANILLA_1B[4:]]
+    assert _check(VANILLA_1B, bad_third_update) == "DIFF step 4"
     # In a stable run a drift late in the run is a real difference.
     drifting = [*VANILLA_1B[:9], 7.5, 7.6, 7.7]
     assert _check(VANILLA_1B, drifting) == "DIFF step 10"
