@@ -3,8 +3,10 @@ gradients over GPU and host gradients together, and save/load the state of every
 loss scaling over host gradients, and clean-up after a backward that raised.
 
 ``Optimizer.step`` is overridden by every subclass, so a wrapper on the base class would not
-run; torch's global step hooks (called by the ``profile_hook_step`` wrapper every optimizer's
-``step`` goes through) are the reliable, removable entry point, and are used for the step.
+run; the ``profile_hook_step`` wrapper every optimizer's ``step`` goes through is the reliable
+entry point: its global pre hook starts the step, and ``Optimizer._optimizer_step_code``, which
+it calls right after the update and before the optimizer's own post hooks, queues the CPU part,
+so those hooks see the stepped weights and the hyperparameters the step used.
 """
 
 from __future__ import annotations
@@ -17,10 +19,7 @@ import torch
 import torch.amp.grad_scaler
 import torch.nn.utils
 import torch.nn.utils.clip_grad
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from autooffload.patches import _registry
@@ -82,7 +81,14 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> No
         runtime.before_step(optimizer)
 
 
-def _post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+def _step_code_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``Optimizer._optimizer_step_code``: called between a step's update and its post hooks."""
+    result = wrapped(*args, **kwargs)
+    _post_step(instance)
+    return result
+
+
+def _post_step(optimizer: torch.optim.Optimizer) -> None:
     runtimes = _bound_runtimes(optimizer)
     apply_update = True
     found_inf = getattr(optimizer, "found_inf", None)
@@ -331,6 +337,7 @@ def _load_state_dict_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
 def install(settings: Settings, target: str) -> None:
     group = __name__
     _registry.wrap(torch.optim.Optimizer, "__init__", _init_wrapper, group)
+    _registry.wrap(torch.optim.Optimizer, "_optimizer_step_code", _step_code_wrapper, group)
     _registry.wrap(torch.optim.Optimizer, "zero_grad", _zero_grad_wrapper, group)
     _registry.wrap(torch.optim.Optimizer, "add_param_group", _add_param_group_wrapper, group)
     _registry.wrap(torch.nn.utils.clip_grad, "clip_grad_norm_", _clip_wrapper, group)
@@ -347,7 +354,6 @@ def install(settings: Settings, target: str) -> None:
     _registry.wrap(scaler, "_maybe_opt_step", _maybe_opt_step_with_host, group)
     if not _handles:
         _handles.append(register_optimizer_step_pre_hook(_pre_step))
-        _handles.append(register_optimizer_step_post_hook(_post_step))
 
 
 def uninstall() -> None:

@@ -285,14 +285,17 @@ def test_disable_restores_every_patched_torch_entry_point():
         "Module.compile": nn.Module.__dict__["compile"],
         "Optimizer.__init__": torch.optim.Optimizer.__dict__["__init__"],
         "Optimizer.zero_grad": torch.optim.Optimizer.__dict__["zero_grad"],
+        "Optimizer._optimizer_step_code": torch.optim.Optimizer.__dict__["_optimizer_step_code"],
         "utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
         "clip_grad.clip_grad_norm_": torch.nn.utils.clip_grad.clip_grad_norm_,
     }
     optimizer_module = importlib.import_module("torch.optim.optimizer")
-    post_hooks = dict(optimizer_module._global_optimizer_post_hooks)
+    pre_hooks = dict(optimizer_module._global_optimizer_pre_hooks)
     enable_cpu(force_attach=True)
     assert nn.Module.__dict__["to"] is not originals["Module.to"]
-    assert len(optimizer_module._global_optimizer_post_hooks) == len(post_hooks) + 1
+    assert len(optimizer_module._global_optimizer_pre_hooks) == len(pre_hooks) + 1
+    step_code = torch.optim.Optimizer.__dict__["_optimizer_step_code"]
+    assert step_code is not originals["Optimizer._optimizer_step_code"]
     assert torch.nn.utils.clip_grad_norm_ is not originals["utils.clip_grad_norm_"]
     assert torch.__dict__["compile"] is not originals["torch.compile"]
     autooffload.disable()
@@ -305,12 +308,13 @@ def test_disable_restores_every_patched_torch_entry_point():
         "Module.compile": nn.Module.__dict__["compile"],
         "Optimizer.__init__": torch.optim.Optimizer.__dict__["__init__"],
         "Optimizer.zero_grad": torch.optim.Optimizer.__dict__["zero_grad"],
+        "Optimizer._optimizer_step_code": torch.optim.Optimizer.__dict__["_optimizer_step_code"],
         "utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
         "clip_grad.clip_grad_norm_": torch.nn.utils.clip_grad.clip_grad_norm_,
     }
     for name, original in originals.items():
         assert restored[name] is original, f"{name} was not restored"
-    assert dict(optimizer_module._global_optimizer_post_hooks) == post_hooks
+    assert dict(optimizer_module._global_optimizer_pre_hooks) == pre_hooks
     model = tiny_llama()
     model.to("cpu")
     assert rt.runtime_of(model) is None
