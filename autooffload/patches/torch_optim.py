@@ -11,8 +11,10 @@ so those hooks see the stepped weights and the hyperparameters the step used.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -303,13 +305,36 @@ def _clip_with_norm_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: di
     return clip_grads_with_norm_with_host(wrapped, *args, **kwargs)
 
 
+@contextlib.contextmanager
+def _hooks_held_back(optimizer: torch.optim.Optimizer, *names: str) -> Iterator[list[dict]]:
+    """The optimizer's hook dicts ``names`` emptied while inside (torch's own method then runs
+    none of them); yields their hooks, for the caller to run where they see the whole state."""
+    held = [getattr(optimizer, name) for name in names]
+    try:
+        for name in names:
+            setattr(optimizer, name, OrderedDict())
+        yield [dict(hooks) for hooks in held]
+    finally:
+        for name, hooks in zip(names, held, strict=True):
+            setattr(optimizer, name, hooks)
+
+
 def _state_dict_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``Optimizer.state_dict`` with the CPU twins' state of offloaded params merged in."""
+    """``Optimizer.state_dict`` with the CPU twins' state of offloaded params merged in, before
+    the optimizer's state-dict post hooks, which see it as on a plain model."""
     from autooffload.runtime.state import add_offloaded_state
 
-    state_dict = wrapped(*args, **kwargs)
-    for runtime in _runtimes_of_optimizer(instance):
+    runtimes = _runtimes_of_optimizer(instance)
+    if not runtimes:
+        return wrapped(*args, **kwargs)
+    with _hooks_held_back(instance, "_optimizer_state_dict_post_hooks") as (post_hooks,):
+        state_dict = wrapped(*args, **kwargs)
+    for runtime in runtimes:
         add_offloaded_state(runtime, instance, state_dict)
+    for post_hook in post_hooks.values():
+        hook_result = post_hook(instance, state_dict)
+        if hook_result is not None:
+            state_dict = hook_result
     return state_dict
 
 
@@ -322,15 +347,25 @@ def _load_state_dict_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     runtimes = _bound_runtimes(instance)
     if not runtimes:
         return wrapped(*args, **kwargs)
-    state_dict = kwargs.pop("state_dict") if "state_dict" in kwargs else args[0]
-    per_runtime = []
-    for runtime in runtimes:
-        state_dict, offloaded = split_offloaded_state(runtime, instance, state_dict)
-        per_runtime.append((runtime, offloaded))
-    # The user's optimizer first: twins built afterwards take its loaded hyperparameters.
-    result = wrapped(state_dict)
-    for runtime, offloaded in per_runtime:
-        load_offloaded_state(runtime, instance, offloaded)
+    # torch's own copy; its load-state-dict hooks see the whole state, before the split and
+    # after the offloaded params' state is loaded.
+    state_dict = (kwargs.pop("state_dict") if "state_dict" in kwargs else args[0]).copy()
+    hook_names = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+    with _hooks_held_back(instance, *hook_names) as (pre_hooks, post_hooks):
+        for pre_hook in pre_hooks.values():
+            hook_result = pre_hook(instance, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        per_runtime = []
+        for runtime in runtimes:
+            state_dict, offloaded = split_offloaded_state(runtime, instance, state_dict)
+            per_runtime.append((runtime, offloaded))
+        # The user's optimizer first: twins built afterwards take its loaded hyperparameters.
+        result = wrapped(state_dict)
+        for runtime, offloaded in per_runtime:
+            load_offloaded_state(runtime, instance, offloaded)
+    for post_hook in post_hooks.values():
+        post_hook(instance)
     return result
 
 

@@ -62,3 +62,60 @@ def test_step_post_hooks_see_the_stepped_weights_and_may_step_the_schedule() -> 
     assert len(actual) == len(expected) == 4
     for step, (value, reference) in enumerate(zip(actual, expected, strict=True)):
         torch.testing.assert_close(value, reference, rtol=0, atol=0, msg=f"after step {step}")
+
+
+def _checkpoint_through_hooks(model: nn.Module, attached: bool) -> list:
+    """Train, save the optimizer with a post hook that tags the dict, load it into a fresh
+    optimizer whose pre hook zeroes every first moment and whose post hook reads its state,
+    train on: what the hooks saw, then the weights."""
+    if attached:
+        _attach(model)
+    seen: list = []
+
+    def tag(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        seen.append(sorted(state_dict["state"]))
+        return {**state_dict, "tag": "saved"}
+
+    def zero_first_moments(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        seen.append(sorted(state_dict["state"]))
+        state = {
+            k: {**v, "exp_avg": torch.zeros_like(v["exp_avg"])}
+            for k, v in state_dict["state"].items()
+        }
+        return {**state_dict, "state": state}
+
+    def after_load(opt: torch.optim.Optimizer) -> None:
+        state = opt.state_dict()["state"]
+        seen.append(sorted(state))
+        seen.append(sum(float(s["exp_avg"].abs().sum()) for s in state.values()))
+
+    optimizer = _adamw(model)
+    data = batches(3)
+    for ids in data[:2]:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.register_state_dict_post_hook(tag)
+    saved = optimizer.state_dict()
+    seen.append(saved.pop("tag"))
+    resumed = _adamw(model)
+    resumed.register_load_state_dict_pre_hook(zero_first_moments)
+    resumed.register_load_state_dict_post_hook(after_load)
+    resumed.load_state_dict(saved)
+    model(input_ids=data[2], labels=data[2]).loss.backward()
+    resumed.step()
+    seen.append(model.state_dict()[WATCHED].clone())
+    autooffload.disable()
+    return seen
+
+
+def test_optimizer_state_dict_hooks_see_and_change_every_params_state() -> None:
+    plain = tiny_llama(n_layers=2)
+    attached = copy.deepcopy(plain)
+    expected = _checkpoint_through_hooks(plain, attached=False)
+    actual = _checkpoint_through_hooks(attached, attached=True)
+    n_params = len(list(plain.parameters()))
+    assert expected[0] == list(range(n_params))
+    assert actual[:-2] == expected[:-2]
+    assert actual[-2] == 0.0
+    torch.testing.assert_close(actual[-1], expected[-1], rtol=0, atol=0)
