@@ -1,15 +1,18 @@
 """nn.Module patches: moving a large trainable model to the GPU attaches it instead of copying
 it whole; ``zero_grad`` also clears the host gradients of offloaded parameters; printing an
-offloaded parameter shows its real values."""
+offloaded parameter, ``parameters_to_vector``, ``vector_to_parameters`` and
+``AveragedModel.update_parameters`` read and write its real values."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
 import torch
+import torch.nn.utils.convert_parameters
+import torch.optim.swa_utils
 from torch import nn
 
 from autooffload import runtime as rt
@@ -281,6 +284,71 @@ def _param_repr_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
         return wrapped(*args, **kwargs)
 
 
+def _runs_by_chunk(runtime: rt.Runtime, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` in order, cut into runs of consecutive params that share a chunk (or no
+    chunk), so that each chunk is gathered once per run."""
+    runs: list[list[torch.Tensor]] = []
+    last: object = object()
+    for param in params:
+        entry = runtime.slot_index.get(id(param))
+        chunk = entry[0].index if entry is not None else None
+        if not runs or chunk != last:
+            runs.append([])
+        runs[-1].append(param)
+        last = chunk
+    return runs
+
+
+def _parameters_to_vector_wrapper(
+    wrapped: Any, instance: Any, args: tuple, kwargs: dict
+) -> torch.Tensor:
+    """``parameters_to_vector`` over offloaded parameters: each chunk is on the device while
+    its params are read, one chunk at a time."""
+    parameters: Iterable[torch.Tensor] = kwargs.get("parameters", args[0] if args else ())
+    params = list(parameters)
+    runtime = runtime_managing(params)
+    if runtime is None:
+        return wrapped(params)
+    runtime.cpu_optim.early.check_no_early_read("torch.nn.utils.parameters_to_vector()")
+    pieces = []
+    for run in _runs_by_chunk(runtime, params):
+        with params_on_device(runtime, run):
+            pieces.append(wrapped(run))
+    return torch.cat(pieces)
+
+
+def _vector_to_parameters_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
+    """``vector_to_parameters`` into offloaded parameters: the values are written into their
+    chunks (the params stay the chunks' views rather than views of ``vec``)."""
+    vec: torch.Tensor = kwargs.get("vec", args[0] if args else None)
+    parameters: Iterable[torch.Tensor] = kwargs.get("parameters", args[1] if len(args) > 1 else ())
+    params = list(parameters)
+    runtime = runtime_managing(params)
+    if runtime is None or not isinstance(vec, torch.Tensor):
+        return wrapped(vec, params)
+    runtime.cpu_optim.early.check_no_early_read("torch.nn.utils.vector_to_parameters()")
+    start = 0
+    for run in _runs_by_chunk(runtime, params):
+        count = sum(p.numel() for p in run)
+        with params_on_device(runtime, run, written=run):
+            wrapped(vec[start : start + count], run)
+        start += count
+    return None
+
+
+def _update_parameters_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
+    """``AveragedModel.update_parameters(model)`` of an attached model reads its weights with
+    every chunk on the device."""
+    model = kwargs.get("model", args[0] if args else None)
+    params = list(model.parameters()) if isinstance(model, nn.Module) else []
+    runtime = runtime_managing(params)
+    if runtime is None:
+        return wrapped(*args, **kwargs)
+    runtime.cpu_optim.early.check_no_early_read("AveragedModel.update_parameters()")
+    with params_on_device(runtime, params):
+        return wrapped(*args, **kwargs)
+
+
 def _refuse_attached(model: Any) -> None:
     if isinstance(model, nn.Module) and registry.runtimes_in(model):
         raise AttachError(COMPILE_UNSUPPORTED)
@@ -307,6 +375,12 @@ def install(settings: Settings, target: str) -> None:
         _registry.wrap(nn.Module, method, _dtype_method_wrapper(dtype), __name__)
     _registry.wrap(nn.Module, "zero_grad", _zero_grad_wrapper, __name__)
     _registry.wrap(nn.Parameter, "__repr__", _param_repr_wrapper, __name__)
+    # torch.nn.utils re-exports both functions: the module and the package name are patched.
+    for owner in (torch.nn.utils, torch.nn.utils.convert_parameters):
+        _registry.wrap(owner, "parameters_to_vector", _parameters_to_vector_wrapper, __name__)
+        _registry.wrap(owner, "vector_to_parameters", _vector_to_parameters_wrapper, __name__)
+    averaged = torch.optim.swa_utils.AveragedModel
+    _registry.wrap(averaged, "update_parameters", _update_parameters_wrapper, __name__)
     _registry.wrap(torch, "compile", _compile_wrapper, __name__)
     _registry.wrap(nn.Module, "compile", _module_compile_wrapper, __name__)
 

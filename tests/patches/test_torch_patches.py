@@ -175,6 +175,57 @@ def test_printing_an_offloaded_parameter_shows_its_values_and_leaves_it_offloade
     assert runtime.manager.n_in_use() == 0
 
 
+def _train_two_steps(model: nn.Module) -> torch.optim.Optimizer:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for _ in range(2):
+        model(input_ids=IDS, labels=IDS).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return optimizer
+
+
+def test_parameters_to_vector_and_back_see_the_offloaded_weights():
+    plain = tiny_llama()
+    attached = copy.deepcopy(plain)
+    _train_two_steps(plain)
+    enable_cpu(force_attach=True, n_persist=1)
+    attached.to("cpu")
+    _train_two_steps(attached)
+    runtime = rt.runtime_of(attached)
+    expected = torch.nn.utils.parameters_to_vector(plain.parameters())
+    vector = torch.nn.utils.parameters_to_vector(attached.parameters())
+    torch.testing.assert_close(vector, expected, rtol=0, atol=0)
+    assert runtime.manager.n_in_use() == 0, "reading left chunks on the device"
+    torch.nn.utils.vector_to_parameters(-vector, attached.parameters())
+    state = attached.state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(state[name], -value, rtol=0, atol=0, msg=name)
+
+
+def test_an_averaged_model_of_an_attached_model_averages_its_weights():
+    """An EMA kept with ``torch.optim.swa_utils.AveragedModel`` (built before the attach)."""
+    plain = tiny_llama()
+    attached = copy.deepcopy(plain)
+    averages = []
+    for model in (plain, attached):
+        ema_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+        averaged = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=ema_fn)
+        if model is attached:
+            enable_cpu(force_attach=True, n_persist=1)
+            model.to("cpu")
+            assert rt.runtime_of(model) is not None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for _ in range(3):
+            model(input_ids=IDS, labels=IDS).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            averaged.update_parameters(model)
+        averages.append(averaged.module.state_dict())
+    assert averages[1].keys() == averages[0].keys()
+    for name, value in averages[0].items():
+        torch.testing.assert_close(averages[1][name], value, rtol=0, atol=0, msg=name)
+
+
 # ---- zero_grad ----------------------------------------------------------------------------------
 
 
