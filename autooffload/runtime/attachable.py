@@ -1,4 +1,5 @@
-"""Which models and model changes the runtime refuses: dispatched, meta, sharded, altered."""
+"""Which models and model changes the runtime refuses: dispatched, meta, sharded, altered,
+sparse gradients."""
 
 from __future__ import annotations
 
@@ -27,10 +28,24 @@ def is_compiled(model: nn.Module) -> bool:
 
 
 def check_attachable(model: nn.Module) -> None:
-    """Refuse models autooffload must not manage (already sharded, dispatched, meta or
-    compiled)."""
+    """Refuse models autooffload must not manage (already sharded, dispatched, meta, compiled,
+    or training an embedding with sparse gradients)."""
     if any(is_compiled(m) for m in model.modules()):
         raise AttachError(COMPILE_UNSUPPORTED)
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if (
+            isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+            and module.sparse
+            and isinstance(weight, nn.Parameter)
+            and weight.requires_grad
+        ):
+            raise AttachError(
+                f"{name or 'the model'} is a trainable {type(module).__name__} with sparse=True;"
+                " autooffload offloads and updates dense gradients only: build it with"
+                " sparse=False (with a dense optimizer such as AdamW instead of SparseAdam),"
+                " freeze it, or set AUTOOFFLOAD_OFFLOAD=0"
+            )
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         raise AttachError(
             "model is dispatched across devices with device_map; autooffload's weight offload"

@@ -52,6 +52,29 @@ def test_unsupported_optimizer_over_offloaded_params_names_the_supported_ones(
     assert "AUTOOFFLOAD_N_PERSIST" in message or "AUTOOFFLOAD_OFFLOAD" in message
 
 
+class _SparseEmbeddingModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, 64, sparse=True)
+        self.layers = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return hidden.sum()
+
+
+def test_a_trainable_sparse_embedding_is_refused_at_attach(offload_cpu):
+    model = _SparseEmbeddingModel()
+    offload_cpu(n_persist=0)
+    with pytest.raises(AttachError, match="embed is a trainable Embedding with sparse=True"):
+        model.to("cpu")
+    model.embed.weight.requires_grad_(False)
+    model.to("cpu")
+    assert rt.runtime_of(model) is not None
+
+
 def test_unsupported_optimizer_is_fine_when_every_chunk_is_persistent(
     make_llama, offload_cpu, chunk_count
 ):
