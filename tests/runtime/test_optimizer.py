@@ -52,6 +52,29 @@ def test_unsupported_optimizer_over_offloaded_params_names_the_supported_ones(
     assert "AUTOOFFLOAD_N_PERSIST" in message or "AUTOOFFLOAD_OFFLOAD" in message
 
 
+def _adafactor(params, lr: float) -> torch.optim.Optimizer:
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=lr, relative_step=False, scale_parameter=False)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [torch.optim.LBFGS, torch.optim.SparseAdam, _adafactor],
+    ids=["LBFGS", "SparseAdam", "Adafactor"],
+)
+def test_other_optimizers_over_offloaded_params_are_refused_before_training(
+    make_llama, offload_cpu, build
+):
+    """LBFGS (its closure re-evaluated within a step), SparseAdam and transformers' Adafactor
+    have no CPU twin: refused when built, not at a step that would train wrongly."""
+    model = make_llama(n_layers=2)
+    offload_cpu(n_persist=0)
+    model.to("cpu")
+    with pytest.raises(AttachError, match="no CPU path for offloaded parameters"):
+        build(model.parameters(), lr=1e-3)
+
+
 class _SparseEmbeddingModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -73,6 +96,36 @@ def test_a_trainable_sparse_embedding_is_refused_at_attach(offload_cpu):
     model.embed.weight.requires_grad_(False)
     model.to("cpu")
     assert rt.runtime_of(model) is not None
+
+
+def test_reduce_lr_on_plateau_trains_like_plain(make_llama, offload_cpu):
+    """The learning rate it lowers after a step reaches the offloaded params' next update."""
+    plain = make_llama(n_layers=2)
+    attached = copy.deepcopy(plain)
+    losses = []
+    for model in (plain, attached):
+        if model is attached:
+            offload_cpu(n_persist=1)
+            model.to("cpu")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        # Every loss counts as no improvement: the rate halves after every step.
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, factor=0.5, patience=0, threshold=10.0
+        )
+        run = []
+        for step in range(4):
+            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            plateau.step(loss.item())
+            run.append(loss.item())
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 16)
+        losses.append((run, model.state_dict()))
+    assert losses[1][0] == losses[0][0]
+    for name, value in losses[0][1].items():
+        torch.testing.assert_close(losses[1][1][name], value, rtol=0, atol=0, msg=name)
 
 
 def test_unsupported_optimizer_is_fine_when_every_chunk_is_persistent(
