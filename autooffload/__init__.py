@@ -19,6 +19,7 @@ from autooffload.errors import (
     OutOfStepError,
     PlanError,
     SettingsError,
+    UnsupportedAutogradError,
 )
 from autooffload.settings import Settings
 
@@ -34,6 +35,7 @@ __all__ = [
     "PlanError",
     "Settings",
     "SettingsError",
+    "UnsupportedAutogradError",
     "__version__",
     "attach",
     "disable",

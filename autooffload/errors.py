@@ -25,6 +25,11 @@ class UpdateInBackwardError(AutoOffloadError):
     a skipped step, changed hyperparameters)."""
 
 
+class UnsupportedAutogradError(AutoOffloadError):
+    """User code asked autograd for something an attached model's offloaded weights cannot
+    take part in (a backward with ``create_graph=True``: double backward, gradient penalty)."""
+
+
 class DetachStateError(AutoOffloadError):
     """The model was detached whole, but the optimizer state of its offloaded parameters could
     not be handed to the user's optimizer on the detach device (it does not fit there)."""

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from autooffload.errors import AutoOffloadError
+from autooffload.errors import AutoOffloadError, UnsupportedAutogradError
 from autooffload.log import logger, warn_once
 from autooffload.runtime.attachable import check_params_after_attach
 from autooffload.runtime.blocks import Group
@@ -327,6 +327,17 @@ class StepHooks:
                         return
 
     def _pre_backward(self, group: Group) -> None:
+        if torch.is_grad_enabled():
+            # Autograd runs a backward under grad mode exactly when it builds a graph of it.
+            # That graph saves the offloaded weights, which are released once this backward
+            # ends, and no hook brings them back for its own backward.
+            raise UnsupportedAutogradError(
+                f"autooffload: a backward with create_graph=True (a double backward, such as"
+                f" a gradient penalty) reached {group.name} of an attached model, whose"
+                " offloaded weights cannot be differentiated twice; compute the loss without"
+                " create_graph=True, or train this model without offloading"
+                " (AUTOOFFLOAD_OFFLOAD=0)"
+            )
         self._ensure_end_callback()
         if self.data_parallel is not None:
             self._check_not_averaged_yet(group)
