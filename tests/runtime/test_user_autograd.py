@@ -61,3 +61,58 @@ def test_a_create_graph_backward_raises_before_the_weights_are_read_released(gra
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+
+
+class _Block(torch.nn.Module):
+    """A residual MLP block; ``frozen_path`` runs its norm and first layer under ``no_grad``."""
+
+    def __init__(self, width: int, frozen_path: bool) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+        self.frozen_path = frozen_path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad() if self.frozen_path else torch.enable_grad():
+            h = self.up(self.norm(x))
+        return x + self.down(torch.nn.functional.gelu(h))
+
+
+class _Stack(torch.nn.Module):
+    """Not a transformers model: an input layer, a list of blocks, a head."""
+
+    def __init__(self, block: Callable[[int], torch.nn.Module], width: int = 48) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, width)
+        self.layers = torch.nn.ModuleList(block(width) for _ in range(3))
+        self.head = torch.nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _train_stack(model: torch.nn.Module) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(4, 6, 8, generator=generator)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_block_with_params_outside_the_graph_trains_like_plain():
+    """Part of each block runs under ``no_grad``: its params get no gradient, and the profiling
+    step's block probe refused the block (a param not in the graph)."""
+    runs = _plain_then_attached(
+        _Stack(lambda width: _Block(width, frozen_path=True)), _train_stack, chunk_size=8000
+    )
+    _assert_same(runs, tol=0)

@@ -411,7 +411,9 @@ class BlockProbe:
         before_bwd = self.clock.allocated()
         bstart = self.clock.mark()
         if grad_inputs and first.requires_grad:
-            torch.autograd.grad(first, grad_inputs, torch.ones_like(first))
+            # A param the block's forward leaves out of the graph (a submodule run under
+            # no_grad, a branch not taken) has no gradient, as in the step.
+            torch.autograd.grad(first, grad_inputs, torch.ones_like(first), allow_unused=True)
         bend = self.clock.mark()
         bwd_peak = self.clock.peak() - before_bwd
         fwd_s = self.clock.seconds(start, end)
