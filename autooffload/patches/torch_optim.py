@@ -138,6 +138,7 @@ def _unscale_grads_with_host(wrapped: Any, instance: Any, args: tuple, kwargs: d
     host_found = torch.zeros((), dtype=torch.float32)
     unit = torch.ones((), dtype=torch.float32)
     for runtime in runtimes:
+        runtime.hooks.offload_assigned_grads()
         cpu_optim = runtime.cpu_optim
         # Waits for pending accumulations, applies pending clipping.
         cpu_optim.grad_norms.host_grads()
@@ -240,7 +241,10 @@ def _params_and_owners(
     from autooffload import runtime as rt
 
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    return params, [r for r in rt.runtimes() if any(r.is_offloaded(p) for p in params)]
+    owners = [r for r in rt.runtimes() if any(r.is_offloaded(p) for p in params)]
+    for runtime in owners:
+        runtime.hooks.offload_assigned_grads()  # gradients set by hand count like the rest
+    return params, owners
 
 
 def _clip_with_norm(

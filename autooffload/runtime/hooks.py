@@ -213,6 +213,26 @@ class StepHooks:
         if self.data_parallel is not None:
             self.data_parallel.discard()
 
+    def offload_assigned_grads(self) -> None:
+        """Send to the host the gradients user code assigned to offloaded params' ``.grad``
+        outside a backward (``p.grad = g`` with ``g`` from ``torch.autograd.grad``): the CPU
+        update reads host gradients only, and the user's optimizer would step the params'
+        released storage. Every backward sends its own before it ends."""
+        if in_backward():
+            return
+        for chunk in self.layout.chunks:
+            if chunk.index in self.manager.persistent:
+                continue
+            if not any(slot.param.grad is not None for slot in chunk.trainable_slots):
+                continue
+            if self.data_parallel is not None:
+                raise UnsupportedAutogradError(
+                    "autooffload: an offloaded param's .grad was assigned outside a backward"
+                    " under data parallelism, where gradients are averaged across ranks in"
+                    " the backward; compute it with loss.backward() instead"
+                )
+            self.manager.grads.offload_grads(chunk.index)
+
     def _chunks(self, group: Group) -> list[int]:
         served = self.host_vocab.served
         return [i for i in self.layout.chunks_of_group[group.index] if i not in served]

@@ -310,6 +310,7 @@ class Runtime:
         """The user's optimizer is about to step: clean up after an interrupted forward or
         backward, and before the run's first update check that a plan fits the budget."""
         self.hooks.recover_interrupted()
+        self.hooks.offload_assigned_grads()
         self.control.before_update(optimizer)
         self.control.calibration.device_update_starts(optimizer)
 

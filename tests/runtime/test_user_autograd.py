@@ -116,3 +116,26 @@ def test_a_block_with_params_outside_the_graph_trains_like_plain():
         _Stack(lambda width: _Block(width, frozen_path=True)), _train_stack, chunk_size=8000
     )
     _assert_same(runs, tol=0)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_gradients_from_autograd_grad_assigned_to_grad_train_like_plain(clip: bool):
+    """``grads = torch.autograd.grad(loss, params)`` then ``p.grad = g``: the user's optimizer
+    stepped the offloaded params' released storage, and clipping missed their gradients."""
+
+    def train(model: torch.nn.Module) -> list[float]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        seen = []
+        for ids in batches(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            params = list(model.parameters())
+            for param, grad in zip(params, torch.autograd.grad(loss, params), strict=True):
+                param.grad = grad
+            if clip:
+                seen.append(torch.nn.utils.clip_grad_norm_(params, 0.5).item())
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(loss.item())
+        return seen
+
+    _assert_same(_plain_then_attached(tiny_llama(tied=False), train), tol=0)
