@@ -139,3 +139,29 @@ def test_gradients_from_autograd_grad_assigned_to_grad_train_like_plain(clip: bo
         return seen
 
     _assert_same(_plain_then_attached(tiny_llama(tied=False), train), tol=0)
+
+
+def test_user_gradient_hooks_see_the_step_gradients_only():
+    """A param's gradient hook and a block's backward hook are called once per backward with
+    plain torch's gradients; the profiling step's block probe called them again, with its own."""
+
+    def train(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
+        seen: dict[str, list[torch.Tensor]] = {"block": [], "param": [], "accumulated": []}
+        block = model.model.layers[0]
+        block.register_full_backward_hook(lambda m, gi, go: seen["block"].append(go[0].clone()))
+        weight = block.mlp.up_proj.weight
+        weight.register_hook(lambda grad: seen["param"].append(grad.clone()))
+        weight.register_post_accumulate_grad_hook(
+            lambda p: seen["accumulated"].append(p.grad.clone())
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for ids in batches(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return seen
+
+    runs = _plain_then_attached(tiny_llama(tied=False), train)
+    seen = runs[1][0]
+    assert {k: len(v) for k, v in seen.items()} == {"block": 3, "param": 3, "accumulated": 3}
+    _assert_same(runs, tol=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -163,6 +164,31 @@ def grad_bytes(params: Iterable[torch.Tensor]) -> int:
 
 
 @contextlib.contextmanager
+def gradient_hooks_set_aside(block: nn.Module) -> Iterator[None]:
+    """Run with the backward hooks of ``block``'s modules and the gradient hooks of its params
+    set aside: the probe's gradients are not the step's, and a user's hook reading gradients
+    (logging, clipping per param, statistics) sees only the step's. Its forward hooks stay:
+    they may change what the block computes, and the probe times the block as the step runs it."""
+    modules = [(m, m._backward_pre_hooks, m._backward_hooks) for m in block.modules()]
+    for module, _, _ in modules:
+        module._backward_pre_hooks = OrderedDict()
+        module._backward_hooks = OrderedDict()
+    # Emptied in place: autograd calls the table it was given at the first registration.
+    tables = [p._backward_hooks for p in block.parameters()]
+    params = [(table, dict(table)) for table in tables if table]
+    for table, _ in params:
+        table.clear()
+    try:
+        yield
+    finally:
+        for module, pre_hooks, hooks in modules:
+            module._backward_pre_hooks = pre_hooks
+            module._backward_hooks = hooks
+        for table, hooks in params:
+            table.update(hooks)
+
+
+@contextlib.contextmanager
 def _capture_input(mlp: nn.Module | None, inputs: list[torch.Tensor]) -> Iterator[None]:
     """Keep the first tensor input of ``mlp``'s latest call in ``inputs`` (detached)."""
     if mlp is None:
@@ -198,12 +224,13 @@ class BlockProbe:
     ) -> UnitProfile:
         """Run one block on its own: saved bytes, transients, forward and backward times. The
         block runs through its ``__call__`` (the hooks of HF and others with it; the runtime's
-        own step aside), as in the step: where the launching thread is the bottleneck (a small
-        block at a short batch), the call path is part of the time. ``checkpoint_bytes``: the
-        block's input as the step saw it; ``chunked_trainable``: which params' gradients the
-        cost model counts apart. Its MLP runs untiled (the profile is the untiled one). A long
-        batch's block runs on three slices of its sequence instead, extrapolated to the whole
-        (``probe_slices``, ``extrapolate``)."""
+        own step and the gradient hooks aside: ``gradient_hooks_set_aside``), as in the step:
+        where the launching thread is the bottleneck (a small block at a short batch), the call
+        path is part of the time.
+        ``checkpoint_bytes``: the block's input as the step saw it; ``chunked_trainable``: which
+        params' gradients the cost model counts apart. Its MLP runs untiled (the profile is the
+        untiled one). A long batch's block runs on three slices of its sequence instead,
+        extrapolated to the whole (``probe_slices``, ``extrapolate``)."""
         runtime = self.runtime
         policy = activations.policy_of(block)
         activations.remove_policy(block)
@@ -225,7 +252,7 @@ class BlockProbe:
         if long_batch(n_blocks, checkpoint_bytes, runtime.plan.budget_bytes):
             slices = probe_slices(args, checkpoint_bytes, runtime.plan.budget_bytes)
         try:
-            with runtime.step_state.probe():
+            with runtime.step_state.probe(), gradient_hooks_set_aside(block):
 
                 def measure(call_args: tuple, call_kwargs: dict) -> dict[str, Any]:
                     return self._measure(
