@@ -165,3 +165,42 @@ def test_user_gradient_hooks_see_the_step_gradients_only():
     seen = runs[1][0]
     assert {k: len(v) for k, v in seen.items()} == {"block": 3, "param": 3, "accumulated": 3}
     _assert_same(runs, tol=0)
+
+
+class _ReentrantStack(_Stack):
+    """The user's model checkpoints each block with ``use_reentrant=True``: the block's forward
+    runs under ``no_grad`` and again inside the backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=True)
+        return self.head(h)
+
+
+def test_reentrant_checkpointing_around_blocks_is_a_clear_error_at_the_profiling_step():
+    """The profiling step saw no training forward of the blocks (a bare KeyError in the
+    profile's build); the error names ``use_reentrant=False``."""
+    enable_cpu(n_persist=0, chunk_size=8000)
+    model = _ReentrantStack(lambda width: _Block(width, frozen_path=False)).to("cpu")
+    with pytest.raises(autooffload.PlanError, match="use_reentrant=False"):
+        _train_stack(model)
+
+
+class _ReentrantBlock(_Block):
+    """A block whose own forward checkpoints its MLP with ``use_reentrant=True``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def mlp(h: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
+
+        return x + torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=True)
+
+
+def test_reentrant_checkpointing_inside_a_block_is_a_clear_error_at_the_profiling_step():
+    """The block probe times a block's backward alone (``torch.autograd.grad``), which a
+    reentrant checkpoint refuses; the error names ``use_reentrant=False``."""
+    enable_cpu(n_persist=0, chunk_size=8000)
+    model = _Stack(lambda width: _ReentrantBlock(width, frozen_path=False)).to("cpu")
+    with pytest.raises(autooffload.PlanError, match="use_reentrant=False"):
+        _train_stack(model)

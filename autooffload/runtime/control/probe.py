@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from autooffload.errors import PlanError
 from autooffload.log import logger
 from autooffload.plan.profile_types import UnitProfile
 from autooffload.runtime.activations import policies as activations
@@ -440,7 +441,18 @@ class BlockProbe:
         if grad_inputs and first.requires_grad:
             # A param the block's forward leaves out of the graph (a submodule run under
             # no_grad, a branch not taken) has no gradient, as in the step.
-            torch.autograd.grad(first, grad_inputs, torch.ones_like(first), allow_unused=True)
+            try:
+                torch.autograd.grad(first, grad_inputs, torch.ones_like(first), allow_unused=True)
+            except RuntimeError as error:
+                if "use_reentrant" not in str(error):
+                    raise
+                raise PlanError(
+                    f"autooffload: the profiling step cannot time the backward of a"
+                    f" {type(block).__name__} block alone: its forward calls"
+                    " torch.utils.checkpoint(..., use_reentrant=True), which only a whole"
+                    " backward() can run; pass use_reentrant=False there, or drop the call"
+                    " (autooffload checkpoints blocks itself)"
+                ) from error
         bend = self.clock.mark()
         bwd_peak = self.clock.peak() - before_bwd
         fwd_s = self.clock.seconds(start, end)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autooffload.errors import PlanError
 from autooffload.plan.profile_types import ChunkProfile, ModelProfile, UnitProfile
 from autooffload.runtime.control.probe import BlockProbe, Clock, grad_bytes
 
@@ -226,6 +227,17 @@ class StepProfiler:
                 )
         order = sorted(runtime.groups, key=lambda g: runtime.position(g.index))
         block_groups = [g for g in order if g.is_block]
+        unprofiled = [g for g in block_groups if type(g.module) not in probes]
+        if unprofiled:
+            raise PlanError(
+                f"autooffload: no {type(unprofiled[0].module).__name__} block (e.g."
+                f" {unprofiled[0].name}) ran a forward with gradients enabled before the"
+                " profiling step's backward, so its time and memory cannot be measured: its"
+                " forward ran under torch.no_grad(), as torch.utils.checkpoint(...,"
+                " use_reentrant=True) around blocks runs it (pass use_reentrant=False, or drop"
+                " the call: autooffload checkpoints blocks itself), or it did not run in this"
+                " step (profile on a batch that runs every block)"
+            )
         unit_of: dict[int, int] = {}
         unit = 0
         for g in order:
