@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--print-plan",
         action="store_true",
-        help="print the plan summary to stdout (sets AUTOOFFLOAD_PRINT_PLAN=1)",
+        help="print the plan summary to stdout and exit (sets AUTOOFFLOAD_PRINT_PLAN=1)",
     )
     parser.add_argument(
         "--log",

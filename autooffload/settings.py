@@ -155,7 +155,7 @@ class Settings:
         chunk_pool: Which CUDA stream's allocator pool holds the streamed chunks' device
             storage: ``compute`` (default; one pool with the activations, a freed buffer is
             reused at once and the copy waits for the compute queued before it) or ``copy``
-            (the copy stream's own pool, as before 2026-11-23: copies start without waiting, but
+            (the copy stream's own pool: copies start without waiting, but
             under a tight cap the two pools' peaks add up and the allocator empties its cache;
             see docs/planner.md, "Pools").
         chunked_loss: Compute transformers' causal-LM loss (``ForCausalLMLoss``, what every HF
@@ -183,7 +183,8 @@ class Settings:
         log: Level of the ``autooffload`` logger: ``debug``, ``info``, ``warning``, ``error``.
         cache_dir: Directory of the per-machine hardware measurements cache.
         reprofile: Ignore the hardware cache and measure again.
-        print_plan: Print the plan summary to stdout when it is made (not only log it).
+        print_plan: Print the plan summary to stdout when the plan is searched, then exit (a
+            dry run: the profiling steps and the search, no training).
         oom_retry: After a device OOM in the attached model's forward, or in ``backward()`` of
             its own loss, re-plan under a smaller budget (a batch more than twice the profiled
             size: profile it again) and retry the step once. ``None``/``auto``: on, except with
@@ -369,7 +370,7 @@ class Settings:
         False, "AUTOOFFLOAD_REPROFILE", parse_bool, "ignore the hardware cache, measure again"
     )
     print_plan: bool = _knob(
-        False, "AUTOOFFLOAD_PRINT_PLAN", parse_bool, "print the plan summary to stdout"
+        False, "AUTOOFFLOAD_PRINT_PLAN", parse_bool, "print the plan summary to stdout and exit"
     )
     oom_retry: bool | None = _knob(
         None,
