@@ -131,8 +131,9 @@ class HostScan:
 
     ``trained`` marks trained tokens of rows with chat markers (all False in other rows);
     ``has_chat`` marks rows with at least one start marker; ``end_markers`` marks trained
-    end-marker tokens (when asked for); ``assistant_content`` and ``markers`` (every marker
-    token) are filled only when the scan was asked for details.
+    end-marker tokens (when asked for); ``assistant_content``, ``markers`` (every marker token)
+    and ``in_turns`` (every token of a turn: its markers and contents, not what lies between
+    turns) are filled only when the scan was asked for details.
     """
 
     trained: np.ndarray
@@ -141,6 +142,7 @@ class HostScan:
     turns: Turns
     assistant_content: np.ndarray | None = None
     markers: np.ndarray | None = None
+    in_turns: np.ndarray | None = None
 
 
 @dataclass
@@ -154,6 +156,7 @@ class ScanResult:
     turns: Turns
     assistant_content: torch.Tensor | None = None
     markers: torch.Tensor | None = None
+    in_turns: torch.Tensor | None = None
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:
@@ -335,8 +338,8 @@ class Scanner:
         self, input_ids: torch.Tensor, details: bool = False, end_markers: bool = False
     ) -> ScanResult:
         """Scan a ``[batch, seq]`` (or ``[seq]``) tensor of token ids; ``end_markers`` also
-        paints the trained end markers on their own, ``details`` the assistant contents and
-        every marker token."""
+        paints the trained end markers on their own, ``details`` the assistant contents, every
+        marker token and every token of a turn."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         found = self.scan_host(host_array(input_ids), details, end_markers)
@@ -351,6 +354,7 @@ class Scanner:
             found.turns,
             tensor(found.assistant_content),
             tensor(found.markers),
+            tensor(found.in_turns),
         )
 
     def scan_host(
@@ -417,6 +421,7 @@ class Scanner:
             found.markers = self._paint(turns.start, turns.content_start, shape) | self._paint(
                 turns.content_end, turns.end, shape
             )
+            found.in_turns = self._paint(turns.start, turns.end, shape)
         return found
 
     def _span_starts(self, turns: Turns) -> np.ndarray:

@@ -260,9 +260,11 @@ class LabelMasker:
         self, found: HostScan, assistant_mask: np.ndarray, attention_mask: torch.Tensor | None
     ) -> np.ndarray:
         """Trained tokens with the template's assistant mask in place of the scanner's contents;
-        warns once (naming the template) where the two disagree."""
-        content, markers = found.assistant_content, found.markers
-        generated = assistant_mask & ~markers
+        warns once (naming the template) where the two disagree. Role markers follow
+        ``train_on_eos`` and what the template generates between turns (the newline after
+        ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``) is not trained, whatever it marks."""
+        content = found.assistant_content
+        generated = assistant_mask & found.in_turns & ~found.markers
         disagree = (generated ^ content) & found.has_chat[:, None]
         if attention_mask is not None:
             disagree &= host_array(attention_mask) != 0

@@ -74,10 +74,18 @@ def _union(spans: list[tuple[int, int]], n: int) -> list[bool]:
 def ref_scan(
     boundaries: Sequence[RoleBoundary], options: MaskingOptions, ids: list[list[int]]
 ) -> dict:
-    """Per row: has_chat, trained, trained end markers, assistant contents, marker tokens."""
+    """Per row: has_chat, trained, trained end markers, assistant contents, marker tokens and
+    the tokens of turns."""
     turns = ref_turns(boundaries, ids)
     roles = set(options.roles_to_train)
-    out: dict = {"has_chat": [], "trained": [], "end_markers": [], "content": [], "markers": []}
+    out: dict = {
+        "has_chat": [],
+        "trained": [],
+        "end_markers": [],
+        "content": [],
+        "markers": [],
+        "in_turns": [],
+    }
     for r, row in enumerate(ids):
         own = [t for t in turns if t.row == r]
         n = len(row)
@@ -116,6 +124,7 @@ def ref_scan(
         start_markers = _union([(t.start, t.content_start) for t in own], n)
         end_markers = _union([(t.content_end, t.end) for t in own], n)
         out["markers"].append([a or b for a, b in zip(start_markers, end_markers)])
+        out["in_turns"].append(_union([(t.start, t.end) for t in own], n))
     return out
 
 
@@ -152,7 +161,10 @@ def ref_mask(
     for r, row in enumerate(ids):
         trained = scan["trained"][r]
         if generation is not None and scan["has_chat"][r]:
-            generated = [bool(g) and not m for g, m in zip(generation[r], scan["markers"][r])]
+            generated = [
+                bool(g) and inside and not m
+                for g, inside, m in zip(generation[r], scan["in_turns"][r], scan["markers"][r])
+            ]
             uses_it = "assistant" in options.roles_to_train and not options.train_on_inputs
             if uses_it:
                 trained = [

@@ -169,6 +169,34 @@ def test_generation_mask_agrees_on_patched_qwen3_template():
     assert not torch.equal(used, agreed)  # the template's mask is what gets used
 
 
+@pytest.mark.parametrize(("name", "end"), [("qwen3", "<|im_end|>"), ("gemma3", "<end_of_turn>")])
+def test_trl_training_templates_agree_and_train_no_newline_after_the_turn(name, end):
+    """TRL's training templates put the newline after the end marker inside
+    ``{% generation %}``: that newline lies between turns, so it is no disagreement and is not
+    trained; the template's mask gives the scanner's labels."""
+    pytest.importorskip("trl")
+    from importlib.resources import files
+
+    source = files("trl") / "chat_templates" / f"{name}_training.jinja"
+    tokenizer = load_tokenizer(name)
+    out = tokenizer.apply_chat_template(
+        CHAT,
+        chat_template=source.read_text(),
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    ids, generation = torch.tensor(out["input_ids"]), torch.tensor(out["assistant_masks"])
+    assert tokenizer.decode(ids[generation.bool()]).count(f"{end}\n") == 3
+    masker = MaskerCache(MaskingOptions()).get(tokenizer)
+    log.reset_warnings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        used = masker.mask(ids, assistant_mask=generation)
+    assert torch.equal(used, masker.mask(ids))
+    assert trained_spans(tokenizer, ids, used)[-1].endswith(end)
+
+
 def test_explain_highlights_trained_spans():
     out = io.StringIO()
     shown = explain(load_tokenizer("gemma3"), CHAT, file=out, color=False)
