@@ -28,12 +28,12 @@ Batches without chat markers (plain text) are left untouched; see ``autooffload.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sized
 from typing import Any
 
 import torch
 
-from autooffload.log import logger
+from autooffload.log import logger, warn_once
 from autooffload.masking import IGNORE_INDEX, MaskerCache, MaskingOptions
 from autooffload.masking.labels import LabelMasker
 from autooffload.patches import _registry
@@ -349,7 +349,38 @@ def _sft_trainer_init_wrapper(
     if session is not None and source is not None:
         session.bind(getattr(instance, "data_collator", None), source)
         session.saw(source)
+        _warn_if_packing_cuts_chats(session, instance, source)
     return result
+
+
+# TRL packing strategies that cut sequences into pieces (``bfd`` truncates them instead).
+_CUTTING_PACKING = frozenset({"wrapped", "bfd_split"})
+
+
+def _warn_if_packing_cuts_chats(session: _MaskingSession, trainer: Any, source: Any) -> None:
+    """One warning when TRL packs chat sequences by cutting them into pieces: a piece that holds
+    no role marker reads as plain text and keeps every label, user text included."""
+    args = getattr(trainer, "args", None)
+    strategy = getattr(args, "packing_strategy", None)
+    if not getattr(args, "packing", False) or strategy not in _CUTTING_PACKING:
+        return
+    dataset = getattr(trainer, "train_dataset", None)
+    masker = session.masker(source)
+    if masker is None or not isinstance(dataset, Sized) or len(dataset) == 0:
+        return
+    try:
+        ids = torch.as_tensor(dataset[0]["input_ids"])
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError):
+        return
+    if ids.dim() != 1 or not bool(masker.scanner.scan(ids).has_chat.any()):
+        return
+    cut = "cuts every sequence" if strategy == "wrapped" else "cuts sequences over max_length"
+    warn_once(
+        "masking-packing-cuts-chats",
+        f"masking: packing_strategy={strategy!r} {cut} into pieces, and a piece without a role"
+        " marker is trained on every token, user text included: use packing_strategy='bfd'"
+        " (which truncates instead), or AUTOOFFLOAD_MASK=0",
+    )
 
 
 def _tokenizer_call_wrapper(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,45 @@ def test_trl_padding_free_collator_masks_each_packed_sequence():
     assert got == ANSWERS + [" pretraining text."] + [
         "<think>\n\n</think>\n\nI am a helpful bot.<|im_end|>"
     ]
+
+
+def test_sft_packing_that_cuts_chats_into_pieces_warns(tmp_path):
+    """``packing_strategy="wrapped"`` cuts conversations into pieces, and a piece without a role
+    marker keeps every label (here a whole user turn): one warning says so; ``bfd`` truncates
+    instead, and warns nothing."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from trl import SFTConfig, SFTTrainer
+
+    autooffload.enable(device="cpu")
+    tok = tokenizer()
+    model = tiny_causal_lm(len(tok))
+    long_question = [{"role": "user", "content": "Tell me about cats. " * 8}, *CHAT[2:3]]
+    rows = datasets.Dataset.from_list([{"messages": CHAT}, {"messages": long_question}])
+    for strategy, warned in (("bfd", False), ("wrapped", True)):
+        config = SFTConfig(
+            output_dir=str(tmp_path),
+            packing=True,
+            packing_strategy=strategy,
+            max_length=16,
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = SFTTrainer(model=model, args=config, train_dataset=rows, processing_class=tok)
+        cut = [w for w in caught if "packing_strategy" in str(w.message)]
+        assert len(cut) == warned, [str(w.message) for w in cut]
+    pieces = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    batch = trainer.data_collator(pieces)
+    user_text = [
+        s
+        for row, labels in zip(batch["input_ids"], batch["labels"])
+        for s in spans(tok, row, labels)
+        if "cats" in s
+    ]
+    assert user_text  # what the warning is about
 
 
 def test_trl_vision_collator_masks_prompt_and_image_tokens():
