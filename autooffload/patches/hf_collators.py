@@ -4,7 +4,8 @@ Where labels are built, the batch goes through ``autooffload.masking``: trained 
 labels, everything else (and pad and media placeholder tokens) becomes -100. The places:
 
 - transformers ``DataCollatorForLanguageModeling`` (causal mode), ``DataCollatorForSeq2Seq`` and
-  ``DataCollatorWithPadding`` (when the features carry token-level labels);
+  ``DataCollatorWithPadding`` (when the features carry token-level labels), and
+  ``DataCollatorWithFlattening`` (packed rows, one sequence per restart of the position ids);
 - TRL's ``DataCollatorForLanguageModeling`` and ``DataCollatorForVisionLanguageModeling``
   (``trl.trainer.sft_trainer``); ``SFTTrainer.__init__`` tells the text collator, which holds only
   a pad id, which tokenizer made its batches;
@@ -246,6 +247,8 @@ def _install_transformers() -> None:
     _wrap(collators.DataCollatorForLanguageModeling, "numpy_call", _collator_wrapper)
     _wrap(collators.DataCollatorForSeq2Seq, "__call__", _collator_wrapper)
     _wrap(collators.DataCollatorWithPadding, "__call__", _collator_wrapper)
+    if hasattr(collators, "DataCollatorWithFlattening"):
+        _wrap(collators.DataCollatorWithFlattening, "__call__", _collator_wrapper)
 
     tokenizer_base = tokenization_utils_base.PreTrainedTokenizerBase
     _wrap(tokenizer_base, "__call__", _tokenizer_call_wrapper)
@@ -470,8 +473,15 @@ def _forward_wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwar
     masker = session.masker(session.source_of())
     if not isinstance(input_ids, torch.Tensor) or masker is None:
         return wrapped(*args, **kwargs)
+    attention_mask = kwargs.get("attention_mask")
+    # Without an attention mask, position ids that restart inside a row mark packed sequences.
+    positions = kwargs.get("position_ids") if attention_mask is None else None
     masked = masker.mask(
-        input_ids, labels, attention_mask=kwargs.get("attention_mask"), count=False
+        input_ids,
+        labels,
+        attention_mask=attention_mask,
+        count=False,
+        position_ids=positions if isinstance(positions, torch.Tensor) else None,
     )
     if masked is not None and masked is not labels:
         changed = (masked != labels).any(-1)

@@ -312,6 +312,33 @@ def test_forward_leaves_plain_text_alone():
     assert torch.allclose(model(**batch, labels=batch["input_ids"].clone()).loss, before)
 
 
+def test_flattening_collator_and_packed_forward_mask_each_sequence():
+    """transformers' ``DataCollatorWithFlattening`` packs a batch into one row whose position ids
+    restart per example: each example is masked as its own, so a plain-text one keeps its
+    labels. A hand-written packed batch (position ids, no attention mask, ``labels`` a copy of
+    the ids) gets the same labels at the model's forward."""
+    from transformers import DataCollatorWithFlattening
+
+    autooffload.enable(device="cpu", offload=False)
+    tok = tokenizer()
+    plain = {"input_ids": tok("Plain pretraining text.", add_special_tokens=False)["input_ids"]}
+    features = chat_features(tok, [CHAT]) + [plain] + chat_features(tok, [CHAT[:3]])
+    batch = DataCollatorWithFlattening()(copy.deepcopy(features))
+    ids, positions = batch["input_ids"], batch["position_ids"]
+    assert spans(tok, ids[0], batch["labels"][0]) == [
+        *ANSWERS,
+        " pretraining text.",
+        "<think>\n\n</think>\n\nI am a helpful bot.<|im_end|>",
+    ]
+    model = tiny_causal_lm(len(tok))
+    loss = model(input_ids=ids, position_ids=positions, labels=ids.clone()).loss
+    expected = batch["labels"].clone()
+    plain_start = len(features[0]["input_ids"])
+    expected[0, plain_start] = ids[0, plain_start]  # the collator's -100 at a sequence start
+    logits = model(input_ids=ids, position_ids=positions).logits[0, :-1]
+    assert torch.allclose(loss, torch.nn.functional.cross_entropy(logits, expected[0, 1:]))
+
+
 def test_mask_false_installs_nothing():
     from autooffload.patches import _registry
 
