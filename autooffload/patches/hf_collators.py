@@ -428,10 +428,12 @@ def _chat_template_wrapper(
 
 
 def _cross_check(session: _MaskingSession, source: Any, output: MutableMapping) -> None:
-    """Compare the template's ``{% generation %}`` mask with the scanner (warns on mismatch)."""
+    """Compare the template's ``{% generation %}`` mask with the scanner (warns on mismatch).
+    A mask with no token set comes from a template without ``{% generation %}`` (transformers
+    warns about that): there is nothing to compare."""
     masker = session.masker(source)
     ids, generation = output.get("input_ids"), output.get("assistant_masks")
-    if masker is None or ids is None or generation is None:
+    if masker is None or ids is None or generation is None or not _any_set(generation):
         return
     if not _is_nested(ids):
         ids, generation = [ids], [generation]
@@ -445,6 +447,13 @@ def _cross_check(session: _MaskingSession, source: Any, output: MutableMapping) 
     attention = output.get("attention_mask")
     attention_t = None if attention is None else torch.as_tensor(attention).view(ids_t.shape)
     masker.mask(ids_t, attention_mask=attention_t, assistant_mask=generation_t, count=False)
+
+
+def _any_set(mask: Any) -> bool:
+    """Whether a (possibly nested or ragged) 0/1 mask has a 1."""
+    if isinstance(mask, torch.Tensor):
+        return bool(mask.any())
+    return any(_any_set(item) if isinstance(item, (list, tuple)) else bool(item) for item in mask)
 
 
 def _is_nested(value: Any) -> bool:

@@ -339,6 +339,19 @@ def test_flattening_collator_and_packed_forward_mask_each_sequence():
     assert torch.allclose(loss, torch.nn.functional.cross_entropy(logits, expected[0, 1:]))
 
 
+def test_assistant_tokens_mask_of_a_template_without_generation_is_not_cross_checked():
+    """Without ``{% generation %}`` transformers returns an all-zero assistant mask (and says
+    so): that is no disagreement with the role boundaries."""
+    autooffload.enable(device="cpu")
+    tok = tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = tok.apply_chat_template(
+            CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+    assert not any(out["assistant_masks"])
+
+
 def test_mask_false_installs_nothing():
     from autooffload.patches import _registry
 
