@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import sys
+import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,16 +26,87 @@ class Group:
     module: nn.Module
     is_block: bool
     block_index: int | None = None
+    # Children of a non-block module whose weights its own code reads without calling them
+    # (DeBERTa's encoder reads ``self.rel_embeddings.weight``): their params are this group's.
+    adopted: tuple[str, ...] = ()
 
     def params(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The group's own parameters, each once, by qualified name: a block's recursively, a
-        non-block module's direct ones (its children are groups of their own)."""
+        non-block module's direct ones and its adopted children's (its other children are
+        groups of their own)."""
         seen: set[int] = set()
-        named = self.module.named_parameters(recurse=self.is_block, remove_duplicate=False)
+        named = list(self.module.named_parameters(recurse=self.is_block, remove_duplicate=False))
+        for child in self.adopted:
+            module = self.module.get_submodule(child)
+            named += [(f"{child}.{n}", p) for n, p in module.named_parameters(recurse=False)]
         for name, param in named:
             if id(param) not in seen:
                 seen.add(id(param))
                 yield f"{self.name}.{name}", param
+
+
+# Attributes of a weight that read no data: ``self.proj.weight.dtype`` needs no gather.
+_METADATA = frozenset({"dtype", "device", "shape", "size", "ndim", "dim", "numel", "requires_grad"})
+
+
+@functools.cache
+def _read_not_called(cls: type) -> frozenset[str]:
+    """Attributes ``c`` for which the code of ``cls`` (and of its bases outside torch) reads
+    ``self.c.weight`` or ``self.c.bias`` as data, and never calls ``self.c(...)``: a child
+    module used only through its weights, whose own forward never runs."""
+    read: set[str] = set()
+    called: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("torch.", "builtins")):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and _is_self(node.func.value)
+            ):
+                called.add(node.func.attr)
+            read.update(_weight_reads(node))
+    return frozenset(read - called)
+
+
+def _is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _weight_reads(node: ast.AST) -> Iterator[str]:
+    """``c`` for each data read of ``self.c.weight`` or ``self.c.bias`` directly under
+    ``node`` (not followed by one of ``_METADATA``, not assigned to)."""
+    for child in ast.iter_child_nodes(node):
+        if not (
+            isinstance(child, ast.Attribute)
+            and child.attr in ("weight", "bias")
+            and isinstance(child.ctx, ast.Load)
+            and isinstance(child.value, ast.Attribute)
+            and _is_self(child.value.value)
+        ):
+            continue
+        if isinstance(node, ast.Attribute) and node.attr in _METADATA:
+            continue
+        yield child.value.attr
+
+
+def _adopted_children(module: nn.Module, blocks: dict[int, tuple[str, int]]) -> tuple[str, ...]:
+    """Children of ``module`` used only through their weights by its code (never called),
+    owning params but no param-owning children, and not blocks."""
+    adopted = []
+    for name in sorted(_read_not_called(type(module))):
+        child = module._modules.get(name)
+        if child is None or id(child) in blocks:
+            continue
+        direct = sum(1 for _ in child.parameters(recurse=False))
+        if direct and direct == sum(1 for _ in child.parameters()):
+            adopted.append(name)
+    return tuple(adopted)
 
 
 def _hf_layer_class() -> type | None:
@@ -77,7 +152,9 @@ def discover_groups(model: nn.Module) -> list[Group]:
     Every block of every block list is a group; every other module that directly owns
     parameters (embeddings, final norm, head, a vision merger...) is a group of its own.
     Parameters registered directly on a module that also contains blocks are grouped on that
-    module, which stays resident (see ``Group.is_block``).
+    module, which stays resident (see ``Group.is_block``). A child whose weights its parent's
+    code reads without calling it (DeBERTa's relative position embeddings) belongs to the
+    parent's group: its own forward never runs, so only the parent's gathers its weights.
     """
     block_of: dict[int, tuple[str, int]] = {}
     for list_name, module_list in _block_lists(model):
@@ -94,6 +171,8 @@ def discover_groups(model: nn.Module) -> list[Group]:
             groups.append(Group(len(groups), block_name, module, True, block_index))
             inside_block.update(id(m) for m in module.modules())
             continue
-        if any(True for _ in module.parameters(recurse=False)):
-            groups.append(Group(len(groups), name or "<root>", module, False))
+        adopted = _adopted_children(module, block_of)
+        inside_block.update(id(module.get_submodule(child)) for child in adopted)
+        if adopted or any(True for _ in module.parameters(recurse=False)):
+            groups.append(Group(len(groups), name or "<root>", module, False, adopted=adopted))
     return groups

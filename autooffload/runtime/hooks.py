@@ -82,6 +82,8 @@ class StepHooks:
         self._trace: list[int] = []
         # Groups whose forward is running now (nested modules owning params), innermost last.
         self._active: list[int] = []
+        # Groups whose forward ran other groups' (an encoder owning params around its layers).
+        self._enclosing: set[int] = set()
         self._last_trace: list[int] = [g.index for g in self.groups]
         self._position = {g: i for i, g in enumerate(self._last_trace)}
         # Groups after the last block (final norm, head): their chunks stay on the device from
@@ -254,6 +256,7 @@ class StepHooks:
         self.cpu_optim.early.check_no_early_read("a forward of the attached model")
         self.control.before_forward()
         self._trace.append(group.index)
+        self._enclosing.update(self._active)
         self._active.append(group.index)
         for index in self._chunks(group):
             self.manager.gather(index)
@@ -361,6 +364,13 @@ class StepHooks:
         self._ensure_end_callback()
         if self.data_parallel is not None:
             self._check_not_averaged_yet(group)
+        if group.index in self._enclosing:
+            # Its backward starts before those of the groups its forward ran, which come later
+            # in the trace: nothing is complete yet. Its own chunks complete as any earlier
+            # group's do, at the backward of the group before it.
+            for index in self._chunks(group):
+                self.manager.gather(index)
+            return
         position = self._position.get(group.index, 0)
         # Highest index first, as ``reduce_order`` breaks ties (chunks of one group complete
         # together): a lower one handled first would wait for the higher one's reduction and

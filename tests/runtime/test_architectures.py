@@ -19,6 +19,7 @@ from torch import nn
 
 import autooffload
 from autooffload import runtime as rt
+from autooffload.runtime.blocks import discover_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -230,6 +231,17 @@ ARCHITECTURES: dict[str, tuple[str, str, dict, Callable[[], dict[str, torch.Tens
     ),
     "bert": ("BertConfig", "BertForSequenceClassification", _ENCODER, classify_batch),
     "roberta": ("RobertaConfig", "RobertaForSequenceClassification", _ENCODER, classify_batch),
+    "deberta-v2": (
+        "DebertaV2Config",
+        "DebertaV2ForSequenceClassification",
+        {
+            **_ENCODER,
+            "relative_attention": True,
+            "position_buckets": 8,
+            "pos_att_type": ["p2c", "c2p"],
+        },
+        classify_batch,
+    ),
     "modernbert": (
         "ModernBertConfig",
         "ModernBertForSequenceClassification",
@@ -400,3 +412,14 @@ def test_blocks_outside_a_module_list_train_like_plain(offload_cpu, container: s
     base = _Net(container)
     attach = {"n_persist": 0, "activation_mode": "checkpoint"}
     assert_trains_like_plain(base, causal_batch(), attach, offload_cpu)
+
+
+def test_weights_a_module_reads_from_an_uncalled_child_are_gathered_with_it() -> None:
+    """DeBERTa's encoder reads its relative position embeddings' weight and never calls the
+    embedding: the weight is the encoder's group's, gathered before the encoder's code reads
+    it, not a group of its own that no forward hook would ever gather."""
+    model, _ = tiny("deberta-v2")
+    groups = {g.name: g for g in discover_groups(model)}
+    assert "deberta.encoder.rel_embeddings" not in groups
+    encoder = groups["deberta.encoder"]
+    assert [name for name, _ in encoder.params()] == ["deberta.encoder.rel_embeddings.weight"]
