@@ -1,7 +1,8 @@
 """Architectures beyond Llama train exactly like plain torch with every chunk offloaded and every
 block checkpointed or swapped: decoders (dense, MoE with shared experts, multi-head latent
-attention, biased, odd shapes), encoders, encoder-decoders, vision and state-space models, and
-blocks held in containers other than a ``ModuleList``.
+attention, biased, odd shapes), encoders, encoder-decoders, vision and state-space models; and
+models whose layers sit in containers other than a ``ModuleList`` (not found as blocks, their
+weights still stream).
 
 Each model is a tiny random-init one built from its transformers config; three AdamW steps on one
 batch, losses and final weights compared with the plain run.
