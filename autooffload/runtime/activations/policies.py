@@ -178,17 +178,18 @@ def _run_block(state: BlockActivationPolicy, args: tuple, kwargs: dict) -> Any:
             swapper.counters["nested_skips"] += 1
             return inner(*args, **kwargs)
         if block.training:
-            kwargs = _without_cache(block, kwargs)
+            args, kwargs = _without_cache(block, args, kwargs)
         with swapper.saving(state.block_index, _params_and_buffers(block)):
             return inner(*args, **kwargs)
 
     def recompute_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
         return contextlib.nullcontext(), recomputing(block, state.on_recompute_start)
 
+    args, kwargs = _without_cache(block, args, kwargs)
     # kwargs go in a partial so none can collide with checkpoint's own keyword arguments.
     run = functools.partial(
         checkpoint,
-        functools.partial(inner, **_without_cache(block, kwargs)),
+        functools.partial(inner, **kwargs),
         *args,
         use_reentrant=False,
         preserve_rng_state=True,
@@ -213,7 +214,8 @@ KV_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 def is_kv_cache(name: str, value: Any) -> bool:
     """Whether keyword argument ``name=value`` of a block call is a KV cache: one of the names
-    above, or any value of a transformers ``Cache`` class (whatever a model calls it)."""
+    above, or any value of a transformers ``Cache`` class (whatever a model calls it; ``name``
+    empty for a positional argument, as GPT-2 passes its cache)."""
     if value is None:
         return False
     if name in KV_CACHE_KWARGS:
@@ -223,7 +225,7 @@ def is_kv_cache(name: str, value: Any) -> bool:
     return cache_class is not None and isinstance(value, cache_class)
 
 
-def _refuse_filled_cache(block: nn.Module, name: str, value: Any) -> None:
+def _refuse_filled_cache(block: nn.Module, where: str, value: Any) -> None:
     """A cache holding states before the block runs (PEFT prefix tuning hands the trained prefix
     in as ``past_key_values``) is part of the input: dropping it changes the result."""
     seq_length = getattr(value, "get_seq_length", None)
@@ -235,27 +237,38 @@ def _refuse_filled_cache(block: nn.Module, name: str, value: Any) -> None:
         return
     if filled:
         raise PlanError(
-            f"{type(block).__name__} got a filled KV cache ({name}=) in a training forward (PEFT"
+            f"{type(block).__name__} got a filled KV cache ({where}) in a training forward (PEFT"
             " prefix tuning passes its prefix this way); its blocks cannot be checkpointed or"
             " swapped, since a recompute would append to the cache again. Set"
             " AUTOOFFLOAD_ACTIVATION_MODE=keep (enable(activation_mode='keep'))"
         )
 
 
-def _without_cache(block: nn.Module, kwargs: dict) -> dict:
+def positional_kv_caches(args: tuple) -> list[int]:
+    """Positions of the transformers ``Cache`` objects among a block call's ``args``."""
+    return [i for i, value in enumerate(args) if is_kv_cache("", value)]
+
+
+def _without_cache(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     # As HF's own checkpointing does: a recompute would append to a KV cache a second time, and a
     # cache holding device K/V would pin swapped activations on the device.
     changed = dict(kwargs)
     if changed.get("use_cache"):
         changed["use_cache"] = False
+    changed_args = list(args)
+    caches: list[int] = []
     if not getattr(block, "_can_checkpoint_with_cache", False):
         for name, value in kwargs.items():
             if is_kv_cache(name, value):
-                _refuse_filled_cache(block, name, value)
+                _refuse_filled_cache(block, f"{name}=", value)
                 changed[name] = None
-    if changed != kwargs:
+        caches = positional_kv_caches(args)
+        for position in caches:
+            _refuse_filled_cache(block, f"positional argument {position}", args[position])
+            changed_args[position] = None
+    if caches or changed != kwargs:
         logger.debug("%s: KV cache disabled for a training forward", type(block).__name__)
-    return changed
+    return tuple(changed_args), changed
 
 
 # --------------------------------------------------------------------------- HF checkpointing

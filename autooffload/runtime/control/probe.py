@@ -246,6 +246,8 @@ class BlockProbe:
         params = [p for p in block.parameters() if p.requires_grad]
         # A KV cache the step's forward wrote to would be appended to again by every run.
         kwargs = {k: v for k, v in kwargs.items() if not activations.is_kv_cache(k, v)}
+        caches = activations.positional_kv_caches(args)
+        args = tuple(None if i in caches else a for i, a in enumerate(args))
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
         n_blocks = sum(g.is_block for g in runtime.groups)
