@@ -49,20 +49,27 @@ class Group:
 _METADATA = frozenset({"dtype", "device", "shape", "size", "ndim", "dim", "numel", "requires_grad"})
 
 
-@functools.cache
 def _read_not_called(cls: type) -> frozenset[str]:
-    """Attributes ``c`` for which the code of ``cls`` (and of its bases outside torch) reads
-    ``self.c.weight`` or ``self.c.bias`` as data, and never calls ``self.c(...)``: a child
-    module used only through its weights, whose own forward never runs."""
+    """Attributes ``c`` for which the code of ``cls`` reads ``self.c.weight`` or ``self.c.bias``
+    as data, and never calls ``self.c(...)``: a child module used only through its weights,
+    whose own forward never runs. The code read is that of ``cls`` and its bases that define a
+    ``forward`` (module implementations, not library mixins), outside torch."""
     read: set[str] = set()
     called: set[str] = set()
     for klass in cls.__mro__:
-        if klass.__module__.startswith(("torch.", "builtins")):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
+        if "forward" in vars(klass) and not klass.__module__.startswith("torch."):
+            klass_read, klass_called = _self_uses(klass)
+            read |= klass_read
+            called |= klass_called
+    return frozenset(read - called)
+
+
+@functools.cache
+def _self_uses(klass: type) -> tuple[frozenset[str], frozenset[str]]:
+    """The children whose weights the methods ``klass`` defines read, and those they call."""
+    read: set[str] = set()
+    called: set[str] = set()
+    for tree in _method_trees(klass):
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Call)
@@ -71,7 +78,22 @@ def _read_not_called(cls: type) -> frozenset[str]:
             ):
                 called.add(node.func.attr)
             read.update(_weight_reads(node))
-    return frozenset(read - called)
+    return frozenset(read), frozenset(called)
+
+
+def _method_trees(klass: type) -> Iterator[ast.Module]:
+    """The parsed source of each method ``klass`` defines (each method's own lines)."""
+    for value in vars(klass).values():
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        elif isinstance(value, property):
+            value = value.fget
+        if not inspect.isfunction(value):
+            continue
+        try:
+            yield ast.parse(textwrap.dedent(inspect.getsource(value)))
+        except (OSError, TypeError, SyntaxError):
+            continue
 
 
 def _is_self(node: ast.expr) -> bool:
