@@ -212,6 +212,19 @@ ARCHITECTURES: dict[str, tuple[str, str, dict, Callable[[], dict[str, torch.Tens
         },
         causal_batch,
     ),
+    "qwen3-moe-untied": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            **_DECODER,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "head_dim": 8,
+            "tie_word_embeddings": False,
+        },
+        causal_batch,
+    ),
     "olmoe": (
         "OlmoeConfig",
         "OlmoeForCausalLM",
@@ -252,6 +265,19 @@ ARCHITECTURES: dict[str, tuple[str, str, dict, Callable[[], dict[str, torch.Tens
         causal_batch,
     ),
     "bert": ("BertConfig", "BertForSequenceClassification", _ENCODER, classify_batch),
+    "distilbert": (
+        "DistilBertConfig",
+        "DistilBertForSequenceClassification",
+        {
+            "dim": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "hidden_dim": 64,
+            "vocab_size": VOCAB,
+            "num_labels": 3,
+        },
+        classify_batch,
+    ),
     "roberta": ("RobertaConfig", "RobertaForSequenceClassification", _ENCODER, classify_batch),
     "deberta-v2": (
         "DebertaV2Config",
