@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -75,4 +76,49 @@ def test_enclosing_group_keeps_the_chunk_its_child_shares():
     base = Net()
     plain = _train(copy.deepcopy(base), attach=False)
     attached = _train(copy.deepcopy(base), attach=True)
+    assert attached == plain
+
+
+class _GainedBlocks(nn.Module):
+    """Owns ``gain`` and runs a list of blocks: a group whose forward encloses the blocks'."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+        self.layers = nn.ModuleList(Block(width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x * self.gain)
+        return x
+
+
+class _EncoderNet(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.encoder = _GainedBlocks(width)
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+@pytest.mark.parametrize("mode", ["keep", "checkpoint", "swap"])
+def test_a_group_around_blocks_leaves_their_chunks_to_their_own_backward(mode: str) -> None:
+    """The backward of a module owning params around blocks starts before the blocks': their
+    chunks, each apart from its neighbours', are neither released nor completed then (the
+    blocks' backward read released weights)."""
+    torch.manual_seed(0)
+    base = _EncoderNet()
+    plain = _train(copy.deepcopy(base), attach=False)
+    model = copy.deepcopy(base)
+    autooffload.enable(
+        device="cpu", force_attach=True, n_persist=0, activation_mode=mode, chunk_size=1200
+    )
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    assert runtime is not None
+    chunks = [set(runtime.layout.chunks_of_group[g.index]) for g in runtime.groups if g.is_block]
+    assert len(chunks) == 3 and not (chunks[0] & chunks[1]) and not (chunks[1] & chunks[2])
+    attached = _train(model, attach=False)
     assert attached == plain
