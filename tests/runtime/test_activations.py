@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import autooffload
+from autooffload import runtime as rt
 from autooffload.errors import PlanError
 from autooffload.runtime.activations.policies import (
     ActivationSwapper,
@@ -381,3 +384,54 @@ def test_no_grad_forward_is_untouched() -> None:
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
     assert swapper.stats()["swapped_tensors"] == 0
+
+
+class _NormedBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.linear(x)))
+
+
+class _NormedNet(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_NormedBlock(width) for _ in range(3))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("attach", ["checkpoint", "searched"])
+def test_batch_norm_running_statistics_are_updated_once_per_forward(offload_cpu, attach) -> None:
+    """A recomputed block, and the profiling probe re-running one, leave its batch norms'
+    running mean, variance and batch count as the forward left them: they equal plain
+    training's (a second update drew them towards the batch twice per step)."""
+    torch.manual_seed(0)
+    base = _NormedNet()
+
+    def train(model: nn.Module) -> dict[str, torch.Tensor]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            loss = model(torch.randn(8, 16, generator=generator)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        autooffload.disable()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    plain = train(copy.deepcopy(base))
+    offload_cpu(**({} if attach == "searched" else {"n_persist": 0, "activation_mode": attach}))
+    model = copy.deepcopy(base).to("cpu")
+    assert rt.runtime_of(model) is not None
+    attached = train(model)
+    assert plain["layers.0.norm.num_batches_tracked"].item() == 4
+    for key, value in plain.items():
+        torch.testing.assert_close(attached[key], value, rtol=1e-6, atol=1e-6, msg=key)

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from autooffload.errors import PlanError
@@ -80,15 +81,41 @@ class recomputing:  # noqa: N801 - used like the context-manager function it rep
         self.module = module
         self.on_start = on_start
         self._previous: list[nn.Module | None] = []
+        self._frozen: list[contextlib.AbstractContextManager[None]] = []
 
     def __enter__(self) -> None:
         if self.on_start is not None:
             self.on_start(self.module)
         self._previous.append(getattr(_recompute_state, "module", None))
+        self._frozen.append(running_stats_frozen(self.module))
+        self._frozen[-1].__enter__()
         _recompute_state.module = self.module
 
     def __exit__(self, *exc: object) -> None:
         _recompute_state.module = self._previous.pop()
+        self._frozen.pop().__exit__(*exc)
+
+
+@contextlib.contextmanager
+def running_stats_frozen(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` again with its batch norms' running statistics left as they were before:
+    the forward that ran first updated them, as plain training does once per forward. Their
+    running buffers are restored afterwards (not withheld: the norm saves them for its
+    backward, and a recompute must save what the first forward saved)."""
+    buffers = [
+        buffer
+        for m in module.modules()
+        if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
+        for buffer in (m.running_mean, m.running_var, m.num_batches_tracked)
+        if buffer is not None
+    ]
+    saved = [buffer.clone() for buffer in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved, strict=True):
+                buffer.copy_(value)
 
 
 # --------------------------------------------------------------------------- block policies

@@ -255,7 +255,11 @@ class BlockProbe:
         if long_batch(n_blocks, checkpoint_bytes, runtime.plan.budget_bytes):
             slices = probe_slices(args, checkpoint_bytes, runtime.plan.budget_bytes)
         try:
-            with runtime.step_state.probe(), gradient_hooks_set_aside(block):
+            with (
+                runtime.step_state.probe(),
+                gradient_hooks_set_aside(block),
+                activations.running_stats_frozen(block),
+            ):
 
                 def measure(call_args: tuple, call_kwargs: dict) -> dict[str, Any]:
                     return self._measure(
