@@ -287,15 +287,11 @@ def test_a_module_run_on_one_rank_only_trains_like_the_averaged_reference(cpu_ru
         assert report["branch_vs_averaged"] < TOL
 
 
-def test_a_module_whose_backward_comes_after_its_average_is_a_clear_error(cpu_run):
+def test_a_module_run_by_a_forward_hook_is_averaged_after_its_backward(cpu_run):
     reports, _ = cpu_run
     for report in reports:
         assert "error" not in report, report["error"]
-        assert (
-            "backward of branch came after its gradients were averaged"
-            in (report["hooked_branch_error"])
-        )
-        assert "forward pre-hook" in report["hooked_branch_error"]
+        assert report["hooked_branch_vs_averaged"] < TOL
 
 
 def test_mismatched_settings_raise_the_same_error_on_every_rank(cpu_run):
