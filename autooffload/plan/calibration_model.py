@@ -78,38 +78,12 @@ def calibrate_compute(
     (every window is a max of terms, each non-decreasing in compute), so the smallest f whose
     prediction reaches the measurement is found by bisection.
     """
-    if measured_step_s <= 0:
-        raise PlanError(f"measured_step_s={measured_step_s} must be > 0 seconds")
     tables = chunk_tables(profile)
 
     def predicted(factor: float) -> float:
         return predict_step_time(profile.with_compute_scaled(factor), hw, knobs, tables)[0]
 
-    base = predicted(1.0)
-    if predicted(1.1) - base < COMPUTE_ELASTICITY_MIN * 0.1 * base:
-        return None
-    low, high = COMPUTE_SCALE_RANGE
-    if predicted(high) < measured_step_s:
-        low = high
-    elif predicted(low) < measured_step_s:
-        for _ in range(_BISECTIONS):
-            middle = (low * high) ** 0.5
-            if predicted(middle) < measured_step_s:
-                low = middle
-            else:
-                high = middle
-        low = high
-    fitted = predicted(low)
-    if abs(fitted / measured_step_s - 1) > COMPUTE_SCALE_FIT:
-        return None
-    # The same test over the whole change: the step must move by at least
-    # COMPUTE_ELASTICITY_MIN of the compute's relative change. A step elastic at f = 1 can
-    # flatten onto a floor that compute does not set (the CPU update, the copies) further down:
-    # 3.6B at 24 GiB measured 15% below its prediction was "explained" by compute x0.25, and the
-    # re-plan on that profile predicted 153 ms for a plan that ran 273.
-    if abs(fitted - base) < COMPUTE_ELASTICITY_MIN * abs(low - 1.0) * base:
-        return None
-    return low
+    return fitted_scale(predicted, measured_step_s, COMPUTE_SCALE_RANGE, COMPUTE_ELASTICITY_MIN)
 
 
 def calibrate_compute_cap(
@@ -200,16 +174,35 @@ def calibrate_link(
     The step time is non-decreasing in g, so the smallest g whose prediction reaches the
     measurement is found by bisection.
     """
-    if measured_step_s <= 0:
-        raise PlanError(f"measured_step_s={measured_step_s} must be > 0 seconds")
 
     def predicted(factor: float) -> float:
         return step_of(with_link_scaled(hw, factor))
 
+    return fitted_scale(predicted, measured_step_s, LINK_SCALE_RANGE, LINK_ELASTICITY_MIN)
+
+
+def fitted_scale(
+    predicted: Callable[[float], float],
+    measured_step_s: float,
+    scale_range: tuple[float, float],
+    elasticity_min: float,
+) -> float | None:
+    """The smallest factor in ``scale_range`` whose ``predicted`` step (non-decreasing in the
+    factor) reaches ``measured_step_s``, found by bisection; None when the step is not made of
+    what the factor scales or no factor brings the prediction within ``COMPUTE_SCALE_FIT``.
+
+    The step must be elastic: 10% more must lengthen the predicted step by at least
+    ``elasticity_min`` x 10% at 1, and the fitted change must move it by at least
+    ``elasticity_min`` of the factor's own change. A step elastic at 1 can flatten onto a floor
+    the factor does not set (the CPU update, the copies) further down: 3.6B at 24 GiB measured
+    15% below its prediction was "explained" by compute x0.25, and the re-plan on that profile
+    predicted 153 ms for a plan that ran 273."""
+    if measured_step_s <= 0:
+        raise PlanError(f"measured_step_s={measured_step_s} must be > 0 seconds")
     base = predicted(1.0)
-    if predicted(1.1) - base < LINK_ELASTICITY_MIN * 0.1 * base:
+    if predicted(1.1) - base < elasticity_min * 0.1 * base:
         return None
-    low, high = LINK_SCALE_RANGE
+    low, high = scale_range
     if predicted(high) < measured_step_s:
         low = high
     elif predicted(low) < measured_step_s:
@@ -223,6 +216,6 @@ def calibrate_link(
     fitted = predicted(low)
     if abs(fitted / measured_step_s - 1) > COMPUTE_SCALE_FIT:
         return None
-    if abs(fitted - base) < LINK_ELASTICITY_MIN * abs(low - 1.0) * base:
+    if abs(fitted - base) < elasticity_min * abs(low - 1.0) * base:
         return None
     return low
