@@ -290,6 +290,46 @@ def test_disable_restores_the_model_forward():
     assert "forward" not in model.__dict__
 
 
+def _generate(model: torch.nn.Module, prompt: torch.Tensor, cache: str) -> torch.Tensor:
+    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+    options: dict = {"cache_implementation": "static"} if cache == "static" else {}
+    if cache == "sliding":
+        sliding = DynamicCache()
+        sliding.layers = [DynamicSlidingWindowLayer(sliding_window=64) for _ in model.model.layers]
+        sliding.layer_class_to_replicate = None
+        options["past_key_values"] = sliding
+    return model.generate(prompt, max_new_tokens=4, do_sample=False, **options)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@pytest.mark.parametrize("cache", ["dynamic", "static", "sliding"])
+def test_an_oom_in_generate_rewinds_the_kv_cache_before_the_retry(cache: str):
+    """A decoding forward extends the KV cache layer by layer: the failed pass left the first
+    layers holding the new tokens, and the retry appended them a second time. A cache that
+    cannot be rewound is not retried."""
+    base = tiny_llama()
+    prompt = long_batches(1, seed=3)[0][:, :6]
+    runs = []
+    for attach in (False, True):
+        model = _copy(base, attach)
+        fault = OomFault(model.model.layers[1].mlp, "forward")
+        fault.times = 1 if attach else 0
+        if attach and cache == "sliding":
+            with pytest.raises(OutOfMemoryRetryError, match="KV cache .*cannot be rewound"):
+                _generate(model, prompt, cache)
+        tokens = _generate(model, prompt, cache)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for ids in long_batches(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append((tokens, weights(model)))
+        autooffload.disable()
+    assert torch.equal(runs[1][0], runs[0][0])
+    assert_same_weights(runs[0][1], runs[1][1])
+
+
 def test_a_much_longer_batch_is_retried_as_a_profiling_step_and_planned_from_it():
     """The plan was searched on short batches; the OOM comes with a 4x longer one (more than
     ``REPROFILE_RATIO``): the retry runs the conservative profiling plan (persistent chunks

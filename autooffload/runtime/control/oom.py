@@ -37,6 +37,7 @@ from autooffload.errors import AutoOffloadError
 from autooffload.log import logger
 from autooffload.plan.types import GiB, Plan
 from autooffload.runtime import registry
+from autooffload.runtime.control.kv_cache import CacheRewind
 from autooffload.runtime.control.oom_plan import failed_allocation_bytes, shrunk_plan
 from autooffload.runtime.control.planning import REPROFILE_SOURCE
 from autooffload.runtime.forward_wrap import install_forward, remove_forward
@@ -136,6 +137,7 @@ class OomRetry:
             self.profiled_numel = self.input_numel
         self.runtime.backward_update.note_forward(self.input_numel)
         self.last_call = None
+        caches = CacheRewind.mark(args, kwargs)
         try:
             output = state.inner_forward(*args, **kwargs)
         except torch.OutOfMemoryError as error:
@@ -143,7 +145,19 @@ class OomRetry:
         else:
             return self._remember(call, output)
         # Out of the except block: the traceback (and the activations its frames hold) is gone.
+        if caches is not None and caches.unsupported and not self.retrying:
+            self.runtime.hooks.recover_interrupted()
+            self._restart_profiler()
+            names = ", ".join(caches.unsupported)
+            raise self._error(
+                f"in forward, not retried because its KV cache ({names}) was already partly"
+                " updated and cannot be rewound (generate with use_cache=False, or a"
+                " DynamicCache or StaticCache, to keep it retryable),",
+                message,
+            )
         self.recover("forward", message)
+        if caches is not None:
+            caches.rewind()
         self._restore_rng(call)
         self._resume_root_group(args, kwargs)
         self.retrying = True
@@ -296,6 +310,8 @@ class OomRetry:
         if node is None:
             return "the tensor handed to backward() is not an output of the attached model"
         index = next(i for i, n in enumerate(call.output_nodes) if n is node)
+        if CacheRewind.mark(call.args, call.kwargs) is not None:
+            return "the forward was given a KV cache (past_key_values), which it extended"
         inputs = tree_flatten((call.args, call.kwargs))[0]
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
             # Their partial gradients, outside the model, could not be discarded.
