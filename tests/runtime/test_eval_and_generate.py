@@ -1,6 +1,7 @@
-"""Evaluation and generation on an attached model, before and between training steps (a sanity
-``generate`` before fine-tuning, Trainer's periodic eval): the same losses and tokens as the
-plain model, and the plan is profiled on the training batch, not on what ran before it."""
+"""Evaluation and generation on an attached model, before training, between steps and between a
+backward and its step (a sanity ``generate`` before fine-tuning, Trainer's periodic eval): the
+same losses and tokens as the plain model, and the plan is profiled on the training batch, not on
+what ran before it."""
 
 from __future__ import annotations
 
@@ -56,3 +57,57 @@ def test_eval_and_generate_between_steps_match_the_plain_model_and_leave_the_pro
             assert got == want  # greedy tokens
         else:
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def _inference_calls(model: torch.nn.Module) -> list:
+    """Generation options and evaluation forwards a script runs on its model, as tensors."""
+    val = batches(1, seed=9)[0]
+    prompt = val[:, :4]
+    padded = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 9]])
+    mask = (padded != 0).long()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        hidden = model(input_ids=val, output_hidden_states=True).hidden_states
+        embeds = model(inputs_embeds=model.get_input_embeddings()(val), labels=val)
+    scored = model.generate(
+        prompt, max_new_tokens=3, return_dict_in_generate=True, output_scores=True
+    )
+    return [
+        model.generate(prompt, max_new_tokens=4, do_sample=True, top_k=20),
+        model.generate(prompt, max_new_tokens=4, num_beams=3, num_return_sequences=2),
+        model.generate(prompt, max_new_tokens=4, use_cache=False),
+        model.generate(prompt, max_new_tokens=4, cache_implementation="static"),
+        model.generate(padded, attention_mask=mask, max_new_tokens=4, pad_token_id=0),
+        scored.sequences,
+        *scored.scores,
+        *hidden,
+        embeds.loss,
+        embeds.logits,
+    ]
+
+
+def test_generation_options_between_backward_and_step_match_the_plain_model():
+    """Sampling, beam search, static and no cache, left padding, scores, hidden states and an
+    ``inputs_embeds`` forward, run after a backward and before its ``step()`` (in the profiling
+    step and after the plan): the plain model's outputs, and training goes on as plain."""
+    runs = []
+    for attached in (False, True):
+        if attached:
+            enable_cpu(n_persist=0)
+        model = tiny_llama(tied=False).to("cpu")
+        assert (rt.runtime_of(model) is not None) == attached
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        seen = []
+        for step, ids in enumerate(batches(4)):
+            model(input_ids=ids, labels=ids).loss.backward()
+            if step in (0, 3):
+                model.eval()
+                seen += _inference_calls(model)
+                model.train()
+            optimizer.step()
+            optimizer.zero_grad()
+        seen += [p.detach().clone() for p in model.state_dict().values()]
+        runs.append(seen)
+        autooffload.disable()
+    for want, got in zip(*runs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
