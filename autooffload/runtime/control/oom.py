@@ -6,7 +6,9 @@ root model's ``forward`` (a wrapper installed here) and sees every ``torch.autog
 (``patches/torch_optim.py``).
 
 - An OOM inside the model's forward: the runtime is recovered (chunks released, cached blocks
-  freed), the plan shrunk, and the forward re-run with the same inputs and RNG state.
+  freed), the plan shrunk, and the forward re-run with the same inputs and RNG state. A KV
+  cache among the inputs (``generate``) is first rewound to its length before the failed pass
+  (``kv_cache.py``); one that cannot be rewound is not retried.
 - An OOM inside ``backward()``: retried when the tensor handed to ``backward`` is one of the
   model's own outputs of its last forward (HF ``outputs.loss``), optionally times or divided by
   constants (``loss / accum``, ``GradScaler.scale(loss)``), and no parameter of the model had a
