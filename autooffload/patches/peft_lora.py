@@ -8,6 +8,11 @@ Inside a block's forward every chunk of the block is resident (the runtime's gro
 one: ``merge_adapter()``, ``merge_and_unload()``, ``unmerge`` inside a ``disable_adapter()``
 forward of a merged model, and adapter creation on an already attached base.
 
+``add_weighted_adapter`` reads the source adapters' weights directly, outside any layer method:
+with adapters in chunks (trainable bytes over a tenth) the LoRA task-arithmetic combinations
+hold each target layer's chunks while they read it; ``cat`` (and IA3's combination) read them
+inline, so they are refused while those weights are in chunks.
+
 ``prepare_model_for_kbit_training`` on an attached model (a bitsandbytes model attached as
 ``from_pretrained`` loaded it, ``patches/transformers_loading.py``) freezes every param and
 casts the bf16/fp16 ones that are not 4-bit codes to fp32 by replacing their ``.data``: a
@@ -19,7 +24,7 @@ with the same settings; the plan is searched anew at its next forward.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -159,6 +164,58 @@ def _modules_to_save_update_wrapper(wrapped: Any, instance: Any, args: tuple, kw
         return wrapped(*args, **kwargs)
 
 
+def _adapter_params(model: nn.Module, adapters: Iterable[str]) -> list[torch.Tensor]:
+    """The params of ``adapters`` in every tuner layer of ``model`` (LoRA A/B, IA3 vectors...)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    params: list[torch.Tensor] = []
+    for layer in model.modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        for attr in layer.adapter_layer_names:
+            per_adapter = getattr(layer, attr, {})
+            for adapter in adapters:
+                if adapter not in per_adapter:
+                    continue
+                held = per_adapter[adapter]
+                params.extend(held.parameters() if isinstance(held, nn.Module) else [held])
+    return params
+
+
+def _weighted_target_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``LoraModel._generalized_task_arithmetic_weighted_adapter`` reads the source adapters of
+    one target layer: hold that layer's chunks while it does."""
+    from autooffload.runtime.access import params_on_device, runtime_managing
+
+    target = kwargs["target"] if "target" in kwargs else args[3]
+    params = list(target.parameters())
+    runtime = runtime_managing(params)
+    if runtime is None:
+        return wrapped(*args, **kwargs)
+    with params_on_device(runtime, params):
+        return wrapped(*args, **kwargs)
+
+
+def _add_weighted_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Refuse the combinations that read chunked source adapters inline (no layer to hold)."""
+    from peft.tuners.lora import LoraModel
+
+    from autooffload.runtime.access import runtime_managing
+
+    adapters = kwargs["adapters"] if "adapters" in kwargs else args[0]
+    combination = kwargs.get("combination_type", args[3] if len(args) > 3 else "svd")
+    per_layer = isinstance(instance, LoraModel) and combination != "cat"
+    if not per_layer and runtime_managing(_adapter_params(instance.model, adapters)) is not None:
+        name = f"combination_type={combination!r}" if isinstance(instance, LoraModel) else ""
+        raise AttachError(
+            f"{type(instance).__name__}.add_weighted_adapter({name}) reads adapter weights that"
+            " are offloaded in chunks (the adapters are over a tenth of the model's bytes); call"
+            " it before moving the model to the device or after autooffload.disable(), or use"
+            " a LoRA combination_type other than 'cat'"
+        )
+    return wrapped(*args, **kwargs)
+
+
 def _prepare_kbit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     from autooffload import runtime as rt
     from autooffload.runtime.access import runtime_managing
@@ -182,6 +239,8 @@ def _prepare_kbit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict
 
 
 def install(settings: Settings, target: str) -> None:
+    from peft.tuners.ia3 import IA3Model
+    from peft.tuners.lora import LoraModel
     from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
     from peft.utils.other import ModulesToSaveWrapper, prepare_model_for_kbit_training
 
@@ -190,6 +249,14 @@ def install(settings: Settings, target: str) -> None:
     # Scripts import it by name, often before enable(): redirected, so every binding is caught.
     if isinstance(prepare_model_for_kbit_training, types.FunctionType):
         _registry.redirect(prepare_model_for_kbit_training, _prepare_kbit_wrapper, __name__)
+    _registry.wrap(
+        LoraModel,
+        "_generalized_task_arithmetic_weighted_adapter",
+        _weighted_target_wrapper,
+        __name__,
+    )
+    for cls in (LoraModel, IA3Model):
+        _registry.wrap(cls, "add_weighted_adapter", _add_weighted_wrapper, __name__)
     for cls in _subclasses(BaseTunerLayer):
         for attr in _READS:
             if attr in cls.__dict__:

@@ -1,5 +1,6 @@
 """PEFT's own code paths on an attached model: ``modules_to_save``, several adapters, the
-``disable_adapter()`` context, merging; each touches weights outside a block's forward."""
+``disable_adapter()`` context, merging, ``add_weighted_adapter``; each touches weights outside
+a block's forward."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 import autooffload
+from autooffload.errors import AttachError
 from tests.peft.peft_runs import (
+    Run,
     assert_same_training,
     batches,
     lora,
@@ -132,3 +135,40 @@ def test_merge_after_training_gives_the_unmerged_outputs(variant, size):
     autooffload.disable()
     # The merged weights are in the model handed back at detach.
     torch.testing.assert_close(unloaded(input_ids=ids).logits, unmerged, **close)
+
+
+def _train_then_combine(base, order, combination, data):
+    """Train two adapters, combine them with ``add_weighted_adapter``, train the combination.
+    Attached, the first adapter is in chunks, the second (added after attach) resident."""
+    model = wrap(copy.deepcopy(base), lora(), order, "chunked")
+    losses = train(model, data[:3])
+    torch.manual_seed(7)
+    model.add_adapter("second", lora())
+    model.set_adapter("second")
+    losses += train(model, data[3:5])
+    model.add_weighted_adapter(["default", "second"], [0.7, -0.5], "mix", combination)
+    model.set_adapter("mix")
+    losses += train(model, data[5:])
+    autooffload.disable()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if "lora" in n}
+    return Run(losses, weights)
+
+
+@pytest.mark.parametrize("combination", ["linear", "svd"])
+def test_add_weighted_adapter_of_adapters_in_chunks_matches_plain(combination):
+    """Adapters over a tenth of the bytes live in chunks; combining them reads every source
+    adapter's weights outside any forward."""
+    base, data = tiny_llama("chunked"), batches(8)
+    assert_same_training(
+        _train_then_combine(base, "plain", combination, data),
+        _train_then_combine(base, "peft_then_move", combination, data),
+    )
+
+
+def test_add_weighted_adapter_cat_of_adapters_in_chunks_is_refused():
+    model = wrap(tiny_llama("chunked"), lora(), "peft_then_move", "chunked")
+    model.add_adapter("second", lora())
+    train(model, batches(1))
+    with pytest.raises(AttachError, match="combination_type='cat'"):
+        model.add_weighted_adapter(["default", "second"], [1.0, 1.0], "mix", "cat")
+    assert "mix" not in model.peft_config
