@@ -125,3 +125,22 @@ def test_resident_adapters_optimizer_drives_profiling_to_the_searched_plan(order
     train(model, batches(4))
     assert runtime.plan.source != "profiling step", runtime.plan.summary()
     assert autooffload.last_plan() is runtime.plan
+
+
+INIT_VARIANTS = {
+    "gaussian": {"init_lora_weights": "gaussian"},
+    "pissa": {"init_lora_weights": "pissa"},
+    "olora": {"init_lora_weights": "olora"},
+    "layers_to_transform": {"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [0, 2]},
+}
+
+
+@pytest.mark.parametrize("variant", list(INIT_VARIANTS))
+def test_adapter_init_variants_created_on_an_attached_base_match_plain(variant):
+    """PiSSA and OLoRA rewrite the base weight at creation: created after attach, the residual
+    must reach the offloaded chunk. Gaussian init and ``layers_to_transform`` pick other
+    adapter values and layers."""
+    base, data = tiny_llama(), batches(6)
+    config = lora(**INIT_VARIANTS[variant])
+    plain = run(base, config, "plain", "resident", data)
+    assert_same_training(plain, run(base, config, "move_then_peft", "resident", data))
