@@ -8,13 +8,16 @@ import copy
 
 import pytest
 import torch
+from peft import get_peft_model, prepare_model_for_kbit_training
 
 import autooffload
 from autooffload.errors import AttachError
 from tests.peft.peft_runs import (
     Run,
+    adamw,
     assert_same_training,
     batches,
+    enable_cpu,
     lora,
     run,
     runtime_for,
@@ -172,3 +175,134 @@ def test_add_weighted_adapter_cat_of_adapters_in_chunks_is_refused():
     with pytest.raises(AttachError, match="combination_type='cat'"):
         model.add_weighted_adapter(["default", "second"], [1.0, 1.0], "mix", "cat")
     assert "mix" not in model.peft_config
+
+
+def _step(model, optimizer, ids, reference=None):
+    loss = model(input_ids=ids, labels=ids).loss
+    if reference is not None:
+        loss = loss + reference
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def _lora_weights(model):
+    autooffload.disable()
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora" in n}
+
+
+@pytest.mark.parametrize("order", ["peft_then_move", "move_then_peft"])
+def test_two_adapters_trained_alternately_then_one_deleted_match_plain(order):
+    """``set_adapter`` before every step, one optimizer per adapter, then ``delete_adapter``
+    and training on with the other."""
+    base, data = tiny_llama(), batches(8)
+    runs = []
+    for kind in ("plain", order):
+        model = wrap(copy.deepcopy(base), lora(), kind, "resident")
+        torch.manual_seed(7)
+        model.add_adapter("second", lora(r=4, use_dora=True))
+        optimizers = {
+            name: torch.optim.AdamW(
+                [p for n, p in model.named_parameters() if f".{name}." in n], lr=1e-2
+            )
+            for name in ("default", "second")
+        }
+        losses = []
+        for i, ids in enumerate(data[:6]):
+            name = ("default", "second")[i % 2]
+            model.set_adapter(name)
+            losses.append(_step(model, optimizers[name], ids))
+        model.delete_adapter("default")
+        assert model.active_adapters == ["second"]
+        losses += [_step(model, optimizers["second"], ids) for ids in data[6:]]
+        runs.append(Run(losses, _lora_weights(model)))
+    assert not any(".default." in n for n in runs[1].adapters)
+    assert_same_training(*runs)
+
+
+@pytest.mark.parametrize(
+    ("size", "order"),
+    [("resident", "move_then_peft"), ("chunked", "peft_then_move")],
+)
+def test_disable_adapter_reference_passes_during_training_match_plain(size, order):
+    """DPO-style: the frozen model's outputs by ``disable_adapter()`` before the step's forward
+    (no grad) and inside it (with grad, one graph with the adapted forward)."""
+    base, data = tiny_llama(size), batches(5)
+    runs = []
+    for kind in ("plain", order):
+        model = wrap(copy.deepcopy(base), lora(use_dora=True), kind, size)
+        optimizer = adamw(model)
+        losses = []
+        for ids in data:
+            with torch.no_grad(), model.disable_adapter():
+                before = model(input_ids=ids).logits.log_softmax(-1)
+            adapted = model(input_ids=ids).logits.log_softmax(-1)
+            with model.disable_adapter():
+                inside = model(input_ids=ids).logits.log_softmax(-1)
+            reference = (adapted - before).pow(2).mean() + (adapted - inside).pow(2).mean()
+            losses.append(_step(model, optimizer, ids, reference))
+        runs.append(Run(losses, _lora_weights(model)))
+    assert_same_training(*runs)
+
+
+@pytest.mark.parametrize("variant", [{}, {"use_dora": True}], ids=["lora", "dora"])
+@pytest.mark.parametrize("size", ["resident", "chunked"])
+def test_merge_and_unmerge_between_steps_then_training_on_matches_plain(variant, size):
+    """``merge_adapter()`` for an evaluation mid-run, ``unmerge_adapter()``, more steps: the
+    base weights written twice stay in the offloaded chunks."""
+    base, data = tiny_llama(size), batches(8)
+    runs = []
+    for kind in ("plain", "peft_then_move"):
+        model = wrap(copy.deepcopy(base), lora(**variant), kind, size)
+        optimizer = adamw(model)
+        losses = [_step(model, optimizer, ids) for ids in data[:4]]
+        model.merge_adapter()
+        with torch.no_grad():
+            losses.append(model(input_ids=data[0], labels=data[0]).loss.item())
+        model.unmerge_adapter()
+        losses += [_step(model, optimizer, ids) for ids in data[4:]]
+        runs.append(Run(losses, _lora_weights(model)))
+    assert_same_training(*runs)
+
+
+@pytest.mark.parametrize("order", ["peft_then_move", "move_then_peft"])
+def test_prepare_model_for_kbit_training_on_an_unquantized_model_matches_plain(order):
+    """Called on an fp32 model (no bitsandbytes), before or after the base attached."""
+    base, data = tiny_llama(), batches(5)
+    runs = []
+    for kind in ("plain", order):
+        model = copy.deepcopy(base)
+        if kind != "plain":
+            enable_cpu()
+        if kind == "move_then_peft":
+            model.to("cpu")
+        model = prepare_model_for_kbit_training(model)
+        torch.manual_seed(123)
+        peft_model = get_peft_model(model, lora())
+        peft_model.to("cpu")
+        assert (runtime_for(peft_model) is not None) == (kind != "plain")
+        runs.append(Run(train(peft_model, data), _lora_weights(peft_model)))
+    assert_same_training(*runs)
+
+
+@pytest.mark.parametrize("size", ["resident", "chunked"])
+def test_trainable_parameter_counts_equal_plain(size, capsys):
+    """``get_nb_trainable_parameters`` and ``print_trainable_parameters`` count offloaded params
+    at their real sizes."""
+
+    def add_second(model):
+        torch.manual_seed(7)
+        model.add_adapter("second", lora(r=4))
+
+    reports = []
+    for order in ("plain", "peft_then_move", "move_then_peft"):
+        config = lora(modules_to_save=["lm_head"])
+        model = wrap(tiny_llama(size, tied=True), config, order, size, before_move=add_second)
+        counts = model.get_nb_trainable_parameters()
+        model.print_trainable_parameters()
+        reports.append((counts, capsys.readouterr().out))
+        autooffload.disable()
+    assert reports[0][0][0] > 0
+    assert reports[1] == reports[0]
+    assert reports[2] == reports[0]
