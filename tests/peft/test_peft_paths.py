@@ -306,3 +306,16 @@ def test_trainable_parameter_counts_equal_plain(size, capsys):
     assert reports[0][0][0] > 0
     assert reports[1] == reports[0]
     assert reports[2] == reports[0]
+
+
+@pytest.mark.parametrize("size", ["resident", "chunked"])
+@pytest.mark.parametrize("saved", [["lm_head"], ["embed_tokens", "lm_head"]], ids=["head", "both"])
+def test_modules_to_save_with_tied_embeddings_matches_plain(saved, size):
+    """The trainable copies of a head tied to the embedding (and of the embedding) untie them:
+    each copy trains on its own while the frozen original stays shared and offloaded."""
+    base, data = tiny_llama(size, tied=True), batches(6)
+    config = lora(modules_to_save=saved)
+    order = "move_then_peft" if size == "resident" else "peft_then_move"
+    assert_same_training(
+        run(base, config, "plain", size, data), run(base, config, order, size, data)
+    )
