@@ -8,10 +8,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
 
 import autooffload
-from tests.peft.peft_runs import batches, enable_cpu, lora, runtime_for, tiny_llama, train, wrap
+from tests.peft.peft_runs import (
+    Run,
+    adamw,
+    assert_same_training,
+    batches,
+    enable_cpu,
+    lora,
+    runtime_for,
+    tiny_llama,
+    train,
+    trained_weights,
+    wrap,
+)
 
 
 @pytest.mark.parametrize("load_attached", [False, True], ids=["load_plain", "load_attached"])
@@ -38,3 +51,34 @@ def test_save_pretrained_then_from_pretrained_on_a_fresh_base(tmp_path: Path, lo
             torch.testing.assert_close(param, saved[name], rtol=0, atol=0, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=0)
+
+
+def test_save_pretrained_mid_run_of_adapters_in_chunks_saves_plain_bytes(tmp_path: Path):
+    """Adapters over a tenth of the bytes are offloaded in chunks: the checkpoint written
+    between steps holds plain PEFT's values, and training goes on unchanged after it."""
+    base, data = tiny_llama("chunked"), batches(6)
+    runs = []
+    for kind in ("plain", "attached"):
+        if kind == "attached":
+            enable_cpu("chunked")
+        torch.manual_seed(123)
+        model = get_peft_model(copy.deepcopy(base), lora(use_dora=True))
+        model.to("cpu")
+        optimizer = adamw(model)
+        losses = []
+        for i, ids in enumerate(data):
+            if i == 3:
+                model.save_pretrained(tmp_path / kind)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        autooffload.disable()
+        saved = load_file(tmp_path / kind / "adapter_model.safetensors")
+        runs.append((Run(losses, trained_weights(model)), saved))
+    (plain, plain_saved), (attached, attached_saved) = runs
+    assert_same_training(plain, attached)
+    assert attached_saved.keys() == plain_saved.keys()
+    for name, tensor in plain_saved.items():
+        torch.testing.assert_close(attached_saved[name], tensor, rtol=0, atol=0, msg=name)
