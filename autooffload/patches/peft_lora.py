@@ -119,7 +119,9 @@ def _forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
 
 
 def _inject_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """PEFT moves each new adapter to its base layer's device: that is no model to attach."""
+    """PEFT moves each new adapter to its base layer's device: that is no model to attach.
+    Wraps adapter injection and each layer's move of its adapters (``update_layer`` called
+    outside injection: EVA's data-driven init, AdaLoRA's rank changes)."""
     with attach_suppressed():
         return wrapped(*args, **kwargs)
 
@@ -261,6 +263,8 @@ def install(settings: Settings, target: str) -> None:
         for attr in _READS:
             if attr in cls.__dict__:
                 _registry.wrap(cls, attr, _layer_wrapper(attr in _WRITES), __name__)
+        if "_move_adapter_to_device_of_base_layer" in cls.__dict__:
+            _registry.wrap(cls, "_move_adapter_to_device_of_base_layer", _inject_wrapper, __name__)
         if "forward" in cls.__dict__:
             _registry.wrap(cls, "forward", _forward_wrapper, __name__)
 

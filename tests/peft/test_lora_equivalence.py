@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from peft import get_peft_model
+from peft import EvaConfig, get_peft_model, initialize_lora_eva_weights
 
 import autooffload
 from autooffload import runtime as rt
@@ -144,3 +144,39 @@ def test_adapter_init_variants_created_on_an_attached_base_match_plain(variant):
     config = lora(**INIT_VARIANTS[variant])
     plain = run(base, config, "plain", "resident", data)
     assert_same_training(plain, run(base, config, "move_then_peft", "resident", data))
+
+
+@pytest.mark.parametrize("order", ["peft_then_move", "move_then_peft"])
+def test_eva_data_driven_init_matches_plain(order):
+    """EVA creates the adapters on ``meta`` and sizes them from activations seen in forwards;
+    the adapters it then moves to the base layer's device are no model to attach."""
+    base, data = tiny_llama(), batches(4)
+    calibration = [{"input_ids": ids} for ids in batches(4, seed=8)]
+    runs = []
+    for kind in ("plain", order):
+        model = copy.deepcopy(base)
+        if kind != "plain":
+            enable_cpu()
+        if kind == "move_then_peft":
+            model.to("cpu")
+        # EVA writes the ranks it found into the config: a fresh one per run.
+        config = lora(
+            init_lora_weights="eva",
+            eva_config=EvaConfig(rho=2.0),
+            target_modules=["q_proj", "v_proj"],
+        )
+        torch.manual_seed(123)
+        peft_model = get_peft_model(model, config, low_cpu_mem_usage=True)
+        torch.manual_seed(9)
+        initialize_lora_eva_weights(peft_model, calibration, show_progress_bar=False)
+        peft_model.to("cpu")
+        assert (runtime_for(peft_model) is not None) == (kind != "plain")
+        assert [type(r.model).__name__ for r in rt.runtimes()] == (
+            []
+            if kind == "plain"
+            else ["PeftModel" if kind == "peft_then_move" else "LlamaForCausalLM"]
+        )
+        losses = train(peft_model, data)
+        autooffload.disable()
+        runs.append(Run(losses, trained_weights(peft_model)))
+    assert_same_training(*runs)
