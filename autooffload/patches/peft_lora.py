@@ -11,7 +11,8 @@ forward of a merged model, and adapter creation on an already attached base.
 ``add_weighted_adapter`` reads the source adapters' weights directly, outside any layer method:
 with adapters in chunks (trainable bytes over a tenth) the LoRA task-arithmetic combinations
 hold each target layer's chunks while they read it; ``cat`` (and IA3's combination) read them
-inline, so they are refused while those weights are in chunks.
+inline, so they are refused while those weights are in chunks. So is AdaLoRA with adapters in
+chunks: it reads every adapter weight and gradient outside the blocks.
 
 ``prepare_model_for_kbit_training`` on an attached model (a bitsandbytes model attached as
 ``from_pretrained`` loaded it, ``patches/transformers_loading.py``) freezes every param and
@@ -218,6 +219,24 @@ def _add_weighted_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict
     return wrapped(*args, **kwargs)
 
 
+def _adalora_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """AdaLoRA reads every adapter weight after the model's forward (its orthogonal
+    regularization) and every adapter gradient after the step (``update_and_allocate``), then
+    masks ranks in place: none of which adapters offloaded in chunks support. Refused at the
+    first forward (a ``PeftModel`` with a task type) or the first ``update_and_allocate``."""
+    from autooffload.runtime.access import runtime_managing
+
+    adapter = instance.trainable_adapter_name
+    if runtime_managing(_adapter_params(instance.model, [adapter])) is not None:
+        raise AttachError(
+            "AdaLoRA with adapters offloaded in chunks (over a tenth of the model's bytes) is not"
+            " supported: its orthogonal regularization and update_and_allocate read every adapter"
+            " weight and gradient outside the blocks; lower init_r so that the adapters stay on"
+            " the device, or use LoRA"
+        )
+    return wrapped(*args, **kwargs)
+
+
 def _prepare_kbit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     from autooffload import runtime as rt
     from autooffload.runtime.access import runtime_managing
@@ -241,12 +260,15 @@ def _prepare_kbit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict
 
 
 def install(settings: Settings, target: str) -> None:
+    from peft.tuners.adalora import AdaLoraModel
     from peft.tuners.ia3 import IA3Model
     from peft.tuners.lora import LoraModel
     from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
     from peft.utils.other import ModulesToSaveWrapper, prepare_model_for_kbit_training
 
     _registry.wrap(BaseTuner, "inject_adapter", _inject_wrapper, __name__)
+    for method in ("forward", "update_and_allocate"):
+        _registry.wrap(AdaLoraModel, method, _adalora_wrapper, __name__)
     _registry.wrap(ModulesToSaveWrapper, "update", _modules_to_save_update_wrapper, __name__)
     # Scripts import it by name, often before enable(): redirected, so every binding is caught.
     if isinstance(prepare_model_for_kbit_training, types.FunctionType):

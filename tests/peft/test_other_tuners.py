@@ -1,7 +1,8 @@
 """PEFT tuners other than LoRA on an attached model: trainable tokens (``trainable_token_indices``,
-which reads the base embedding without calling its forward), IA3, LoHa, LoKr, VeRA and OFT train
-like plain PEFT, and ``merge_and_unload()`` (which reads and writes base weights outside any
-block) gives plain's merged model, attached and after detach."""
+which reads the base embedding without calling its forward), IA3, LoHa, LoKr, VeRA, OFT and
+AdaLoRA (with adapters on the device; with adapters in chunks it is refused) train like plain
+PEFT, and ``merge_and_unload()`` (which reads and writes base weights outside any block) gives
+plain's merged model, attached and after detach."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from peft import (
+    AdaLoraConfig,
     IA3Config,
     LoHaConfig,
     LoKrConfig,
@@ -23,9 +25,10 @@ from peft import (
 )
 
 import autooffload
-from autooffload.errors import PlanError
+from autooffload.errors import AttachError, PlanError
 from tests.peft.peft_runs import (
     Run,
+    adamw,
     assert_same_training,
     batches,
     enable_cpu,
@@ -121,3 +124,53 @@ def test_prefix_tuning_needs_kept_activations_and_then_trains_like_plain():
     losses = train(model, data)
     autooffload.disable()
     assert_same_training(expected, Run(losses, trained_weights(model)))
+
+
+def _adalora(task_type: TaskType | None = TaskType.CAUSAL_LM) -> AdaLoraConfig:
+    return AdaLoraConfig(
+        task_type=task_type,
+        init_r=8,
+        target_r=4,
+        tinit=1,
+        tfinal=2,
+        deltaT=1,
+        total_step=STEPS + 2,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        lora_dropout=0.0,
+    )
+
+
+def _train_adalora(model: torch.nn.Module, data: list[torch.Tensor]) -> Run:
+    """AdaLoRA's loop: ``update_and_allocate`` after each step reads the adapters' gradients
+    and masks the least important ranks."""
+    optimizer = adamw(model)
+    losses = []
+    for i, ids in enumerate(data):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        model.base_model.update_and_allocate(i)
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    autooffload.disable()
+    return Run(losses, trained_weights(model))
+
+
+def test_adalora_with_adapters_on_the_device_trains_like_plain():
+    """Its orthogonal regularization reads every adapter after the model's forward."""
+    base, data = tiny_llama(), batches(STEPS + 2)
+    expected = _train_adalora(wrap(copy.deepcopy(base), _adalora(), "plain", "resident"), data)
+    model = wrap(copy.deepcopy(base), _adalora(), "move_then_peft", "resident")
+    assert_same_training(expected, _train_adalora(model, data))
+
+
+@pytest.mark.parametrize("task_type", [TaskType.CAUSAL_LM, None], ids=["causal_lm", "no_task"])
+def test_adalora_with_adapters_in_chunks_is_refused_before_a_step(task_type):
+    """Adapters over a tenth of the bytes are offloaded in chunks: AdaLoRA would read them and
+    their gradients outside the blocks. Refused at the first forward that runs AdaLoRA's own
+    (with a task type), else at the first ``update_and_allocate``, before the step it adjusts."""
+    model = wrap(tiny_llama("chunked"), _adalora(task_type), "peft_then_move", "chunked")
+    ids = batches(1)[0]
+    with pytest.raises(AttachError, match="AdaLoRA with adapters offloaded in chunks"):
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.base_model.update_and_allocate(0)
