@@ -12,7 +12,8 @@ forward of a merged model, and adapter creation on an already attached base.
 with adapters in chunks (trainable bytes over a tenth) the LoRA task-arithmetic combinations
 hold each target layer's chunks while they read it; ``cat`` (and IA3's combination) read them
 inline, so they are refused while those weights are in chunks. So is AdaLoRA with adapters in
-chunks: it reads every adapter weight and gradient outside the blocks.
+chunks: it reads every adapter weight and gradient outside the blocks; and ``hotswap_adapter``
+into an adapter in chunks, which writes its weights in place one by one.
 
 ``prepare_model_for_kbit_training`` on an attached model (a bitsandbytes model attached as
 ``from_pretrained`` loaded it, ``patches/transformers_loading.py``) freezes every param and
@@ -237,6 +238,23 @@ def _adalora_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     return wrapped(*args, **kwargs)
 
 
+def _hotswap_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``hotswap_adapter`` writes the new weights into the adapter's params in place, one by
+    one outside any forward: refused while they are offloaded in chunks."""
+    from autooffload.runtime.access import runtime_managing
+
+    model = kwargs["model"] if "model" in kwargs else args[0]
+    adapter = kwargs["adapter_name"] if "adapter_name" in kwargs else args[2]
+    if runtime_managing(_adapter_params(model, [adapter])) is not None:
+        raise AttachError(
+            f"hotswap_adapter into adapter {adapter!r}, whose weights are offloaded in chunks (the"
+            " adapters are over a tenth of the model's bytes), is not supported while attached;"
+            " call it after autooffload.disable(), or load the new adapter with load_adapter"
+            " and switch with set_adapter"
+        )
+    return wrapped(*args, **kwargs)
+
+
 def _prepare_kbit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     from autooffload import runtime as rt
     from autooffload.runtime.access import runtime_managing
@@ -264,6 +282,7 @@ def install(settings: Settings, target: str) -> None:
     from peft.tuners.ia3 import IA3Model
     from peft.tuners.lora import LoraModel
     from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+    from peft.utils.hotswap import hotswap_adapter_from_state_dict
     from peft.utils.other import ModulesToSaveWrapper, prepare_model_for_kbit_training
 
     _registry.wrap(BaseTuner, "inject_adapter", _inject_wrapper, __name__)
@@ -273,6 +292,8 @@ def install(settings: Settings, target: str) -> None:
     # Scripts import it by name, often before enable(): redirected, so every binding is caught.
     if isinstance(prepare_model_for_kbit_training, types.FunctionType):
         _registry.redirect(prepare_model_for_kbit_training, _prepare_kbit_wrapper, __name__)
+    if isinstance(hotswap_adapter_from_state_dict, types.FunctionType):
+        _registry.redirect(hotswap_adapter_from_state_dict, _hotswap_wrapper, __name__)
     _registry.wrap(
         LoraModel,
         "_generalized_task_arithmetic_weighted_adapter",

@@ -1,5 +1,6 @@
 """Adapter-only checkpoints of an attached PeftModel: ``save_pretrained`` then
-``PeftModel.from_pretrained`` on a fresh base (attached, or not) gives the same outputs."""
+``PeftModel.from_pretrained`` on a fresh base (attached, or not) gives the same outputs;
+``hotswap_adapter`` of a saved adapter into an attached model."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
+from peft.utils.hotswap import hotswap_adapter
 from safetensors.torch import load_file
 
 import autooffload
+from autooffload.errors import AttachError
 from tests.peft.peft_runs import (
     Run,
     adamw,
@@ -82,3 +85,39 @@ def test_save_pretrained_mid_run_of_adapters_in_chunks_saves_plain_bytes(tmp_pat
     assert attached_saved.keys() == plain_saved.keys()
     for name, tensor in plain_saved.items():
         torch.testing.assert_close(attached_saved[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def _saved_adapter(base: torch.nn.Module, path: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), lora())
+    train(model, batches(2, seed=seed))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("size", ["resident", "chunked"])
+def test_hotswap_adapter_into_an_attached_model(tmp_path: Path, size):
+    """``hotswap_adapter`` writes the saved weights into the loaded adapter's params in place:
+    on the device that equals plain PEFT; into adapters offloaded in chunks (over a tenth of the
+    bytes) it is refused before anything is written."""
+    base, data = tiny_llama(size), batches(2)
+    first = _saved_adapter(base, tmp_path / "first", 11)
+    second = _saved_adapter(base, tmp_path / "second", 12)
+    runs = []
+    for attached in (False, True):
+        if attached:
+            enable_cpu(size)
+        model = PeftModel.from_pretrained(copy.deepcopy(base), first, is_trainable=True)
+        model.to("cpu")
+        assert (runtime_for(model) is not None) == attached
+        losses = train(model, data)
+        if attached and size == "chunked":
+            with pytest.raises(AttachError, match="hotswap_adapter into adapter 'default'"):
+                hotswap_adapter(model, str(second), adapter_name="default")
+            autooffload.disable()
+            return
+        hotswap_adapter(model, str(second), adapter_name="default")
+        losses += train(model, data)
+        autooffload.disable()
+        runs.append(Run(losses, trained_weights(model)))
+    assert_same_training(*runs)
