@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 _DYNAMIC = "DynamicLayer"
 _STATIC = "StaticLayer"
@@ -57,9 +56,10 @@ class CacheRewind:
     unsupported: list[str]
 
     @classmethod
-    def mark(cls, args: tuple, kwargs: dict) -> CacheRewind | None:
-        """Mark the caches among ``args`` and ``kwargs``; None when the forward is given none."""
-        caches = [v for v in tree_flatten((args, kwargs))[0] if _is_cache(v)]
+    def mark(cls, inputs: list[Any]) -> CacheRewind | None:
+        """Mark the caches among a forward's flattened ``inputs`` (``tree_flatten((args,
+        kwargs))``'s leaves); None when the forward is given none."""
+        caches = [v for v in inputs if _is_cache(v)]
         if not caches:
             return None
         marks, unsupported = [], []

@@ -132,14 +132,13 @@ class OomRetry:
         if not state.active or in_backward():
             return state.inner_forward(*args, **kwargs)
         call = self._save_call(args, kwargs)
-        self.input_numel = sum(
-            t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-        )
+        inputs = tree_flatten((args, kwargs))[0]
+        self.input_numel = sum(t.numel() for t in inputs if isinstance(t, torch.Tensor))
         if self.runtime.control.profiling:
             self.profiled_numel = self.input_numel
         self.runtime.backward_update.note_forward(self.input_numel)
         self.last_call = None
-        caches = CacheRewind.mark(args, kwargs)
+        caches = CacheRewind.mark(inputs)
         try:
             output = state.inner_forward(*args, **kwargs)
         except torch.OutOfMemoryError as error:
@@ -312,9 +311,9 @@ class OomRetry:
         if node is None:
             return "the tensor handed to backward() is not an output of the attached model"
         index = next(i for i, n in enumerate(call.output_nodes) if n is node)
-        if CacheRewind.mark(call.args, call.kwargs) is not None:
-            return "the forward was given a KV cache (past_key_values), which it extended"
         inputs = tree_flatten((call.args, call.kwargs))[0]
+        if CacheRewind.mark(inputs) is not None:
+            return "the forward was given a KV cache (past_key_values), which it extended"
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
             # Their partial gradients, outside the model, could not be discarded.
             return "an input of the model requires grad"
