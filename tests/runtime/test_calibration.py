@@ -880,6 +880,47 @@ def test_the_need_is_the_allocated_peak_under_expandable_segments(monkeypatch, e
     assert need == (math.ceil(18 * gib * EXPANDABLE_FRAGMENTATION) if expandable else 26 * gib)
 
 
+def _synthetic_step(monkeypatch, profile, hw, step):
+    """The cost model replaced by ``step(compute factor, link factor)``, read off the profile's
+    first block time and the hardware's H2D rate against ``profile`` and ``hw``."""
+    import autooffload.plan.calibration_model as calibration_model
+
+    def predict(scaled, link_hw, knobs, tables=None):
+        compute = scaled.blocks[0].fwd_s / profile.blocks[0].fwd_s
+        return step(compute, hw.h2d_bps / link_hw.h2d_bps), {}, "compute"
+
+    monkeypatch.setattr(replan, "predict_step_time", predict)
+    monkeypatch.setattr(calibration_model, "predict_step_time", predict)
+
+
+@pytest.mark.parametrize(
+    ("step", "measured", "words", "compute", "link"),
+    [
+        # Three terms nearly tie: the compute reaches 0.9 s at x1.5, moving the step more at 1
+        # than the copies do (8B on four GPUs: 635 ms predicted, 924 measured).
+        (lambda c, g: max(0.65, 0.6 * c, 0.55 * g), 0.9, "(compute x1.50)", 1.5, 1.0),
+        # Compute, copies and the CPU update add up: neither alone is elastic enough, both
+        # together are (8B on two GPUs: 740 ms predicted, 942 measured).
+        (lambda c, g: 0.3 * c + 0.3 * g + 0.2, 1.04, "(compute and host copies x1.40)", 1.4, 1.4),
+    ],
+)
+def test_a_slower_step_whose_terms_nearly_tie_is_still_explained(
+    monkeypatch, step, measured, words, compute, link
+):
+    profile = make_profile(seed=5, n_blocks=4, chunk_size=48 * MiB, block_param_bytes=64 * MiB)
+    hw = make_hardware()
+    plan = SearchRequest({profile.chunk_size: profile}, hw, None).plan()
+    _synthetic_step(monkeypatch, profile, hw, step)
+    found = replan.step_calibration(plan, profile, hw, measured)
+    assert found is not None, "the miss went unexplained"
+    scaled, scaled_hw, what = found
+    assert what.endswith(words)
+    assert scaled.blocks[0].fwd_s == pytest.approx(profile.blocks[0].fwd_s * compute, rel=1e-3)
+    assert scaled_hw.h2d_bps == pytest.approx(hw.h2d_bps / link, rel=1e-3)
+    # The same curves faster than predicted: nothing explains a step below every term.
+    assert replan.step_calibration(plan, profile, hw, 0.5) is None
+
+
 def test_a_link_bound_step_that_misses_calibrates_the_host_link_not_compute():
     """A step the model finds bound by the host copies (every chunk streamed over a slow link)
     measured 30% slower: scaling compute cannot explain it, so the copies' rates are lowered
