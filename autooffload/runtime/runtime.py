@@ -458,7 +458,6 @@ class Runtime:
             # The user's optimizer keeps training the returned model: the offloaded params'
             # state (in the CPU twins) becomes its own, as when a re-plan promotes a chunk. Done
             # once the model is whole, so a state that does not fit leaves a correct model.
-            self.cpu_optim.grads_to_params(target)
             for chunk in self.manager.chunks:
                 if chunk.index not in self.manager.persistent:
                     self.cpu_optim.promote_chunk(chunk, target)

@@ -950,3 +950,68 @@ def test_a_link_bound_step_that_misses_calibrates_the_host_link_not_compute():
     # Within STEP_MARGIN nothing is calibrated.
     near = replan.Measured(plan.predicted_peak_bytes, step_s=1.02 * plan.predicted_step_s)
     assert replan.calibrated(plan, request, profile, profile.chunk_size, near) is None
+
+
+def test_gradients_of_chunks_a_calibration_demotes_reach_their_optimizers_later_step(
+    make_llama, offload_cpu, make_batches, monkeypatch
+):
+    """A calibration at the end of one optimizer's step demotes chunks whose params belong to
+    another optimizer that steps after it: their gradients become host gradients, which that
+    step updates from, as plain torch does."""
+    from autooffload.runtime.control import controller
+
+    monkeypatch.setattr(controller, "worker_rate", lambda mark, optimizer: PLANNED_RATE)
+    monkeypatch.setattr(calibration, "worker_rate", lambda mark, optimizer: PLANNED_RATE)
+    batches = make_batches(6)
+    base = make_llama(n_layers=4)
+
+    def optimizers(model):
+        named = list(model.named_parameters())
+        vocab = [p for n, p in named if "embed" in n]
+        layers = [p for n, p in named if "embed" not in n]
+        return torch.optim.AdamW(layers, lr=1e-3), torch.optim.AdamW(vocab, lr=1e-3)
+
+    def step(model, first, second, ids, between=None):
+        model(input_ids=ids, labels=ids).loss.backward()
+        first.step()
+        if between is not None:
+            between()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+
+    reference = make_llama(n_layers=4)
+    reference.load_state_dict(base.state_dict())
+    plain = optimizers(reference)
+    for ids in batches:
+        step(reference, *plain, ids)
+
+    model = make_llama(n_layers=4)
+    model.load_state_dict(base.state_dict())
+    offload_cpu(budget=900_000)
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    first, second = optimizers(model)
+    for ids in batches[:3]:
+        step(model, first, second, ids)
+    plan = runtime.plan
+    rows = runtime.search_request.candidates()
+    keeping = int(rows.peak_bytes[rows.n_persist >= plan.n_persist].min())
+    fewer = int(rows.peak_bytes[rows.n_persist < plan.n_persist].min())
+    assert plan.n_persist >= 1 and fewer * 1.05 < keeping, plan.summary()
+    k = (plan.budget_bytes / keeping + plan.budget_bytes / fewer) / 2
+    demoted = []
+
+    def calibrate():
+        new_plan = calibrate_after_steps(runtime, int(plan.predicted_peak_bytes * k))
+        assert new_plan is not None and new_plan.n_persist < plan.n_persist
+        demoted.extend(runtime.layout.chunks[new_plan.n_persist : plan.n_persist])
+
+    step(model, first, second, batches[3], between=calibrate)
+    assert any(s.param in second.param_groups[0]["params"] for c in demoted for s in c.slots)
+    for ids in batches[4:]:
+        step(model, first, second, ids)
+    autooffload.disable()
+    expected = reference.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5, msg=name)

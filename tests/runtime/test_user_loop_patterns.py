@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import autooffload
+from autooffload import runtime as rt
 from tests.runtime.runtime_models import batches, enable_cpu, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,7 +32,7 @@ def _plain_then_attached(
     for attached in (False, True):
         model = copy.deepcopy(base)
         if attached:
-            enable_cpu(n_persist=0, **settings)
+            enable_cpu(**{"n_persist": 0, **settings})
             model.to("cpu")
         if before_train is not None:
             before_train(model)
@@ -181,3 +182,37 @@ def test_a_backward_after_a_step_without_zero_grad_is_warned_once(clear: str):
                     param.grad = None
     hits = [w for w in caught if "no zero_grad() since" in str(w.message)]
     assert len(hits) == (1 if clear == "by_hand" else 0), [str(w.message) for w in caught]
+
+
+def test_gradients_left_for_a_later_step_survive_the_switch_to_the_searched_plan():
+    """Two optimizers, the second stepping every other backward: at the switch after the
+    profiling steps its params' gradients of one backward wait for its next step. The chunks
+    the searched plan keeps on the device take them along as their ``.grad``."""
+
+    def train(model: torch.nn.Module, attached: bool) -> tuple[list[float], dict, int]:
+        named = list(model.named_parameters())
+        vocab = [p for n, p in named if "embed" in n or "lm_head" in n]
+        layers = [p for n, p in named if not ("embed" in n or "lm_head" in n)]
+        every_step = torch.optim.AdamW(vocab, lr=1e-2, fused=True)
+        every_other = torch.optim.SGD(layers, lr=0.1, momentum=0.9)
+        losses = []
+        for step, ids in enumerate(batches(5)):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+            every_step.step()
+            every_step.zero_grad()
+            if step % 2 == 0:
+                every_other.step()
+                every_other.zero_grad()
+        persistent = len(rt.runtime_of(model).manager.persistent) if attached else 0
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return losses, weights, persistent
+
+    (plain_losses, plain, _), (losses, weights, persistent) = _plain_then_attached(
+        tiny_llama(tied=False), train, n_persist=None, update_in_backward=False
+    )
+    assert persistent > 1, "the searched plan promoted no layer chunk: nothing to test"
+    assert losses == pytest.approx(plain_losses, rel=1e-6)
+    for name, value in plain.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -369,19 +369,19 @@ class CpuOptimizer:
             self._copy_backs[chunk.index] = pairs
         return pairs
 
-    def grads_to_params(self, device: torch.device) -> None:
-        """Detach: each offloaded param's host gradient (pending clipping applied) becomes its
-        ``.grad`` on ``device``, where plain torch would have kept it until ``zero_grad``: a
-        ``step()`` after detach, or a later backward adding to it, goes on like plain. Not for
-        chunks updated in the backward (their gradients were used), nor under sharded state
-        (a rank holds only its own chunks' gradients)."""
-        if self.sharding is not None:
+    def _grads_to_params(self, chunk: Chunk, device: torch.device) -> None:
+        """``chunk`` leaves the CPU optimizer (a re-plan makes it persistent, or detach): each
+        param's host gradient (pending clipping applied) becomes its ``.grad`` on ``device``,
+        where plain torch would have kept it until ``zero_grad``: a ``step()`` after, or a later
+        backward adding to it, goes on like plain. Not for a chunk updated in the backward (its
+        gradients were used), nor under sharded state (a rank holds only its own chunks'
+        gradients)."""
+        if self.sharding is not None or chunk.index in self.early.offloaded:
             return
-        self.wait()
         coef = self.grad_norms.clip_coef
-        for chunk, slot in self.offloaded_slots():
+        for slot in chunk.trained_slots:
             master = self.masters.get(id(slot.param))
-            if master is None or master.grad is None or chunk.index in self.early.offloaded:
+            if master is None or master.grad is None:
                 continue
             grad = master.grad * coef if coef != 1.0 else master.grad
             slot.param.grad = grad.to(device=device, dtype=slot.dtype, copy=True).view(slot.shape)
@@ -401,7 +401,9 @@ class CpuOptimizer:
     def promote_chunk(self, chunk: Chunk, device: torch.device) -> None:
         """``chunk`` becomes persistent: its CPU optimizer state moves to the user's optimizer
         (in the param's dtype, on ``device``; ``step`` where that optimizer keeps it) and its
-        masters are dropped."""
+        masters are dropped; its host gradients become the params' ``.grad``."""
+        self.wait()
+        self._grads_to_params(chunk, device)
         states = self.release_chunk(chunk)
         if self.sharding is not None and chunk.index in self.sharding.trainable:
             # Only the owner had the state; every rank's optimizer takes it over.
@@ -435,13 +437,17 @@ class CpuOptimizer:
         user's optimizer; ``state.adopt_existing_state`` moves it to the twins."""
         self.wait()
         for slot in chunk.trained_slots:
-            # The gradient left from the step just taken (no zero_grad yet): an offloaded
-            # param has none on the device, and zero_grad(set_to_none=False) would keep this
-            # one there for good, memory the new plan does not count.
-            slot.param.grad = None
             self.offloaded_ids.add(id(slot.param))
-        if self.sharding is None or self.sharding.owns(chunk.index):
+        owner = self.sharding is None or self.sharding.owns(chunk.index)
+        if owner:
             self._make_masters(chunk)
+        for slot in chunk.trained_slots:
+            # A gradient not cleared yet (the step just taken, or one still accumulating for
+            # a later step) becomes the host gradient: an offloaded param has none on the
+            # device, where zero_grad(set_to_none=False) would keep it for good.
+            if slot.param.grad is not None and owner:
+                self.staging.adopt(slot, self.masters[id(slot.param)], slot.param.grad)
+            slot.param.grad = None
 
     def shutdown(self) -> None:
         """Join the worker and drop every host tensor this side holds (masters that are views

@@ -267,6 +267,16 @@ class GradStaging:
             self.grad_buffers[id(slot.param)] = buffer
         return buffer
 
+    def adopt(self, slot: ParamSlot, master: torch.Tensor, grad: torch.Tensor) -> None:
+        """``slot``'s param was just offloaded with ``grad`` on the device: it becomes the host
+        gradient, one backward's worth (the next one adds to it; its norm is taken on the host).
+        The worker is idle (the caller waited)."""
+        buffer = self._grad_buffer(slot, master)
+        buffer.copy_(grad.detach().view(buffer.shape))
+        master.grad = buffer
+        self.accumulations[id(slot.param)] = 1
+        self._grad_norms.forget({id(slot.param)})
+
     def hold_staging(self, index: int, future: Future) -> None:
         """An aliased chunk's staging is read by ``future`` (its update, or the zero_grad clear):
         the next write into it waits for that."""
