@@ -457,6 +457,9 @@ class StepHooks:
                 )
             self._kept.clear()  # this backward takes them over
             self.manager.grads.begin_backward(backward_id)
+            if self.cpu_optim.in_backward.persistent_armed:
+                persistent = [self.layout.chunks[i] for i in sorted(self.manager.persistent)]
+                self.cpu_optim.in_backward.begin_backward(persistent)
             if self.data_parallel is not None and self.manager.grads.reduce_order is None:
                 # Rank 0's forward order fixes every rank's reduction order (collectives must
                 # pair up even where a module ran on one rank only).

@@ -285,3 +285,65 @@ def test_a_trained_chunk_param_outside_the_optimizer_keeps_it_off(
     runtime.synchronize()
     _assert_same_weights(model, plain)
     assert not runtime.backward_update.on
+
+
+@pytest.mark.parametrize("phase", [0, 1], ids=["skips-odd-steps", "skips-even-steps"])
+@pytest.mark.parametrize("n_persist", [0, None], ids=["offloaded", "searched-persistent"])
+def test_an_optimizer_stepping_every_other_backward_trains_like_plain(
+    make_llama, offload_cpu, make_batches, monkeypatch, phase, n_persist
+):
+    """Two optimizers, the second stepping every other backward: its params' gradients add up
+    over two backward passes, which only its step can update from. The auto mode, even where
+    the search would take the update in the backward, leaves them to step() and turns off."""
+    from autooffload.runtime.update import update_mode
+
+    monkeypatch.setattr(update_mode, "CHOOSE_GAIN", -10.0)  # the search takes it if on
+    base = make_llama(n_layers=2, tied=False)
+    runs = []
+    for attached in (False, True):
+        model = make_llama(n_layers=2, tied=False)
+        model.load_state_dict(base.state_dict())
+        if attached:
+            offload_cpu(n_persist=n_persist)
+            model.to("cpu")
+        named = list(model.named_parameters())
+        vocab = [p for n, p in named if "embed" in n or "lm_head" in n]
+        layers = [p for n, p in named if not ("embed" in n or "lm_head" in n)]
+        every_step = torch.optim.AdamW(vocab, lr=LR, fused=True)
+        every_other = torch.optim.SGD(layers, lr=0.1, momentum=0.9)
+        losses = []
+        for step, ids in enumerate(make_batches(6)):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+            every_step.step()
+            every_step.zero_grad()
+            if step % 2 == phase:
+                every_other.step()
+                every_other.zero_grad()
+        if attached:
+            assert not rt.runtime_of(model).backward_update.on
+        autooffload.disable()
+        runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+    (plain_losses, plain), (losses, weights) = runs
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    for name, value in plain.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_zero_grad_keeping_zeros_keeps_it_on_over_persistent_chunks(
+    make_llama, offload_cpu, make_batches
+):
+    """``zero_grad(set_to_none=False)`` leaves the persistent params zeros before the first
+    backward that steps them early: no gradient a step has not used, so the mode stays on."""
+    plain, model, runtime = _pair(make_llama, offload_cpu)
+    assert runtime.manager.persistent
+    for net in (plain, model):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
+        for ids in make_batches(4):
+            net(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    runtime.synchronize()
+    assert runtime.backward_update.on
+    _assert_same_weights(model, plain)

@@ -28,7 +28,7 @@ from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.update.gpu_update import GpuUpdater
 from autooffload.runtime.update.grad_staging import GradStaging
 from autooffload.runtime.update.host_grads import HostGradNorms
-from autooffload.runtime.update.in_backward import BackwardUpdates, EarlyUpdates
+from autooffload.runtime.update.in_backward import ACCUMULATED, BackwardUpdates, EarlyUpdates
 from autooffload.runtime.update.twins import Twins, check_optimizer_class
 
 
@@ -88,6 +88,7 @@ class CpuOptimizer:
             self.early,
             self.grad_norms,
             gpu_problem=self._gpu_problem_in_backward,
+            holds_gradients=self.staging.holds_gradients,
         )
         # Per chunk: (host view or None, master) of each param with a master (``_copy_back``).
         self._copy_backs: dict[int, list[tuple[torch.Tensor | None, torch.Tensor]]] = {}
@@ -202,8 +203,12 @@ class CpuOptimizer:
         host gradients (``GradStaging.receive``), and under the update in the backward the
         chunk's update right behind them."""
         self.early.note_gradients(chunk)
+        earlier = self.staging.holds_gradients(chunk)
         self.staging.receive(chunk, slots, event, norms, presence, summed)
-        if self.in_backward.armed:
+        if earlier:
+            # Only step() has the whole sum; the auto mode takes it as a reason, observing too.
+            self.early.add_reason(ACCUMULATED)
+        elif self.in_backward.armed:
             self._update_now(chunk)
 
     def _update_now(self, chunk: Chunk) -> None:

@@ -111,6 +111,10 @@ class GradStaging:
         self._offload.staging_busy.set(chunk.index, future)
         self.grads_busy[chunk.index] = future
 
+    def holds_gradients(self, chunk: Chunk) -> bool:
+        """Whether any of ``chunk``'s params has a host gradient since its last ``zero_grad``."""
+        return any(self.accumulations.get(id(slot.param), 0) for slot in chunk.trainable_slots)
+
     def device_sums(self, chunk: Chunk, slots: list[ParamSlot]) -> list[bool] | None:
         """Under GPU accumulation, for ``chunk``'s gradients about to leave the device: per
         slot, whether its host gradient (the chunk's staging, aliased since the first backward

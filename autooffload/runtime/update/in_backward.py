@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 
 Optimizer = torch.optim.Optimizer
 
+# Why a chunk is left to ``step()`` and the auto mode turns off: its params held gradients of an
+# earlier backward that no step of their optimizer used (one optimizer stepping less often than
+# another), which only the sum at ``step()`` gives.
+ACCUMULATED = "a backward added to gradients that no optimizer step used yet"
+
 
 class EarlyUpdates:
     """The chunks updated in this backward, before ``optimizer.step()``, and the checks that the
@@ -212,9 +217,11 @@ class BackwardUpdates:
         early: EarlyUpdates,
         grad_norms: HostGradNorms,
         gpu_problem: Callable[[Optimizer], str | None],
+        holds_gradients: Callable[[Chunk], bool],
     ) -> None:
         """``gpu_problem``: why an optimizer's chunks cannot take the GPU path in the backward
-        (``CpuOptimizer.gpu_path_problem``), None if they can."""
+        (``CpuOptimizer.gpu_path_problem``), None if they can; ``holds_gradients``: whether an
+        offloaded chunk's params have host gradients of an earlier backward."""
         self._manager = manager
         self._gpu = gpu
         self._twins = twins
@@ -222,6 +229,9 @@ class BackwardUpdates:
         self._early = early
         self._grad_norms = grad_norms
         self._gpu_problem = gpu_problem
+        self._holds_gradients = holds_gradients
+        # Persistent chunks whose params had gradients when this backward began.
+        self._carried: set[int] = set()
         # AUTOOFFLOAD_UPDATE_IN_BACKWARD: armed by the runtime once the plan is searched, for
         # offloaded chunks (the worker's too) and for persistent ones.
         self.armed = False
@@ -240,6 +250,23 @@ class BackwardUpdates:
             self.armed = offloaded
         if persistent is not None:
             self.persistent_armed = persistent
+
+    def begin_backward(self, persistent: list[Chunk]) -> None:
+        """A backward begins: note the ``persistent`` chunks whose params hold gradients already
+        (an earlier backward's that no step used), which ``update_persistent`` leaves to
+        ``step()``. Zeros left by ``zero_grad(set_to_none=False)`` are no such gradient."""
+        held = {
+            chunk.index: [s.param.grad for s in chunk.trainable_slots if s.param.grad is not None]
+            for chunk in persistent
+        }
+        held = {index: grads for index, grads in held.items() if grads}
+        if not held:
+            self._carried = set()  # the update in the backward leaves none: no device sync
+            return
+        nonzero = torch.stack(
+            [torch.stack([g.ne(0).any() for g in gs]).any() for gs in held.values()]
+        )
+        self._carried = {index for index, flag in zip(held, nonzero.tolist(), strict=True) if flag}
 
     def set_gpu_chunks(self, indices: set[int]) -> None:
         """The offloaded chunks the GPU updates in the backward (the plan's lowest ones)."""
@@ -278,6 +305,8 @@ class BackwardUpdates:
         if self._manager.grads.data_parallel is not None:
             return False  # after the average: ``update_averaged_on_device``
         slots = [s for s in chunk.trainable_slots if s.param.grad is not None]
+        if self._holds_gradients(chunk):
+            return False  # the sum is on the host: the worker's path sees it
         found = self._device_update_owner(chunk) if slots else None
         if found is None:
             return False
@@ -339,6 +368,9 @@ class BackwardUpdates:
                 " backward before optimizer.step(), as gradient accumulation runs): set"
                 " AUTOOFFLOAD_UPDATE_IN_BACKWARD=0"
             )
+        if chunk.index in self._carried:
+            self._early.add_reason(ACCUMULATED)
+            return
         by_owner: dict[int, tuple[Optimizer, set[int]]] = {}
         for param in with_grad:
             owner = self._twins.optimizer_of_param.get(id(param))

@@ -192,7 +192,8 @@ class BackwardUpdateMode:
         if self.decided is None and not profiling:
             self.decide()  # a fixed plan: no profiling steps, the first step decides
         elif self.setting is None and self.decided and early.loop_reasons:
-            # Seen in a step that updated nothing early (else it raised): off from now on. Such
+            # Seen in a step that updated nothing early (else it raised), or that left the
+            # chunks it concerned to step() (``ACCUMULATED``): off from now on. Such
             # a step stepped no persistent chunk either (they stay armed), so none had
             # gradients: keeping them to step() from now on needs no memory the plan lacks.
             reasons = "; ".join(sorted(early.loop_reasons))
