@@ -23,6 +23,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "torch_module",
     "torch_optim",
     "transformers_loading",
+    "transformers_resize",
     "transformers_loss",
     "peft_lora",
     "bnb",
@@ -36,7 +37,12 @@ PATCH_MODULES: tuple[str, ...] = (
 # The patch modules ``autooffload.attach()`` needs without ``enable()``: each of their wrappers
 # acts on attached models, their parameters and the optimizers bound to them only, and passes
 # anything else straight through (nothing global changes for objects attach() was not given).
-ATTACH_PATCH_MODULES: tuple[str, ...] = ("torch_module", "torch_optim", "peft_lora")
+ATTACH_PATCH_MODULES: tuple[str, ...] = (
+    "torch_module",
+    "torch_optim",
+    "peft_lora",
+    "transformers_resize",
+)
 
 # The registry state: the settings of the current enable() (None when disabled), the
 # (patch module, target) pairs installed under it, the patch modules used, and the targets whose
