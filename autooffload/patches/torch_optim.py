@@ -29,6 +29,9 @@ from autooffload.settings import Settings
 
 TARGETS = ("torch",)
 
+# torch.optim classes whose own ``__init__`` fills per-param state (Adagrad's sums).
+EAGER_STATE_OPTIMIZERS = (torch.optim.Adagrad,)
+
 _handles: list[RemovableHandle] = []
 
 
@@ -55,6 +58,17 @@ def _init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     # Subclasses call Optimizer.__init__ before finishing their own set-up; bind needs only
     # param_groups, which the base __init__ has filled.
     _bind(instance)
+    return result
+
+
+def _eager_state_init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``__init__`` of an optimizer class that fills per-param state itself, after the base
+    ``__init__`` bound it: the offloaded params' part moves to the CPU twins, which would
+    otherwise start from their own defaults (Adagrad's ``initial_accumulator_value``)."""
+    result = wrapped(*args, **kwargs)
+    if instance.state:
+        for runtime in _runtimes_of_optimizer(instance):
+            runtime.adopt_optimizer_state(instance)
     return result
 
 
@@ -376,6 +390,8 @@ def _load_state_dict_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
 def install(settings: Settings, target: str) -> None:
     group = __name__
     _registry.wrap(torch.optim.Optimizer, "__init__", _init_wrapper, group)
+    for optimizer_class in EAGER_STATE_OPTIMIZERS:
+        _registry.wrap(optimizer_class, "__init__", _eager_state_init_wrapper, group)
     _registry.wrap(torch.optim.Optimizer, "_optimizer_step_code", _step_code_wrapper, group)
     _registry.wrap(torch.optim.Optimizer, "zero_grad", _zero_grad_wrapper, group)
     _registry.wrap(torch.optim.Optimizer, "add_param_group", _add_param_group_wrapper, group)

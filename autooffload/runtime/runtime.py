@@ -298,6 +298,11 @@ class Runtime:
         self.cpu_optim.bind(optimizer)
         adopt_existing_state(self, optimizer)
 
+    def adopt_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """The state bound ``optimizer`` holds for offloaded params (made after it was bound)
+        moves to the CPU twins."""
+        adopt_existing_state(self, optimizer)
+
     def rebind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer`` changed its param groups (``add_param_group``): mirror them again,
         keeping the state the twins hold."""

@@ -266,6 +266,35 @@ def test_zero_grad_keeping_tensors_zeroes_the_host_grads():
     assert all(torch.count_nonzero(g) == 0 for g in kept)
 
 
+def test_adagrad_built_after_attach_starts_offloaded_params_from_its_initial_accumulator():
+    """Adagrad fills its sums in its own ``__init__``, after the base ``__init__`` bound it: the
+    offloaded params' sums move to the CPU twins (which would start from 0), and the user's
+    optimizer keeps none of them."""
+    base = tiny_llama()
+    plain, attached = copy.deepcopy(base), copy.deepcopy(base)
+    enable_cpu(force_attach=True, n_persist=1)
+    attached.to("cpu")
+    runtime = rt.runtime_of(attached)
+    losses = {}
+    for name, model in (("plain", plain), ("attached", attached)):
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-2, initial_accumulator_value=1.0)
+        if model is attached:
+            offloaded = [p for p in model.parameters() if runtime.is_offloaded(p)]
+            assert offloaded and not any(p in optimizer.state for p in offloaded)
+        losses[name] = []
+        for _ in range(3):
+            loss = model(input_ids=IDS, labels=IDS).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(loss.item())
+    runtime.synchronize()
+    assert losses["attached"] == pytest.approx(losses["plain"], rel=1e-6)
+    expected = plain.state_dict()
+    for name, value in attached.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
 # ---- clip_grad_norm_ ----------------------------------------------------------------------------
 
 
@@ -335,6 +364,7 @@ def test_disable_restores_every_patched_torch_entry_point():
         "torch.compile": torch.__dict__["compile"],
         "Module.compile": nn.Module.__dict__["compile"],
         "Optimizer.__init__": torch.optim.Optimizer.__dict__["__init__"],
+        "Adagrad.__init__": torch.optim.Adagrad.__dict__["__init__"],
         "Optimizer.zero_grad": torch.optim.Optimizer.__dict__["zero_grad"],
         "Optimizer._optimizer_step_code": torch.optim.Optimizer.__dict__["_optimizer_step_code"],
         "utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
@@ -358,6 +388,7 @@ def test_disable_restores_every_patched_torch_entry_point():
         "torch.compile": torch.__dict__["compile"],
         "Module.compile": nn.Module.__dict__["compile"],
         "Optimizer.__init__": torch.optim.Optimizer.__dict__["__init__"],
+        "Adagrad.__init__": torch.optim.Adagrad.__dict__["__init__"],
         "Optimizer.zero_grad": torch.optim.Optimizer.__dict__["zero_grad"],
         "Optimizer._optimizer_step_code": torch.optim.Optimizer.__dict__["_optimizer_step_code"],
         "utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
