@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 
 import autooffload
 from autooffload import runtime as rt
+from autooffload.errors import AttachError
 
 VOCAB = 128
 SEQ = 16
@@ -210,3 +211,23 @@ def test_trainer_with_the_fused_head_logs_the_losses_of_a_plain_run(
     autooffload.disable()
     for name, value in expected.items():
         torch.testing.assert_close(actual[name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "adamw_bnb_8bit"])
+def test_trainer_optim_without_a_cpu_path_is_refused_before_a_step_naming_the_valid_values(
+    tmp_path: Path, optim: str
+) -> None:
+    """An ``optim`` whose optimizer has no CPU twin stops ``train()`` before the first step,
+    with the ``optim`` values that work."""
+    if optim == "adamw_bnb_8bit":
+        pytest.importorskip("bitsandbytes")
+    autooffload.enable(
+        device="cpu", force_attach=True, chunk_size=20_000, n_persist=1, mask=False, log="warning"
+    )
+    job = trainer(tmp_path, seed=0, optim=optim, save_strategy="no")
+    before = weights(job.model)
+    with pytest.raises(AttachError, match="HF Trainer: optim=adamw_torch_fused, adamw_torch, sgd"):
+        job.train()
+    assert job.state.global_step == 0
+    for name, value in weights(job.model).items():
+        assert torch.equal(value, before[name]), name

@@ -13,6 +13,8 @@ from autooffload.runtime.chunks.layout import Chunk
 # torch.optim classes that run on CPU tensors; the fused CPU kernels are the fast path.
 CPU_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam")
 FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")
+# TrainingArguments.optim values that build one of them.
+TRAINER_OPTIMS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop")
 
 
 def check_optimizer_class(optimizer: torch.optim.Optimizer) -> None:
@@ -27,8 +29,10 @@ def check_optimizer_class(optimizer: torch.optim.Optimizer) -> None:
         hint = " (bitsandbytes optimizers update only params that stay on the GPU)"
     raise AttachError(
         f"optimizer class {cls.__module__}.{cls.__name__} has no CPU path for offloaded"
-        f" parameters{hint}; use one of torch.optim.{{{', '.join(CPU_OPTIMIZERS)}}}, or keep every"
-        " trainable parameter on the GPU (AUTOOFFLOAD_OFFLOAD=0, or a larger AUTOOFFLOAD_N_PERSIST)"
+        f" parameters{hint}; use one of torch.optim.{{{', '.join(CPU_OPTIMIZERS)}}} (HF Trainer:"
+        f" optim={', '.join(TRAINER_OPTIMS[:-1])} or {TRAINER_OPTIMS[-1]}), or keep every"
+        " trainable parameter on the GPU (AUTOOFFLOAD_OFFLOAD=0, or a larger"
+        " AUTOOFFLOAD_N_PERSIST)"
     )
 
 
