@@ -451,3 +451,53 @@ def test_a_checkpoint_cpu_plans_oom_is_measured_against_its_own_predicted_peak()
     else:  # the plan was predicted to fit: plan for less than its prediction
         expected = own - max(requested, int(OOM_BUDGET_CUT * own))
     assert retry_budget(runtime, runtime.profile, requested) == expected
+
+
+def test_a_retried_backward_plans_beside_what_the_failed_graph_still_holds(monkeypatch):
+    """The failed backward's graph stays referenced by the script's loss through the retry, with
+    the saved tensors of the nodes it had not reached: the retry's plan is searched for the
+    budget less what is allocated beyond the forward's start once the runtime is cleaned up
+    (8B LoRA at seq 49152 under 16 GiB: the retry ran out again with 15.56 GiB allocated)."""
+    import autooffload.runtime.control.oom as oom_module
+
+    model = tiny_llama()
+    enable_cpu(oom_retry=True)
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    batches = long_batches(5)
+    for ids in batches[:4]:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert runtime.plan.source == "search"
+    guard = runtime.oom
+    budget = int(runtime.plan.predicted_peak_bytes * 1.5)
+    runtime.control.adopt_plan(replace(runtime.plan, budget_bytes=budget))
+    held = int(0.05 * runtime.plan.predicted_peak_bytes)
+    # The forward starts at 1 GiB allocated; after the clean-up the failed graph holds ``held``.
+    readings = iter([1 << 30, (1 << 30) + held])
+    monkeypatch.setattr(oom_module.OomRetry, "_allocated", lambda self: next(readings, 1 << 30))
+    seen = []
+    real = oom_module.shrunk_plan
+
+    def spy(runtime_, requested, ratio, held_bytes=0):
+        seen.append((retry_budget(runtime_, runtime_.profile, requested), held_bytes))
+        return real(runtime_, requested, ratio, held_bytes)
+
+    monkeypatch.setattr(oom_module, "shrunk_plan", spy)
+    fault = OomFault(model.model.layers[1].mlp, "backward")
+    fault.times = 1
+    ids = batches[4]
+    records = Records()
+    logging.getLogger("autooffload").addHandler(records)
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        logging.getLogger("autooffload").removeHandler(records)
+    assert guard.retries == 1
+    ((without, passed),) = seen
+    assert passed == held
+    assert runtime.plan.budget_bytes == without - held
+    words = f"the failed backward's graph holds {held / (1 << 20):.1f} MiB through the retry"
+    assert any(words in line for line in records.lines)

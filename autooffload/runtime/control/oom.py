@@ -71,6 +71,9 @@ class _ForwardCall:
     # The grad_fn of each output tensor (flattened order): how a loss is traced back to it.
     # Dropped after the backward and at the next forward, so no graph outlives its step.
     output_nodes: list[Any]
+    # Device bytes allocated when the forward began: what a retried backward measures the failed
+    # graph's leftovers against.
+    allocated: int = 0
 
 
 @dataclass
@@ -181,7 +184,14 @@ class OomRetry:
             torch.is_autocast_enabled(device.type),
             torch.get_autocast_dtype(device.type),
         )
-        return _ForwardCall(args, dict(kwargs), torch.get_rng_state(), device_rng, autocast, [])
+        return _ForwardCall(
+            args, dict(kwargs), torch.get_rng_state(), device_rng, autocast, [], self._allocated()
+        )
+
+    def _allocated(self) -> int:
+        """Device bytes the allocator has handed out (0 off CUDA): no synchronisation."""
+        runtime = self.runtime
+        return torch.cuda.memory_allocated(runtime.device) if runtime.manager.is_cuda else 0
 
     def _remember(self, call: _ForwardCall, output: Any) -> Any:
         if torch.is_grad_enabled():
@@ -205,8 +215,14 @@ class OomRetry:
 
     # ---- recovery and re-plan -----------------------------------------------------------------
 
-    def recover(self, where: str, message: str) -> None:
-        """Clean up after the OOM, shrink the plan and log it; raise if no retry is left."""
+    def recover(self, where: str, message: str, since: int | None = None) -> None:
+        """Clean up after the OOM, shrink the plan and log it; raise if no retry is left.
+
+        ``since``: for a backward, the device bytes allocated when its forward began. The
+        failed backward's graph stays referenced (by the loss the script holds) through the
+        retry, with the saved tensors of every node it had not reached yet; what is allocated
+        beyond ``since`` once the runtime is cleaned up is that, and the retry's plan must fit
+        beside it (8B LoRA at seq 49152: ~4.6 GiB)."""
         runtime = self.runtime
         if self.retrying:
             runtime.hooks.recover_interrupted()
@@ -229,7 +245,8 @@ class OomRetry:
         self._restart_profiler()
         self._free_cached_memory()
         old = runtime.plan
-        plan = shrunk_plan(runtime, failed_allocation_bytes(message), self.batch_ratio)
+        held = max(0, self._allocated() - since) if since is not None else 0
+        plan = shrunk_plan(runtime, failed_allocation_bytes(message), self.batch_ratio, held)
         if plan is None:
             raise self._error("and no smaller plan keeps the persistent chunks", message)
         runtime.apply_plan(plan)
@@ -241,11 +258,12 @@ class OomRetry:
         self.retries += 1
         logger.warning(
             "device out of memory in %s (step %d); retrying it once under a smaller plan: %s"
-            " (was %s)",
+            " (was %s)%s",
             where,
             runtime.steps_taken,
             _describe(plan),
             _describe(old),
+            f"; the failed backward's graph holds {_size(held)} through the retry" if held else "",
         )
 
     @property
@@ -342,9 +360,11 @@ class OomRetry:
         if isinstance(replay, str):
             self.runtime.hooks.recover_interrupted()
             raise self._error(f"in backward, not retried because {replay},", message)
-        self.recover("backward", message)
-        self._discard_gradients()
         call = replay.call
+        for param in self.runtime.model.parameters():
+            param.grad = None  # before measuring what the failed graph still holds
+        self.recover("backward", message, since=call.allocated)
+        self._discard_gradients()
         self._restore_rng(call)
         device_type = self.runtime.device.type
         enabled, dtype = call.autocast

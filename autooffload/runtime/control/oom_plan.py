@@ -55,10 +55,13 @@ def failed_allocation_bytes(message: str) -> int:
     return int(float(match.group(1)) * units[match.group(2)])
 
 
-def shrunk_plan(runtime: Runtime, requested_bytes: int, batch_ratio: float) -> Plan | None:
+def shrunk_plan(
+    runtime: Runtime, requested_bytes: int, batch_ratio: float, held_bytes: int = 0
+) -> Plan | None:
     """A plan predicted to use less memory than ``runtime``'s current one, with the same
-    persistent chunks, for a batch ``batch_ratio`` times the profiled one's input size; None if
-    there is none."""
+    persistent chunks, for a batch ``batch_ratio`` times the profiled one's input size, beside
+    ``held_bytes`` that stay allocated through the retry (``retry_budget``); None if there is
+    none."""
     current = runtime.plan
     profile = runtime.profile
     if profile is None or runtime.control.profiling:
@@ -72,7 +75,7 @@ def shrunk_plan(runtime: Runtime, requested_bytes: int, batch_ratio: float) -> P
         return _reprofiling_plan(runtime)
     if batch_ratio > 1.0:
         profile = profile.with_batch_scaled(batch_ratio)
-    budget = retry_budget(runtime, profile, requested_bytes)
+    budget = retry_budget(runtime, profile, requested_bytes, held_bytes)
     try:
         plan = plan_from_profile(
             runtime, profile, budget=budget, pinned={"n_persist": current.n_persist}
@@ -85,9 +88,12 @@ def shrunk_plan(runtime: Runtime, requested_bytes: int, batch_ratio: float) -> P
     return replace(plan, chunk_size=runtime.layout.chunk_size, source="OOM retry")
 
 
-def retry_budget(runtime: Runtime, profile: ModelProfile, requested_bytes: int) -> int:
+def retry_budget(
+    runtime: Runtime, profile: ModelProfile, requested_bytes: int, held_bytes: int = 0
+) -> int:
     """The budget the retry plans for, from the current plan's predicted peak on ``profile``
-    (the failing batch's) and the memory available."""
+    (the failing batch's) and the memory available, less ``held_bytes`` that stay allocated
+    beside the retried pass (a failed backward's graph the script still references)."""
     current = runtime.plan
     hw = replace(hardware_profile(runtime), cuda_context_bytes=0)
     # What the current plan needs for this batch (predicted on the profile variant it was
@@ -102,10 +108,10 @@ def retry_budget(runtime: Runtime, profile: ModelProfile, requested_bytes: int) 
     if available is not None and needed > available:
         # The batch outgrew the plan and the scaled profile says by how much: what is
         # available, less the cut as a margin, holds the new plan.
-        return available - int(OOM_BUDGET_CUT * available)
+        return available - int(OOM_BUDGET_CUT * available) - held_bytes
     # The model thought the plan fitted: its prediction was short by at least the failed
     # allocation; plan for less than it predicted by that much.
-    return needed - max(requested_bytes, int(OOM_BUDGET_CUT * needed))
+    return needed - max(requested_bytes, int(OOM_BUDGET_CUT * needed)) - held_bytes
 
 
 def _reprofiling_plan(runtime: Runtime) -> Plan:
