@@ -138,7 +138,7 @@ def _hf_layer_class() -> type | None:
     return getattr(module, "GradientCheckpointingLayer", None)
 
 
-def _is_block_list(module_list: nn.ModuleList, hf_layer: type | None) -> bool:
+def _is_block_list(module_list: nn.Module, hf_layer: type | None) -> bool:
     """Same-class modules, or HF layers of several classes (Llama-3.2-Vision interleaves
     self- and cross-attention decoder layers in one list)."""
     if len({type(m) for m in module_list}) == 1:
@@ -146,13 +146,26 @@ def _is_block_list(module_list: nn.ModuleList, hf_layer: type | None) -> bool:
     return hf_layer is not None and all(isinstance(m, hf_layer) for m in module_list)
 
 
-def _block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """ModuleLists of >= 2 modules holding parameters, all of one class or all HF layers
-    (HF ``layers``, ``blocks``)."""
+def _is_block_container(module: nn.Module, hf_layer: type | None) -> bool:
+    """A ModuleList of >= 2 modules, or of one HF layer (a one-layer model); or an
+    ``nn.Sequential`` of >= 2 modules that have children of their own (timm's ``blocks``;
+    a Sequential of bare layers, ``Linear, Linear``, is a module's own computation)."""
+    if isinstance(module, nn.ModuleList):
+        if len(module) == 1:
+            return hf_layer is not None and isinstance(module[0], hf_layer)
+        return len(module) >= 2
+    if type(module) is nn.Sequential and len(module) >= 2:
+        return all(any(True for _ in child.children()) for child in module)
+    return False
+
+
+def _block_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Containers of blocks holding parameters (``_is_block_container``), all of one class or
+    all HF layers (HF ``layers``, ``blocks``)."""
     hf_layer = _hf_layer_class()
     found = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+        if not _is_block_container(module, hf_layer):
             continue
         if not _is_block_list(module, hf_layer):
             continue

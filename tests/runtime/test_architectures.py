@@ -452,6 +452,8 @@ class _Net(nn.Module):
         self.embed = nn.Embedding(VOCAB, width)
         if container == "dict":
             self.body = nn.ModuleDict({f"block{i}": _Block(width) for i in range(3)})
+        elif container == "sequential":
+            self.body = nn.Sequential(*(_Block(width) for _ in range(3)))
         else:
             self.body = nn.Sequential(
                 *(nn.Sequential(_Block(width), _Block(width)) for _ in range(2))
@@ -467,12 +469,30 @@ class _Net(nn.Module):
         return _Output(nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
 
 
-@pytest.mark.parametrize("container", ["dict", "nested-sequential"])
-def test_blocks_outside_a_module_list_train_like_plain(offload_cpu, container: str) -> None:
+@pytest.mark.parametrize("mode", ["checkpoint", "swap"])
+@pytest.mark.parametrize("container", ["dict", "sequential", "nested-sequential"])
+def test_blocks_outside_a_module_list_train_like_plain(
+    offload_cpu, container: str, mode: str
+) -> None:
     torch.manual_seed(0)
     base = _Net(container)
-    attach = {"n_persist": 0, "activation_mode": "checkpoint"}
+    attach = {"n_persist": 0, "activation_mode": mode}
     assert_trains_like_plain(base, causal_batch(), attach, offload_cpu)
+
+
+@pytest.mark.parametrize("container", ["sequential", "nested-sequential"])
+def test_blocks_in_a_sequential_are_checkpointed(offload_cpu, container: str) -> None:
+    """The activation mode acts on them: each block's layers run again in the backward."""
+    torch.manual_seed(0)
+    model = _Net(container)
+    offload_cpu(n_persist=0, activation_mode="checkpoint")
+    model.to("cpu")
+    first = model.body[0] if container == "sequential" else model.body[0][0]
+    calls = []
+    first.up.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    model(**causal_batch()).loss.backward()
+    autooffload.disable()
+    assert len(calls) == 2, "the block's layers ran once: it was not checkpointed"
 
 
 def test_weights_a_module_reads_from_an_uncalled_child_are_gathered_with_it() -> None:

@@ -79,3 +79,45 @@ def test_a_list_of_mixed_classes_is_not_a_block_list():
     model.add_module("stages", nn.ModuleList([nn.Linear(4, 4), nn.LayerNorm(4)]))
     groups = discover_groups(model)
     assert [(g.name, g.is_block) for g in groups] == [("stages.0", False), ("stages.1", False)]
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 8)
+
+
+def test_blocks_in_a_sequential_are_found():
+    """timm's ``self.blocks = nn.Sequential(*blocks)``: each layer is a block, so activation
+    modes act on them (they were one module's computation, never checkpointed)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(8, 8)
+            self.blocks = nn.Sequential(*(_Layer() for _ in range(3)))
+            self.mlp = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # bare layers: not blocks
+
+    groups = discover_groups(Net())
+    blocks = [g for g in groups if g.is_block]
+    assert [g.name for g in blocks] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [g.block_index for g in blocks] == [0, 1, 2]
+    assert {g.name for g in groups if not g.is_block} == {"embed", "mlp.0", "mlp.1"}
+
+
+def test_a_nested_sequential_gives_blocks_of_its_outer_level():
+    net = nn.Sequential(*(nn.Sequential(_Layer(), _Layer()) for _ in range(2)))
+    blocks = [g for g in discover_groups(net) if g.is_block]
+    assert [g.name for g in blocks] == ["0", "1"]
+    assert all(g.module is net[g.block_index] for g in blocks)
+
+
+def test_a_one_layer_hf_model_has_one_block(make_llama):
+    model = make_llama(tied=False, n_layers=1)
+    blocks = [g for g in discover_groups(model) if g.is_block]
+    assert [g.name for g in blocks] == ["model.layers.0"]
+    # One module of any other class in a list is not a block.
+    holder = nn.Module()
+    holder.only = nn.ModuleList([_Layer()])
+    assert not any(g.is_block for g in discover_groups(holder))
