@@ -151,3 +151,37 @@ def test_extrapolate_fits_constant_linear_and_quadratic_terms():
     bent = probe.extrapolate([(t, fields(t, 1e-4)) for t in (16, 32, 64)], 1024)
     slope = (fields(64, 1e-4)["fwd_s"] - fields(32, 1e-4)["fwd_s"]) / 32
     assert bent["fwd_s"] == pytest.approx(fields(64, 1e-4)["fwd_s"] + slope * (1024 - 64))
+
+
+def test_blocks_of_one_class_with_other_parameters_are_probed_apart(
+    make_llama, offload_cpu, make_batches
+):
+    """One class, two shapes (DeepSeek's dense first layers and MoE later ones, T5's encoder and
+    decoder blocks, a ResNet's stages): each kind is probed on its own first block, and every
+    block takes its kind's measurements (the first block's were given to all of them)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    model = make_llama(n_layers=4)
+    wide = type(model.config)(**{**model.config.to_dict(), "intermediate_size": 4 * 64})
+    for layer in model.model.layers[2:]:
+        layer.mlp = LlamaMLP(wide)
+    offload_cpu()
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    seen: dict[int, int] = {i: 0 for i in range(4)}
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(
+            lambda module, args, i=i: seen.__setitem__(i, seen[i] + runtime.step_state.hooks_muted)
+        )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for ids in make_batches(4):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    from autooffload.runtime.control.probe import PROBE_RUNS
+
+    assert seen == {0: PROBE_RUNS, 1: 0, 2: PROBE_RUNS, 3: 0}
+    blocks = runtime.profile.blocks
+    assert blocks[2].mlp_act_bytes > blocks[0].mlp_act_bytes
+    assert blocks[1].mlp_act_bytes == blocks[0].mlp_act_bytes
+    assert blocks[3].mlp_act_bytes == blocks[2].mlp_act_bytes

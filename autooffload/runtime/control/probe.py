@@ -1,6 +1,7 @@
-"""The block probe: one block of each class re-run on its own after the profiling step, with
-its activations kept, for what keeping costs (saved bytes, transients) and how long the block
-takes without copy waits; its MLP alone likewise (what tiling it would save)."""
+"""The block probe: one block of each kind (``profiler.block_kind``: class and parameter shapes)
+re-run on its own after the profiling step, with its activations kept, for what keeping costs
+(saved bytes, transients) and how long the block takes without copy waits; its MLP alone
+likewise (what tiling it would save)."""
 
 from __future__ import annotations
 

@@ -54,6 +54,16 @@ def _persistent_extras(runtime: Runtime) -> int:
     return sum(t.nbytes for t in tensors.values() if t.device.type != "cpu")
 
 
+def block_kind(module: nn.Module) -> tuple:
+    """What makes two blocks measure alike, so that one probe serves both: their class and
+    their parameters' names, shapes and dtypes. T5's encoder and decoder blocks are one class,
+    the decoder's with cross-attention; a ResNet's stages are one class at four widths."""
+    return (
+        type(module),
+        tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()),
+    )
+
+
 def _tensor_bytes(values: Any) -> int:
     from torch.utils._pytree import tree_flatten
 
@@ -117,7 +127,9 @@ class StepProfiler:
     """False for the first step (one-time costs make its times useless), True for the next;
     a first step longer than ``controller.MEASURE_FIRST_STEP_S`` is measured itself."""
     marks: list[_Mark] = field(default_factory=list)
-    block_inputs: dict[type, tuple[int, tuple, dict]] = field(default_factory=dict)
+    # Per block kind (``block_kind``): the first such block's group index and inputs.
+    block_inputs: dict[tuple, tuple[int, tuple, dict]] = field(default_factory=dict)
+    kinds: dict[int, tuple] = field(default_factory=dict)
     input_bytes: dict[int, int] = field(default_factory=dict)
     post_fwd_peak: int = 0
     post_bwd_peak: int = 0
@@ -167,10 +179,10 @@ class StepProfiler:
         if group.is_block:
             args, kwargs = primary_input(group.module, args, kwargs)
             self.input_bytes.setdefault(group.index, _tensor_bytes(args[:1]))
-            cls = type(group.module)
-            if cls not in self.block_inputs:
+            kind = self._kind(group)
+            if kind not in self.block_inputs:
                 detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-                self.block_inputs[cls] = (group.index, detached, dict(kwargs))
+                self.block_inputs[kind] = (group.index, detached, dict(kwargs))
         self._mark(group, "fwd")
 
     def on_post_forward(self, group: Group) -> None:
@@ -195,6 +207,11 @@ class StepProfiler:
             self.post_bwd_copied = self.runtime.manager.copied_in_bytes - self.bwd_copied_start
         self._mark(group, "bwd")
 
+    def _kind(self, group: Group) -> tuple:
+        if group.index not in self.kinds:
+            self.kinds[group.index] = block_kind(group.module)
+        return self.kinds[group.index]
+
     def _is_last_block(self, group: Group) -> bool:
         blocks = [g for g in self.runtime.groups if g.is_block]
         return (
@@ -210,14 +227,14 @@ class StepProfiler:
         """The ``ModelProfile`` of this step (runs the probes); ``micro_batches`` the step's
         backward passes (gradient accumulation: the first micro-batch was measured)."""
         runtime = self.runtime
-        probes: dict[type, UnitProfile] = {}
+        probes: dict[tuple, UnitProfile] = {}
         # The probes run blocks in train mode (dropout): the user's RNG streams must not move.
         devices = [runtime.device] if runtime.device.type == "cuda" else []
         probe = BlockProbe(runtime, self.clock)
         with torch.random.fork_rng(devices=devices):
-            for cls, (group_index, args, kwargs) in self.block_inputs.items():
+            for kind, (group_index, args, kwargs) in self.block_inputs.items():
                 module = runtime.groups[group_index].module
-                probes[cls] = probe.run(
+                probes[kind] = probe.run(
                     module,
                     group_index,
                     args,
@@ -227,7 +244,7 @@ class StepProfiler:
                 )
         order = sorted(runtime.groups, key=lambda g: runtime.position(g.index))
         block_groups = [g for g in order if g.is_block]
-        unprofiled = [g for g in block_groups if type(g.module) not in probes]
+        unprofiled = [g for g in block_groups if self._kind(g) not in probes]
         if unprofiled:
             raise PlanError(
                 f"autooffload: no {type(unprofiled[0].module).__name__} block (e.g."
@@ -250,8 +267,8 @@ class StepProfiler:
             unit_of[g.index] = unit
         blocks = []
         for g in block_groups:
-            probe = probes[type(g.module)]
-            # Each block of the class takes its probe's times and sizes, its own input's bytes
+            probe = probes[self._kind(g)]
+            # Each block of the kind takes its probe's times and sizes, its own input's bytes
             # and its own name.
             blocks.append(
                 replace(
