@@ -32,6 +32,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "torch_ddp",
     "checkpoint_consolidation",
     "sharded_generate",
+    "dataloader_workers",
 )
 
 # The patch modules ``autooffload.attach()`` needs without ``enable()``: each of their wrappers
@@ -72,12 +73,13 @@ def _on_import(module: ModuleType) -> None:
             _install(name, target)
 
 
-def install_all(settings: Settings) -> None:
-    """Install every patch module with ``settings``; targets not imported yet get a hook."""
+def install_all(settings: Settings, names: tuple[str, ...] | None = None) -> None:
+    """Install the patch modules ``names`` (default: ``PATCH_MODULES``) with ``settings``;
+    targets not imported yet get a hook."""
     global _active_settings
     release_for_attach()
     _active_settings = settings
-    for name in PATCH_MODULES:
+    for name in PATCH_MODULES if names is None else names:
         patch_module = importlib.import_module(f"{__name__}.{name}")
         _loaded[name] = patch_module
         for target in patch_module.TARGETS:

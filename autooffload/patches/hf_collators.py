@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, MutableMapping, Sized
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -98,6 +99,25 @@ class _MaskingSession:
             )
         except TypeError:
             pass
+
+    def carry(self, collate_fn: Any) -> CarriedSources:
+        """What a DataLoader worker started afresh needs to find the sources ``collate_fn``'s
+        batches come from: the bindings of ``collate_fn`` and of the collators it holds as
+        attributes (HF Trainer's ``RemoveColumnsCollator``), and the tokenizer used last."""
+        held = [collate_fn, *getattr(collate_fn, "__dict__", {}).values()]
+        bindings = []
+        for collator in held:
+            bound = self._owners.get(id(collator))
+            if bound is not None and bound[0]() is collator and bound[1]() is not None:
+                bindings.append((collator, bound[1]()))
+        return CarriedSources(tuple(bindings), self._last_seen())
+
+    def adopt(self, carried: CarriedSources) -> None:
+        """Take the bindings and the last used tokenizer ``carry`` gave (in a worker)."""
+        for collator, source in carried.bindings:
+            self.bind(collator, source)
+        if carried.last_seen is not None and self._last_seen() is None:
+            self.saw(carried.last_seen)
 
     def source_of(self, collator: Any = None, fallback: Any = None) -> Any:
         """The processor or tokenizer behind ``collator``'s batches, else ``fallback``, else the
@@ -169,6 +189,26 @@ class _MaskingSession:
 
 
 _session: _MaskingSession | None = None
+
+
+@dataclass(frozen=True)
+class CarriedSources:
+    """Which tokenizer or processor made which collator's batches, sent to a DataLoader worker
+    in the same pickle as its collate_fn, so the collators there are the bound objects."""
+
+    bindings: tuple[tuple[Any, Any], ...]
+    last_seen: Any
+
+
+def carry(collate_fn: Any) -> CarriedSources | None:
+    """The sources a worker collating with ``collate_fn`` needs; None while masking is off."""
+    return None if _session is None else _session.carry(collate_fn)
+
+
+def adopt(carried: CarriedSources) -> None:
+    """Bind the carried collators to their sources in this process (a DataLoader worker)."""
+    if _session is not None:
+        _session.adopt(carried)
 
 
 class _TensorIdSet:
