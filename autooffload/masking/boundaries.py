@@ -35,6 +35,7 @@ copied to the host and the result back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,6 +182,7 @@ class Scanner:
         ends = sorted(ends, key=lambda m: (-len(m), m))
         markers = [m for m, _ in starts] + ends
         self.marker_token_ids = frozenset(t for m in markers for t in m)
+        self._start_markers = [m for m, _ in starts]
         merges = [boundaries[b].start_merges for _, b in starts]
         self._markers = MarkerTable(markers, len(starts), merges)
         self._anchor_ids = self._markers.first_ids
@@ -216,6 +218,36 @@ class Scanner:
         self._every_end_included = bool(self._include_end.all())
         self._some_start_included = bool(self._include_start.any())
         self._alternating = np.zeros(0, dtype=bool)  # [False, True, False, ...], grown on use
+
+    def cut_in_first_marker(
+        self,
+        flat: np.ndarray,
+        at: np.ndarray,
+        has_chat: np.ndarray,
+        row_ends: Callable[[np.ndarray], np.ndarray],
+    ) -> np.ndarray | None:
+        """Which rows without a start marker end inside one (None: no row): their last real
+        tokens are a start marker's first tokens, its first token included. Such a row is a
+        chat truncated inside its first marker. ``flat`` is a row-major ``[len(has_chat), seq]``
+        batch, ``at`` sorted flat positions that include every ``anchor_ids`` token, and
+        ``row_ends(rows)`` gives, per row, one past its last real token (before padding)."""
+        seq_len = flat.size // max(has_chat.size, 1)
+        row = at // seq_len
+        at = at[~has_chat[row] & isin_ids(flat.take(at), self._anchor_ids)]
+        if not at.size:  # the usual case: read no padding
+            return None
+        rows = np.unique(at // seq_len)
+        ends = np.zeros(has_chat.size, dtype=np.int64)
+        ends[rows] = row_ends(rows)
+        cut = np.zeros_like(has_chat)
+        for position in at.tolist():
+            row_index = position // seq_len
+            tail = tuple(flat[position : row_index * seq_len + ends[row_index]].tolist())
+            cut[row_index] |= any(
+                len(marker) > len(tail) > 0 and marker[: len(tail)] == tail
+                for marker in self._start_markers
+            )
+        return cut if cut.any() else None
 
     @property
     def anchor_ids(self) -> list[int]:

@@ -159,7 +159,16 @@ class LabelMasker:
         found = self.scanner.scan_host(
             ids, details=assistant_mask is not None, end_markers=pad_is_marker, candidates=at
         )
-        if not found.turns.row.size:  # no row has chat markers
+        if not found.has_chat.all():
+            # A chat row cut inside its first marker has no turn: nothing in it is trained.
+            cut = self.scanner.cut_in_first_marker(
+                flat, at, found.has_chat, lambda rows: self._row_ends(ids, rows, attention_mask)
+            )
+            if cut is not None:
+                found.has_chat |= cut
+                if self.scanner.options.train_on_inputs:
+                    found.trained[cut] = True
+        if not found.has_chat.any():  # no row has chat markers
             return None if labels is None else (labels.squeeze(0) if squeeze else labels)
 
         base = ids if labels is None else host_array(labels)
@@ -203,6 +212,20 @@ class LabelMasker:
         if not source.is_cpu:
             result = result.to(source.device)
         return result.squeeze(0) if squeeze else result
+
+    def _row_ends(
+        self, ids: np.ndarray, rows: np.ndarray, attention_mask: torch.Tensor | None
+    ) -> np.ndarray:
+        """Per row of ``rows``, one past its last real token: before the trailing padding, found
+        from ``attention_mask``, else from the pad id."""
+        if attention_mask is not None and attention_mask.shape == ids.shape:
+            real = host_array(attention_mask)[rows] != 0
+        elif self.pad_token_id is not None:
+            real = ids[rows] != self.pad_token_id
+        else:
+            return np.full(rows.size, ids.shape[1], dtype=np.int64)
+        last = real.shape[1] - real[:, ::-1].argmax(axis=1)
+        return np.where(real.any(axis=1), last, 0)
 
     def _mask_packed(
         self,

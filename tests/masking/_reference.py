@@ -150,10 +150,22 @@ def ref_mask(
     if labels is not None and labels.shape != input_ids.shape:
         return labels, (0, 0)
     scan = ref_scan(boundaries, options, ids)
+    attention = rows_of(attention_mask)
+    starts = [m for b in boundaries for m in b.starts if m]
+    for r, row in enumerate(ids):
+        # A row without a start marker that ends inside one is a chat cut in its first marker.
+        real = attention[r] if attention is not None else [t != pad_token_id for t in row]
+        end = max((t + 1 for t, on in enumerate(real) if on), default=0)
+        if not scan["has_chat"][r] and any(
+            0 < k < len(m) and end >= k and tuple(row[end - k : end]) == m[:k]
+            for m in starts
+            for k in range(1, len(m))
+        ):
+            scan["has_chat"][r] = True
+            scan["trained"][r] = [options.train_on_inputs] * len(row)
     if not any(scan["has_chat"]):
         return labels, (0, 0)
     base = rows_of(labels) if labels is not None else [list(row) for row in ids]
-    attention = rows_of(attention_mask)
     generation = rows_of(assistant_mask)
     marker_tokens = {t for b in boundaries for m in (*b.starts, *b.ends) for t in m}
     pad_is_marker = attention is None and pad_token_id in marker_tokens
