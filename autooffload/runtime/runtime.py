@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import torch
@@ -137,7 +138,9 @@ class Runtime:
             accumulate_mode(self)  # a clear error now where it cannot run
         self._assign_gpu_updates(self.plan)
         self.backward_update = BackwardUpdateMode(self)
-        self.optimizers: list[torch.optim.Optimizer] = []
+        # The optimizers bound to this model, held weakly (``optimizers``): one the script
+        # replaced and no longer references is freed, with its CPU twins' state.
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self.step_state = StepState()
         # Chunks served from the host store (a frozen embedding's rows, a frozen head's tiles):
         # never gathered or prefetched by the hooks.
@@ -291,10 +294,19 @@ class Runtime:
         entry = self.slot_index.get(id(param))
         return entry is not None and entry[0].index not in self.manager.persistent
 
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The bound optimizers that still exist, in binding order."""
+        return [o for ref in self._optimizers if (o := ref()) is not None]
+
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` holds params of this model: its steps drive the runtime's steps and,
+        for its offloaded params, the CPU update. Others bound before it keep theirs: each
+        steps the params it holds with its own state, as in plain PyTorch."""
+        self._optimizers = [ref for ref in self._optimizers if ref() is not None]
         if any(o is optimizer for o in self.optimizers):
             return
-        self.optimizers.append(optimizer)
+        self._optimizers.append(weakref.ref(optimizer))
         self.cpu_optim.bind(optimizer)
         adopt_existing_state(self, optimizer)
 

@@ -210,16 +210,17 @@ def param_indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:
 
 
 def _offloaded_owned(runtime: Runtime, optimizer: torch.optim.Optimizer) -> dict[int, Chunk]:
-    """Offloaded params whose state ``optimizer`` owns (kept by a CPU twin): id -> chunk."""
+    """Offloaded params whose state ``optimizer`` owns (kept by a CPU twin): id -> chunk.
+    Another optimizer holding some of them keeps its own state of them."""
     cpu_optim = runtime.cpu_optim
+    mine = cpu_optim.twins.params_of(optimizer)
     owned = {}
     for chunk in runtime.layout.chunks:
         if chunk.index in runtime.manager.persistent:
             continue
         for slot in chunk.trained_slots:
             pid = id(slot.param)
-            mine = cpu_optim.twins.optimizer_of_param.get(pid) is optimizer
-            if pid in cpu_optim.offloaded_ids and mine:
+            if pid in cpu_optim.offloaded_ids and pid in mine:
                 owned[pid] = chunk
     return owned
 

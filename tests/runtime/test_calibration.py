@@ -70,6 +70,9 @@ def _planned(make_llama, offload_cpu, make_batches, budget, monkeypatch):
         optimizer.zero_grad()
     assert runtime.plan.source == "search"
     assert runtime.search_request.hw.cpu_optim_params_per_s == PLANNED_RATE
+    # Held for the test as a script holds its optimizer (the runtime holds it weakly), which
+    # the tests take back as ``runtime.optimizers[0]``.
+    monkeypatch.setattr(model, "held_optimizer", optimizer, raising=False)
     return runtime
 
 

@@ -415,7 +415,12 @@ def consolidate(runtime: Runtime, dst: int | None = 0) -> None:
     chunks = runtime.layout.chunks
     indices = sorted(i for i in sharding.trainable if runtime.manager.is_sharded(i))
     consolidated: dict[int, dict[int, dict]] = {}
-    for optimizer in runtime.optimizers:
+    # The optimizers that still exist on every rank (one a script dropped may wait for the
+    # garbage collector on some), in binding order: one collective each.
+    twins = cpu_optim.twins
+    live = {twins.serial_of(o): o for o in twins.optimizers}
+    agreed = set(live).intersection(*sharding.dp.gather_object(sorted(live)))
+    for optimizer in (live[serial] for serial in sorted(agreed)):
         payloads: dict[int, dict[str, dict]] = {}
         for index in indices:
             twin = cpu_optim.twins.get(index, optimizer)

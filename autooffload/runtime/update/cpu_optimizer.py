@@ -28,7 +28,12 @@ from autooffload.runtime.chunks.store import ChunkManager
 from autooffload.runtime.update.gpu_update import GpuUpdater
 from autooffload.runtime.update.grad_staging import GradStaging
 from autooffload.runtime.update.host_grads import HostGradNorms
-from autooffload.runtime.update.in_backward import ACCUMULATED, BackwardUpdates, EarlyUpdates
+from autooffload.runtime.update.in_backward import (
+    ACCUMULATED,
+    SHARED,
+    BackwardUpdates,
+    EarlyUpdates,
+)
 from autooffload.runtime.update.twins import Twins, check_optimizer_class
 
 
@@ -218,7 +223,11 @@ class CpuOptimizer:
         ``step``, ``clip_``, ``host_grads`` and ``zero_grad`` check (``EarlyUpdates``)."""
         optimizer = self.twins.sole_owner(chunk)
         if optimizer is None:
-            return  # no optimizer bound yet, or several: left to step()
+            # No optimizer bound yet, or several hold its params: left to step(). Each of
+            # several steps them with its own state, whichever steps: the auto mode turns off.
+            if self.twins.shared(chunk):
+                self.early.add_reason(SHARED)
+            return
         twin = self.twins.twin(chunk, optimizer)
         if twin is None or self.grad_norms.clip_coef != 1.0:
             return
@@ -238,10 +247,11 @@ class CpuOptimizer:
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Queue the update of ``optimizer``'s offloaded params (default: the first bound
         optimizer), chunk by chunk in forward order; returns at once."""
+        self.twins.prune()  # an optimizer the script dropped: its twins' state is freed
         optimizer = optimizer if optimizer is not None else self.optimizer
         if optimizer is None or not any(o is optimizer for o in self.optimizers):
             return
-        owned = {pid for pid, o in self.twins.optimizer_of_param.items() if o is optimizer}
+        owned = self.twins.params_of(optimizer)
         norms = self.grad_norms
         if norms.clip_coef != 1.0 and not norms.covers_all(owned):
             norms.host_grads()  # the pending coefficient covers other optimizers' grads too
@@ -263,8 +273,8 @@ class CpuOptimizer:
                 self.manager.before_host_write(chunk.index)
                 on_gpu.append((chunk, twin, hyper, self.staging.grads_busy.get(chunk.index)))
                 continue
-            # Only a chunk's one owner updates it early, and it has the chunk's only twin.
-            if self.early.settle(chunk.index, hyper):
+            # Only a chunk's one owner updates it early.
+            if self.early.settle(chunk.index, optimizer, hyper):
                 continue  # updated in the backward
             self._queue_update(chunk, twin, hyper, clip_coef)
             queued = True
@@ -391,9 +401,12 @@ class CpuOptimizer:
             grad = master.grad * coef if coef != 1.0 else master.grad
             slot.param.grad = grad.to(device=device, dtype=slot.dtype, copy=True).view(slot.shape)
 
-    def release_chunk(self, chunk: Chunk) -> dict[int, dict]:
+    def release_chunk(
+        self, chunk: Chunk
+    ) -> dict[int, tuple[torch.optim.Optimizer, dict[int, dict]]]:
         """Stop managing ``chunk`` (it became persistent): drop its masters, host grads and
-        twins; return the twins' state per param id, for the user's optimizer to take over."""
+        twins; return each optimizer's twin state per param id (``Twins.release``), for the
+        user's optimizers to take over."""
         self.wait()
         states = self.twins.release(chunk)
         self.staging.forget_chunk(chunk)
@@ -404,36 +417,49 @@ class CpuOptimizer:
         return states
 
     def promote_chunk(self, chunk: Chunk, device: torch.device) -> None:
-        """``chunk`` becomes persistent: its CPU optimizer state moves to the user's optimizer
-        (in the param's dtype, on ``device``; ``step`` where that optimizer keeps it) and its
-        masters are dropped; its host gradients become the params' ``.grad``."""
+        """``chunk`` becomes persistent: the CPU optimizer state moves to the user's optimizers
+        (each its own twin's, in the param's dtype, on ``device``; ``step`` where that optimizer
+        keeps it) and its masters are dropped; its host gradients become the params' ``.grad``."""
         self.wait()
         self._grads_to_params(chunk, device)
-        states = self.release_chunk(chunk)
+        released = self.release_chunk(chunk)
         if self.sharding is not None and chunk.index in self.sharding.trainable:
-            # Only the owner had the state; every rank's optimizer takes it over.
-            by_name = {s.name: states.get(id(s.param)) for s in chunk.trained_slots}
+            # Only the owner had the state; every rank's optimizers take it over. One
+            # collective per chunk, its entries named by the optimizers' binding order (which
+            # of them still exist may differ between ranks until their garbage is collected).
+            twins = self.twins
+            by_name = {
+                f"{twins.serial_of(optimizer)}/{s.name}": states.get(id(s.param))
+                for optimizer, states in released.values()
+                for s in chunk.trained_slots
+            }
             by_name = self.sharding.broadcast_states(by_name, chunk.index)
-            states = {id(s.param): by_name[s.name] for s in chunk.trained_slots}
+            released = {}
+            for key, state in by_name.items():
+                serial, name = key.split("/", 1)
+                optimizer = twins.of_serial(int(serial))
+                slot = next((s for s in chunk.trained_slots if s.name == name), None)
+                if optimizer is not None and slot is not None:
+                    released.setdefault(id(optimizer), (optimizer, {}))[1][id(slot.param)] = state
         # Frozen ones too: torch keeps their state for when they are trained again.
-        for slot in chunk.trained_slots:
-            state = states.get(id(slot.param))
-            optimizer = self.twins.optimizer_of_param.get(id(slot.param))
-            if not state or optimizer is None:
-                continue
-            group = optimizer.param_groups[self.twins.group_of_param[id(slot.param)]]
-            on_device = bool(group.get("fused") or group.get("capturable"))
-            moved = {}
-            for key, value in state.items():
-                if not isinstance(value, torch.Tensor):
-                    moved[key] = value
-                elif value.numel() != slot.numel or value.dim() == 0:
-                    # Scalar state (``step``, NAdam's ``mu_product``): where the optimizer keeps
-                    # its step, in its own dtype.
-                    moved[key] = value.to(device if on_device else "cpu")
-                else:
-                    moved[key] = value.to(device, slot.dtype).view(slot.shape)
-            optimizer.state[slot.param] = moved
+        for optimizer, states in released.values():
+            for slot in chunk.trained_slots:
+                state = states.get(id(slot.param))
+                if not state:
+                    continue
+                group = optimizer.param_groups[self.twins.group_of(optimizer, id(slot.param))]
+                on_device = bool(group.get("fused") or group.get("capturable"))
+                moved = {}
+                for key, value in state.items():
+                    if not isinstance(value, torch.Tensor):
+                        moved[key] = value
+                    elif value.numel() != slot.numel or value.dim() == 0:
+                        # Scalar state (``step``, NAdam's ``mu_product``): where the optimizer
+                        # keeps its step, in its own dtype.
+                        moved[key] = value.to(device if on_device else "cpu")
+                    else:
+                        moved[key] = value.to(device, slot.dtype).view(slot.shape)
+                optimizer.state[slot.param] = moved
 
     def demote_chunk(self, chunk: Chunk) -> None:
         """``chunk`` is offloaded again (a re-plan; the manager wrote its bytes back to the host

@@ -31,6 +31,12 @@ Optimizer = torch.optim.Optimizer
 # earlier backward that no step of their optimizer used (one optimizer stepping less often than
 # another), which only the sum at ``step()`` gives.
 ACCUMULATED = "a backward added to gradients that no optimizer step used yet"
+# Why a chunk is left to ``step()`` and the auto mode turns off: two live optimizers hold its
+# params, and each steps them with its own state at its own ``step()``, whichever runs.
+SHARED = (
+    "two optimizers hold the same parameters (each steps them with its own state at its"
+    " optimizer.step())"
+)
 
 
 class EarlyUpdates:
@@ -147,12 +153,14 @@ class EarlyUpdates:
         stepped and their hyperparameters)."""
         self.persistent[index] = entries
 
-    def settle(self, index: int, hyper: list[dict]) -> bool:
+    def settle(self, index: int, optimizer: Optimizer, hyper: list[dict]) -> bool:
         """At ``optimizer.step()``, chunk ``index``'s update with ``hyper``: True if the update
-        in the backward made it already (raise if with other hyperparameters)."""
-        early = self.offloaded.pop(index, None)
-        if early is None:
+        in the backward made it already with ``optimizer`` (raise if with other
+        hyperparameters)."""
+        early = self.offloaded.get(index)
+        if early is None or early[0] is not optimizer:
             return False
+        del self.offloaded[index]
         if early[1] != hyper:
             raise UpdateInBackwardError(
                 f"optimizer.step() runs chunk {index} with hyperparameters"
@@ -373,14 +381,18 @@ class BackwardUpdates:
             return
         by_owner: dict[int, tuple[Optimizer, set[int]]] = {}
         for param in with_grad:
-            owner = self._twins.optimizer_of_param.get(id(param))
-            if owner is not None:
-                by_owner.setdefault(id(owner), (owner, set()))[1].add(id(param))
+            owners = self._twins.owners(id(param))
+            if len(owners) > 1:
+                # Each steps it with its own state at its step(): left to them.
+                self._early.add_reason(SHARED)
+                return
+            if owners:
+                by_owner.setdefault(id(owners[0]), (owners[0], set()))[1].add(id(param))
         entries = []
         timer = self.device_timer
         if timer is not None:
             timer.start(
-                sum(p.numel() for p in with_grad if id(p) in self._twins.optimizer_of_param)
+                sum(p.numel() for p in with_grad if any(id(p) in i for _, i in by_owner.values()))
             )
         for owner, ids in by_owner.values():
             groups = step_params(owner, ids)

@@ -1,9 +1,17 @@
 """The CPU twins of the user's optimizers: which torch optimizers have one, a twin group's
-hyperparameters as copied from the user's group at every step, and the twins of each chunk."""
+hyperparameters as copied from the user's group at every step, and the twins of each chunk.
+
+Several bound optimizers may hold the same parameter (a script that builds a second optimizer
+over the model and keeps stepping the first, or alternates): as in plain PyTorch, each steps it
+with its own state, here its own twin over the shared master. Bound optimizers are held weakly:
+one the script no longer references is forgotten with its twins' state at the next bind or step
+(``prune``), as plain PyTorch frees its state with it.
+"""
 
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -52,42 +60,106 @@ def twin_group(group: dict, cls: type) -> dict:
 
 class Twins:
     """The CPU twins of the bound optimizers, one per chunk and optimizer, over the chunk's
-    masters; and which bound optimizer and param group own each param."""
+    masters; and which bound optimizers, and which of their param groups, hold each param."""
 
     def __init__(self, masters: dict[int, torch.Tensor]) -> None:
         # The CPU optimizer's masters by param id (read here: a twin's params are masters).
         self._masters = masters
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.optimizer_of_param: dict[int, torch.optim.Optimizer] = {}
-        self.group_of_param: dict[int, int] = {}
+        # The bound optimizers by id, in binding order, held weakly (``prune``).
+        self._bound: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
+        # Per bound optimizer's id: the ids of its params and the index of the group of each.
+        self._groups: dict[int, dict[int, int]] = {}
+        # Per bound optimizer's id: its place in the binding order, the same on every rank of a
+        # data-parallel run (names an optimizer's state in collectives: ``serial_of``).
+        self._serials: dict[int, int] = {}
+        self._next_serial = 0
         # Twins and their user-group indices, keyed by (chunk index, id(user optimizer)).
         self._twins: dict[tuple[int, int], torch.optim.Optimizer] = {}
         self._group_index: dict[tuple[int, int], list[int]] = {}
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer`` owns its params from now on; its twins are built anew on next use."""
-        if not any(o is optimizer for o in self.optimizers):
-            self.optimizers.append(optimizer)
-        for g, group in enumerate(optimizer.param_groups):
-            for param in group["params"]:
-                self.optimizer_of_param[id(param)] = optimizer
-                self.group_of_param[id(param)] = g
-        for key in [k for k in self._twins if k[1] == id(optimizer)]:
-            del self._twins[key]
-            del self._group_index[key]
+        """``optimizer`` holds its params from now on (beside any other bound optimizer holding
+        some of them); its twins are built anew on next use."""
+        self.prune()  # before the id is reused by this optimizer
+        key = id(optimizer)
+        if key not in self._bound:
+            self._bound[key] = weakref.ref(optimizer)
+            self._serials[key] = self._next_serial
+            self._next_serial += 1
+        self._groups[key] = {
+            id(param): g
+            for g, group in enumerate(optimizer.param_groups)
+            for param in group["params"]
+        }
+        self._drop_twins(key)
+
+    def prune(self) -> None:
+        """Forget every bound optimizer that no longer exists, and its twins' state."""
+        for key in [k for k, ref in self._bound.items() if ref() is None]:
+            del self._bound[key]
+            del self._groups[key]
+            del self._serials[key]
+            self._drop_twins(key)
+
+    def _drop_twins(self, key: int) -> None:
+        for twin_key in [k for k in self._twins if k[1] == key]:
+            del self._twins[twin_key]
+            del self._group_index[twin_key]
+
+    def _params(self, optimizer: torch.optim.Optimizer) -> dict[int, int] | None:
+        """``optimizer``'s param ids and group indices if it is bound (None otherwise: an id
+        alone could be a dead optimizer's that ``prune`` has not seen yet)."""
+        ref = self._bound.get(id(optimizer))
+        if ref is None or ref() is not optimizer:
+            return None
+        return self._groups[id(optimizer)]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The bound optimizers that still exist, in binding order."""
+        return [o for ref in self._bound.values() if (o := ref()) is not None]
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         """The first bound optimizer (most scripts have exactly one)."""
-        return self.optimizers[0] if self.optimizers else None
+        optimizers = self.optimizers
+        return optimizers[0] if optimizers else None
+
+    def params_of(self, optimizer: torch.optim.Optimizer) -> set[int]:
+        """The ids of the params ``optimizer`` holds (none if it is not bound)."""
+        return set(self._params(optimizer) or ())
+
+    def group_of(self, optimizer: torch.optim.Optimizer, pid: int) -> int:
+        """The index of ``optimizer``'s param group holding param ``pid``."""
+        return self._groups[id(optimizer)][pid]
+
+    def owners(self, pid: int) -> list[torch.optim.Optimizer]:
+        """Every bound optimizer holding param ``pid``, in binding order."""
+        return [o for o in self.optimizers if pid in self._groups[id(o)]]
+
+    def serial_of(self, optimizer: torch.optim.Optimizer) -> int:
+        """``optimizer``'s place in the binding order (bound optimizers only)."""
+        return self._serials[id(optimizer)]
+
+    def of_serial(self, serial: int) -> torch.optim.Optimizer | None:
+        """The bound optimizer at ``serial`` in the binding order, if it still exists."""
+        for key, value in self._serials.items():
+            if value == serial:
+                return self._bound[key]()
+        return None
 
     def get(self, index: int, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
         """The twin of ``optimizer`` over chunk ``index`` if it was built."""
+        if self._params(optimizer) is None:
+            return None
         return self._twins.get((index, id(optimizer)))
 
     def twin(self, chunk: Chunk, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
         """The twin of ``optimizer`` over ``chunk``'s masters it owns (built on first use); None
         where it owns none of them."""
+        params = self._params(optimizer)
+        if params is None:
+            return None
         key = (chunk.index, id(optimizer))
         twin = self._twins.get(key)
         if twin is not None:
@@ -97,8 +169,8 @@ class Twins:
         # still be updated (torch optimizers skip params without a gradient).
         for slot in chunk.slots:
             pid = id(slot.param)
-            if self.optimizer_of_param.get(pid) is optimizer and pid in self._masters:
-                by_group.setdefault(self.group_of_param[pid], []).append(self._masters[pid])
+            if pid in params and pid in self._masters:
+                by_group.setdefault(params[pid], []).append(self._masters[pid])
         if not by_group:
             return None
         cls = type(optimizer)
@@ -127,27 +199,43 @@ class Twins:
         ]
 
     def sole_owner(self, chunk: Chunk) -> torch.optim.Optimizer | None:
-        """The one bound optimizer owning every trainable param of ``chunk``; None when none
-        is bound yet or several share it (an update in the backward is then left to step())."""
-        owners = {self.optimizer_of_param.get(id(s.param)) for s in chunk.trainable_slots}
+        """The one bound optimizer holding every trainable param of ``chunk``; None when none
+        is bound yet, or several hold its params (an update in the backward is then left to
+        step())."""
+        optimizers = self.optimizers
+        owners = set()
+        for slot in chunk.trainable_slots:
+            held = [o for o in optimizers if id(slot.param) in self._groups[id(o)]]
+            if len(held) != 1:
+                return None
+            owners.add(held[0])
         return owners.pop() if len(owners) == 1 else None
 
-    def release(self, chunk: Chunk) -> dict[int, dict]:
-        """Drop ``chunk``'s twins (it became persistent); their state per param id."""
-        states: dict[int, dict] = {}
+    def shared(self, chunk: Chunk) -> bool:
+        """Whether two bound optimizers hold one of ``chunk``'s trainable params."""
+        return any(len(self.owners(id(s.param))) > 1 for s in chunk.trainable_slots)
+
+    def release(self, chunk: Chunk) -> dict[int, tuple[torch.optim.Optimizer, dict[int, dict]]]:
+        """Drop ``chunk``'s twins (it became persistent); per optimizer id, the optimizer and its
+        twin's state per param id."""
+        states: dict[int, tuple[torch.optim.Optimizer, dict[int, dict]]] = {}
         for key in [k for k in self._twins if k[0] == chunk.index]:
             twin = self._twins.pop(key)
             self._group_index.pop(key, None)
+            optimizer = self._bound[key[1]]()
+            if optimizer is None:
+                continue  # gone: ``prune`` forgets it
+            mine = states.setdefault(key[1], (optimizer, {}))[1]
             for slot in chunk.slots:
                 master = self._masters.get(id(slot.param))
                 if master is not None and master in twin.state:
-                    states[id(slot.param)] = dict(twin.state[master])
+                    mine[id(slot.param)] = dict(twin.state[master])
         return states
 
     def clear(self) -> None:
         """Detach: forget every optimizer and twin (their state holds host tensors)."""
         self._twins.clear()
         self._group_index.clear()
-        self.optimizers.clear()
-        self.optimizer_of_param.clear()
-        self.group_of_param.clear()
+        self._bound.clear()
+        self._groups.clear()
+        self._serials.clear()

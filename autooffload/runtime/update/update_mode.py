@@ -42,6 +42,7 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger
+from autooffload.runtime.update.in_backward import SHARED
 from autooffload.runtime.update.persistent_update import raw_step
 
 if TYPE_CHECKING:
@@ -122,17 +123,20 @@ class BackwardUpdateMode:
         check."""
         if self.runtime.data_parallel is not None:
             return []
-        owners = self.runtime.cpu_optim.twins.optimizer_of_param
+        twins = self.runtime.cpu_optim.twins
         for chunk in self.runtime.layout.chunks:
             for slot in chunk.trainable_slots:
-                owner = owners.get(id(slot.param))
-                if owner is None:
+                owners = twins.owners(id(slot.param))
+                if not owners:
                     return [
                         f"trained parameter {slot.name} is in no optimizer that autooffload"
                         " binds (a torch.optim one that also holds offloaded parameters)"
                     ]
-                if raw_step(owner) is None:
-                    return [f"{type(owner).__name__}.step is not wrapped by torch's step hooks"]
+                if len(owners) > 1:
+                    return [SHARED]
+                if raw_step(owners[0]) is None:
+                    name = type(owners[0]).__name__
+                    return [f"{name}.step is not wrapped by torch's step hooks"]
         return []
 
     def choose(
