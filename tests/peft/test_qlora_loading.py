@@ -102,9 +102,10 @@ def test_prepare_keeps_the_model_attached_with_its_fp32_casts(checkpoint):
 def test_prepare_after_an_optimizer_is_a_clear_error(checkpoint):
     enable_cpu()
     model = load(checkpoint, None, device_map="cpu")
-    torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # held, as a script holds it
     with pytest.raises(AttachError, match="before creating the optimizer"):
         prepare_model_for_kbit_training(model)
+    assert rt.runtime_of(model).optimizers == [optimizer]
 
 
 def test_a_checkpoint_saved_quantized_attaches_on_load(checkpoint, tmp_path):
