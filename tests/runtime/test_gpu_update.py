@@ -241,3 +241,44 @@ def test_a_second_backward_before_step_is_refused_for_gpu_updated_chunks(
     with pytest.raises(UpdateInBackwardError, match="forward of the attached model.*accumulate"):
         model(input_ids=ids, labels=ids).loss.backward()
     autooffload.disable()
+
+
+def test_a_chunk_holding_two_optimizers_params_is_updated_on_the_worker(
+    make_llama, make_batches, offload_cpu, gpu_updates
+):
+    """The GPU path writes its chunk's whole host bytes back: a chunk holding another
+    optimizer's params too is updated on the worker, in order with that optimizer's update (on
+    the GPU path it could write back their bytes from before it); a chunk one optimizer holds
+    alone still takes the GPU path."""
+    from autooffload import runtime as rt
+
+    base = make_llama(tied=False)
+    runs = []
+    for attached in (False, True):
+        model = copy.deepcopy(base)
+        if attached:
+            offload_cpu(n_persist=0, gpu_update_chunks=100, update_in_backward=0)
+            model.to("cpu")
+        norms = [p for n, p in model.named_parameters() if "norm" in n]
+        rest = [p for n, p in model.named_parameters() if "norm" not in n]
+        a = torch.optim.AdamW(norms, lr=1e-2, fused=True)
+        b = torch.optim.AdamW(rest, lr=1e-2, fused=True)
+        for ids in make_batches(STEPS):
+            model(input_ids=ids, labels=ids).loss.backward()
+            for optimizer in (a, b):
+                optimizer.step()
+                optimizer.zero_grad()
+        if attached:
+            runtime = rt.runtime_of(model)
+            runtime.synchronize()
+            mixed = {
+                c.index
+                for c in runtime.layout.chunks
+                if len({any(s.param is p for p in norms) for s in c.trainable_slots}) == 2
+            }
+        runs.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        autooffload.disable()
+    assert mixed and gpu_updates, "the model must have mixed chunks and GPU-updated ones"
+    assert not mixed & set(gpu_updates), (mixed, gpu_updates)
+    for name, value in runs[0].items():
+        torch.testing.assert_close(runs[1][name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -216,3 +216,51 @@ def test_gradients_left_for_a_later_step_survive_the_switch_to_the_searched_plan
     assert losses == pytest.approx(plain_losses, rel=1e-6)
     for name, value in plain.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("every_other", [False, True], ids=["both-every-step", "b-every-other"])
+def test_one_optimizers_zero_grad_keeps_the_others_gradients_still_queued(
+    monkeypatch, every_other: bool
+):
+    """Two optimizers over disjoint params, ``a.step(); a.zero_grad(); b.step()``: ``a``'s
+    zero_grad must clear ``a``'s host gradients only, also while the worker is still adding up
+    ``b``'s (it read the masters' gradients, not yet set, found ``a``'s params were all of
+    them and cleared every one: ``b`` stepped on nothing, under load now and then). The worker
+    is slowed here so that it always is."""
+    import time
+
+    from autooffload.runtime.update.grad_staging import GradStaging
+
+    accumulate = GradStaging._accumulate
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.01)
+        return accumulate(self, *args, **kwargs)
+
+    monkeypatch.setattr(GradStaging, "_accumulate", slow)
+    base = tiny_llama(n_layers=2, tied=False)
+
+    def train(model: torch.nn.Module, attached: bool) -> list[float]:
+        named = list(model.named_parameters())
+        vocab = [p for n, p in named if "embed" in n or "lm_head" in n]
+        layers = [p for n, p in named if not ("embed" in n or "lm_head" in n)]
+        a = torch.optim.AdamW(vocab, lr=1e-2, fused=True)
+        b = torch.optim.SGD(layers, lr=0.1, momentum=0.9)
+        losses = []
+        for step, ids in enumerate(batches(6)):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+            a.step()
+            a.zero_grad()
+            if not every_other or step % 2 == 0:
+                b.step()
+                b.zero_grad()
+        if attached:
+            rt.runtime_of(model).synchronize()
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    (plain_losses, plain), (losses, weights) = _plain_then_attached(base, train, n_persist=None)
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    for name, value in plain.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)

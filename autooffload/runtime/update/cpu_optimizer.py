@@ -269,7 +269,11 @@ class CpuOptimizer:
                 continue
             hyper = self.twins.hyper(chunk, optimizer)
             early = chunk.index in self.early.offloaded
-            if gpu_ok and chunk.index in self.gpu_chunks and not early:
+            # The GPU path writes the whole chunk's host bytes back: a chunk holding another
+            # optimizer's params too takes the worker's path, in order with that one's update
+            # (on the GPU path it could write back their bytes from before it).
+            sole = self.twins.sole_owner(chunk) is optimizer
+            if gpu_ok and chunk.index in self.gpu_chunks and not early and sole:
                 self.manager.before_host_write(chunk.index)
                 on_gpu.append((chunk, twin, hyper, self.staging.grads_busy.get(chunk.index)))
                 continue

@@ -132,7 +132,12 @@ class HostGradNorms:
         return torch.linalg.vector_norm(torch.stack(parts), 2) * self.clip_coef
 
     def covers_all(self, param_ids: set[int]) -> bool:
-        """Whether ``param_ids`` includes every offloaded param that has a host gradient."""
+        """Whether ``param_ids`` includes every offloaded param that has a host gradient, or
+        one on its way: a gradient received (its norm recorded) is set on the master by the
+        worker later, so the masters alone would miss those still queued (another optimizer's
+        ``zero_grad`` then cleared them all)."""
+        if any(pid not in param_ids for pid in self.device_norms):
+            return False
         return all(pid in param_ids for pid, m in self._masters.items() if m.grad is not None)
 
     def clip_(self, coef: float, param_ids: set[int]) -> None:
