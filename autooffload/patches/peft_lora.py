@@ -256,25 +256,19 @@ def _hotswap_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
 
 
 def _prepare_kbit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    from autooffload import runtime as rt
-    from autooffload.runtime.access import runtime_managing
+    from autooffload.runtime.access import call_detached, runtime_managing
 
     model = args[0] if args else kwargs.get("model")
     runtime = runtime_managing(model.parameters()) if isinstance(model, nn.Module) else None
     if runtime is None:
         return wrapped(*args, **kwargs)
-    if runtime.optimizers:
-        raise AttachError(
-            "prepare_model_for_kbit_training on an attached model after an optimizer was built"
-            " over it is not supported: it replaces the parameters' data (fp32 casts); call it"
-            " right after from_pretrained, before creating the optimizer or the Trainer"
-        )
-    attached, device, settings = runtime.model, runtime.device, runtime.settings
-    rt.detach(attached, torch.device("cpu"))
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        rt.attach(attached, settings=settings, device=device)
+    return call_detached(
+        runtime,
+        "prepare_model_for_kbit_training on an attached model after an optimizer was built"
+        " over it is not supported: it replaces the parameters' data (fp32 casts); call it"
+        " right after from_pretrained, before creating the optimizer or the Trainer",
+        lambda: wrapped(*args, **kwargs),
+    )
 
 
 def install(settings: Settings, target: str) -> None:

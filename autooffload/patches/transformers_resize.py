@@ -13,9 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from autooffload.errors import AttachError
 from autooffload.patches import _registry
 from autooffload.settings import Settings
 
@@ -23,24 +20,18 @@ TARGETS = ("transformers.modeling_utils",)
 
 
 def _resize_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    from autooffload import runtime as rt
-    from autooffload.runtime.access import runtime_managing
+    from autooffload.runtime.access import call_detached, runtime_managing
 
     runtime = runtime_managing(instance.parameters())
     if runtime is None:
         return wrapped(*args, **kwargs)
-    if runtime.optimizers:
-        raise AttachError(
-            "resize_token_embeddings on an attached model after an optimizer was built over it"
-            " is not supported: it replaces the embedding weights the optimizer holds; resize"
-            " before creating the optimizer or the Trainer (or before autooffload.attach)"
-        )
-    attached, device, settings = runtime.model, runtime.device, runtime.settings
-    rt.detach(attached, torch.device("cpu"))
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        rt.attach(attached, settings=settings, device=device)
+    return call_detached(
+        runtime,
+        "resize_token_embeddings on an attached model after an optimizer was built over it"
+        " is not supported: it replaces the embedding weights the optimizer holds; resize"
+        " before creating the optimizer or the Trainer (or before autooffload.attach)",
+        lambda: wrapped(*args, **kwargs),
+    )
 
 
 def install(settings: Settings, target: str) -> None:

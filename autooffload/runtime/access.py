@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -14,6 +14,8 @@ from autooffload.runtime.chunks.store import Residency
 
 if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
+
+T = TypeVar("T")
 
 
 def runtime_managing(params: Iterable[torch.Tensor]) -> Runtime | None:
@@ -26,6 +28,25 @@ def runtime_managing(params: Iterable[torch.Tensor]) -> Runtime | None:
         if any(runtime.owns(p) for p in params):
             return runtime
     return None
+
+
+def call_detached(runtime: Runtime, refusal: str, call: Callable[[], T]) -> T:
+    """``call()`` with ``runtime``'s model detached to the host, attached again after it on the
+    same device with the same settings (the plan is searched anew at its next forward): for
+    library calls that rebuild parameters from their values (``resize_token_embeddings``,
+    ``prepare_model_for_kbit_training``). Raises ``AttachError(refusal)`` once an optimizer
+    holds the model's parameters, whose data the call replaces."""
+    from autooffload import runtime as rt
+    from autooffload.errors import AttachError
+
+    if runtime.optimizers:
+        raise AttachError(refusal)
+    attached, device, settings = runtime.model, runtime.device, runtime.settings
+    rt.detach(attached, torch.device("cpu"))
+    try:
+        return call()
+    finally:
+        rt.attach(attached, settings=settings, device=device)
 
 
 def _device_view(runtime: Runtime, chunk: Chunk, slot: ParamSlot) -> torch.Tensor:
