@@ -264,3 +264,34 @@ def test_one_optimizers_zero_grad_keeps_the_others_gradients_still_queued(
     assert losses == pytest.approx(plain_losses, rel=1e-5)
     for name, value in plain.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_zeroed_gradients_cleared_twice_before_a_backward_keep_its_gradients(slow_workers):
+    """``zero_grad(set_to_none=False)`` zeroes the host gradients where they are: after the
+    first backward since the last clear that is the gradient staging itself. A second such
+    clear before the next backward (``model.zero_grad`` beside ``optimizer.zero_grad``; a step
+    of an iteration that skipped its backward, in test_gpu_update.py) zeroes the staging again
+    on the worker; the next backward's copy into the staging must wait for it, or the clear
+    zeroes the new gradients (the worker is slowed here so that it runs late)."""
+    slow_workers.prefixes = ("autooffload-cpu-optim",)
+    slow_workers.delay_s = (0.02, 0.03)
+    base = tiny_llama(n_layers=2, tied=False)
+
+    def train(model: torch.nn.Module, attached: bool) -> list[float]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        losses = []
+        for ids in batches(6):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            model.zero_grad(set_to_none=False)
+        if attached:
+            rt.runtime_of(model).synchronize()
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    (plain_losses, plain), (losses, weights) = _plain_then_attached(base, train)
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    for name, value in plain.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)

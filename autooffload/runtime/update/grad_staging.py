@@ -61,6 +61,12 @@ class GradStaging:
         # (no fp32 masters). The staging is then released before it is written again
         # (``before_staging_write``), at the update (``hold_staging``) or at zero_grad.
         self.aliased: set[int] = set()
+        # Chunks whose host gradients are still their staging, zeroed by a
+        # ``zero_grad(set_to_none=False)`` (which forgets ``aliased``): the worker's later
+        # reads and clears of them are reads and writes of the staging, which the next write
+        # into it waits for (``hold_staging``, ``zero_grad``). The next backward aliases them
+        # again without a copy (its gradients replace the zeros).
+        self.zeroed_in_staging: set[int] = set()
         # Per param: backward passes accumulated since zero_grad.
         self.accumulations: dict[int, int] = {}
         # Gradient accumulation on the GPU (the plan's ``accumulate_on_gpu``): a chunk whose
@@ -107,6 +113,7 @@ class GradStaging:
         alias = summed or all(self._aliasable(slot) for slot in slots)
         if alias:
             self.aliased.add(chunk.index)
+            self.zeroed_in_staging.discard(chunk.index)
         future = self._worker.submit(self._accumulate, chunk, slots, event, alias, presence)
         self._offload.staging_busy.set(chunk.index, future)
         self.grads_busy[chunk.index] = future
@@ -284,7 +291,7 @@ class GradStaging:
     def hold_staging(self, index: int, future: Future) -> None:
         """An aliased chunk's staging is read by ``future`` (its update, or the zero_grad clear):
         the next write into it waits for that."""
-        if index in self.aliased:
+        if index in self.aliased or index in self.zeroed_in_staging:
             self._offload.staging_busy.set(index, future)
 
     def read_by(self, index: int, future: Future) -> None:
@@ -317,8 +324,11 @@ class GradStaging:
 
         future = self._worker.submit(clear)
         # The clear drops (or zeroes) gradients aliased to staging: the next writes wait for it.
-        for index in self.aliased:
+        in_staging = self.aliased | self.zeroed_in_staging
+        for index in in_staging:
             self._offload.staging_busy.set(index, future)
+        # Zeroed, they stay the staging: a later clear or update still touches it.
+        self.zeroed_in_staging = set() if set_to_none else in_staging
         self.aliased.clear()
         self.accumulations.clear()
         self._grad_norms.clear()
@@ -339,7 +349,9 @@ class GradStaging:
                 elif master.grad is not None:
                     master.grad.zero_()
 
-        self._worker.submit(clear)
+        future = self._worker.submit(clear)
+        for index in self.zeroed_in_staging:
+            self._offload.staging_busy.set(index, future)
         for pid in param_ids:
             self.accumulations.pop(pid, None)
         self._grad_norms.forget(param_ids)
@@ -347,6 +359,7 @@ class GradStaging:
     def forget_chunk(self, chunk: Chunk) -> None:
         """``chunk`` left the CPU optimizer (it became persistent): drop its host gradients."""
         self.aliased.discard(chunk.index)
+        self.zeroed_in_staging.discard(chunk.index)
         self.grads_busy.pop(chunk.index, None)
         for slot in chunk.slots:
             pid = id(slot.param)
@@ -361,4 +374,5 @@ class GradStaging:
         for table in (self.grad_buffers, self._staged_views, self.add_views, self.grads_busy):
             table.clear()
         self.aliased.clear()
+        self.zeroed_in_staging.clear()
         self.accumulations.clear()
