@@ -282,3 +282,34 @@ def test_a_chunk_holding_two_optimizers_params_is_updated_on_the_worker(
     assert not mixed & set(gpu_updates), (mixed, gpu_updates)
     for name, value in runs[0].items():
         torch.testing.assert_close(runs[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_step_without_a_backward_after_zero_grad_updates_nothing_on_the_gpu_path(
+    make_llama, make_batches, offload_cpu, gpu_updates, slow_workers, set_to_none
+):
+    """A loop that skips a batch's backward but still steps: the step after ``zero_grad``
+    must see the cleared gradients (none: nothing to update; zeros: AdamW's decay and
+    momentum alone). The GPU path reads a chunk's host gradients after the worker's last task
+    on them, which the clear queued by ``zero_grad`` is (read before it, the previous step's
+    gradients were applied twice)."""
+    slow_workers.prefixes = ("autooffload-cpu-optim",)
+    slow_workers.delay_s = (0.02, 0.03)
+    base = make_llama(tied=False)
+    runs = []
+    for attached in (False, True):
+        model = copy.deepcopy(base)
+        if attached:
+            offload_cpu(n_persist=0, gpu_update_chunks=2)
+            model.to("cpu")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for step, ids in enumerate(make_batches(9)):
+            if step % 3 != 2:
+                model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+        runs.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        autooffload.disable()
+    assert gpu_updates
+    for name, value in runs[0].items():
+        torch.testing.assert_close(runs[1][name], value, rtol=1e-5, atol=1e-6, msg=name)

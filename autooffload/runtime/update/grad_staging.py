@@ -74,10 +74,10 @@ class GradStaging:
         # to them on the device (``GradientOffload._sum_on_device``), so the worker adds nothing.
         self.accumulate_on_gpu = False
         # Per chunk: the worker's last task that reads or writes its host gradients (an
-        # accumulation, an update), which a GPU update of them waits for; the worker runs its
-        # tasks in order, so it also covers every earlier task on the chunk. Unlike the
-        # store's ``host_busy`` (work on the chunk's weights or state), an accumulation does
-        # not hold back the next forward's gather of the weights.
+        # accumulation, an update, a zero_grad's clear), which a GPU update of them waits for;
+        # the worker runs its tasks in order, so it also covers every earlier task on the
+        # chunk. Unlike the store's ``host_busy`` (work on the chunk's weights or state), an
+        # accumulation does not hold back the next forward's gather of the weights.
         self.grads_busy: dict[int, Future] = {}
         # Seconds the worker spent on host gradients; of them, gradient accumulation's adds (a
         # micro-batch's gradients onto the earlier ones') and their elements, for the cost
@@ -329,6 +329,11 @@ class GradStaging:
             self._offload.staging_busy.set(index, future)
         # Zeroed, they stay the staging: a later clear or update still touches it.
         self.zeroed_in_staging = set() if set_to_none else in_staging
+        # A GPU update of a chunk reads its host gradients on the update thread, after its
+        # ``grads_busy``: the clear is now the last task on them (a step with no backward since
+        # would otherwise read the gradients the clear drops). One dict write per chunk.
+        for index in range(len(self._offload.chunks)):
+            self.grads_busy[index] = future
         self.aliased.clear()
         self.accumulations.clear()
         self._grad_norms.clear()
@@ -352,6 +357,9 @@ class GradStaging:
         future = self._worker.submit(clear)
         for index in self.zeroed_in_staging:
             self._offload.staging_busy.set(index, future)
+        for chunk in self._offload.chunks:
+            if any(id(slot.param) in param_ids for slot in chunk.trainable_slots):
+                self.grads_busy[chunk.index] = future  # as in zero_grad
         for pid in param_ids:
             self.accumulations.pop(pid, None)
         self._grad_norms.forget(param_ids)
