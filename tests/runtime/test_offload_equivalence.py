@@ -547,3 +547,34 @@ def test_an_embedding_larger_than_the_chunk_size_trains_like_plain(
     assert in_flight <= plan.breakdown["mem_buffers_max"]
     assert in_flight < plan.n_buffer * max(c.nbytes for c in chunks)
     assert_same_training(plain, offloaded)
+
+
+@pytest.mark.parametrize(
+    ("attach", "accum", "clip", "set_to_none"),
+    [
+        ({"n_persist": 0}, 2, 0.5, True),
+        ({"n_persist": 0, "gpu_update_chunks": 2}, 2, 0.5, False),
+        ({"n_persist": 1, "update_in_backward": True}, 1, None, True),
+    ],
+    ids=["accum2-clip", "gpu-path-accum2-clip-zeroed", "update-in-backward"],
+)
+def test_training_with_slowed_workers_matches_plain(
+    make_llama, make_batches, offload_cpu, slow_workers, attach, accum, clip, set_to_none
+):
+    """Every task of the CPU worker and of the GPU update thread starts a few ms late
+    (``slow_workers``): main-thread code that reads what a task sets without waiting for it
+    (host gradients, their staging, optimizer state) trains differently then."""
+    steps = 6
+    plain, offloaded, _ = compare(
+        make_llama,
+        make_batches,
+        offload_cpu,
+        model_kw={"tied": False},
+        n_data=accum * steps,
+        accum=accum,
+        clip=clip,
+        set_to_none=set_to_none,
+        attach=attach,
+    )
+    assert slow_workers.tasks > 0
+    assert_same_training(plain, offloaded)
