@@ -106,6 +106,11 @@ class GpuUpdater:
         kept: a state loaded from a checkpoint, or left by a CPU update, is copied in)."""
         offsets = self.offsets.get(chunk.index)
         if offsets is None:
+            # The twin's state is read and copied in below: a CPU update of the chunk still
+            # running on the worker writes it (only the first time: the arena is the state then).
+            busy = self.manager.host_busy.get(chunk.index)
+            if busy is not None:
+                busy.result()
             offsets, size = {}, 0
             for group in twin.param_groups:
                 for master in group["params"]:
