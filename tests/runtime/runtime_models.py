@@ -43,6 +43,31 @@ def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(n)]
 
 
+def train_two_optimizers(
+    model: torch.nn.Module, steps: int, every_other: int | None = None
+) -> list[float]:
+    """Train ``model`` ``steps`` steps with two optimizers: the embedding and head on fused AdamW
+    stepping every backward, the layers on SGD with momentum stepping every backward
+    (``every_other`` None) or only on steps with ``step % 2 == every_other``; the losses.
+    Each optimizer's ``zero_grad`` follows its own ``step``."""
+    named = list(model.named_parameters())
+    vocab = [p for n, p in named if "embed" in n or "lm_head" in n]
+    layers = [p for n, p in named if not ("embed" in n or "lm_head" in n)]
+    every_step = torch.optim.AdamW(vocab, lr=1e-2, fused=True)
+    layer_optimizer = torch.optim.SGD(layers, lr=0.1, momentum=0.9)
+    losses = []
+    for step, ids in enumerate(batches(steps)):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        every_step.step()
+        every_step.zero_grad()
+        if every_other is None or step % 2 == every_other:
+            layer_optimizer.step()
+            layer_optimizer.zero_grad()
+    return losses
+
+
 def enable_cpu(**overrides) -> autooffload.Settings:
     """Turn autooffload on in CPU simulation: a move to ``cpu`` of any trained model attaches.
 

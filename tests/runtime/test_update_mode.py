@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from runtime_models import BATCH, SEQ, VOCAB
+from runtime_models import BATCH, SEQ, VOCAB, train_two_optimizers
 
 import autooffload
 from autooffload import runtime as rt
@@ -306,21 +306,7 @@ def test_an_optimizer_stepping_every_other_backward_trains_like_plain(
         if attached:
             offload_cpu(n_persist=n_persist)
             model.to("cpu")
-        named = list(model.named_parameters())
-        vocab = [p for n, p in named if "embed" in n or "lm_head" in n]
-        layers = [p for n, p in named if not ("embed" in n or "lm_head" in n)]
-        every_step = torch.optim.AdamW(vocab, lr=LR, fused=True)
-        every_other = torch.optim.SGD(layers, lr=0.1, momentum=0.9)
-        losses = []
-        for step, ids in enumerate(make_batches(6)):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses.append(loss.item())
-            every_step.step()
-            every_step.zero_grad()
-            if step % 2 == phase:
-                every_other.step()
-                every_other.zero_grad()
+        losses = train_two_optimizers(model, 6, every_other=phase)
         if attached:
             assert not rt.runtime_of(model).backward_update.on
         autooffload.disable()
