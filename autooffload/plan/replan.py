@@ -10,7 +10,9 @@ from dataclasses import asdict, dataclass, replace
 
 from autooffload.errors import PlanError
 from autooffload.plan.calibration_model import (
+    COMPUTE_ELASTICITY_MIN,
     COMPUTE_OUTLIER_BAND,
+    LINK_ELASTICITY_MIN,
     calibrate,
     calibrate_compute,
     calibrate_compute_cap,
@@ -322,35 +324,35 @@ def step_calibration(
         variant = running_variant(profile, plan, link_hw)
         return predict_step_time(variant, link_hw, plan.knobs, tables)[0]
 
-    factor = calibrate_compute(running, hw, plan.knobs, measured_step_s)
-    if factor is not None:
-        return on_compute(factor)
-    link = calibrate_link(hw, step_on, measured_step_s)
-    if link is not None:
-        return on_link(link)
-    if measured_step_s < predicted:
-        return None
-    # A slower step whose terms nearly tie at the profiled times: neither is elastic at 1.
-    # Of the two that reach the measurement elastically, the one that moves the step more at 1.
-    slower = [
+    def step_computing(factor: float) -> float:
+        return predict_step_time(running.with_compute_scaled(factor), hw, plan.knobs, tables)[0]
+
+    # Each factor fitted (the test on the fitted change only), and how much of a change of it
+    # shows in the step at the profiled times; the fit counts at once where that is elastic.
+    candidates = [
         (
-            elasticity_at_one(
-                lambda f: predict_step_time(running.with_compute_scaled(f), hw, plan.knobs, tables)[
-                    0
-                ]
-            ),
             calibrate_compute(running, hw, plan.knobs, measured_step_s, at_one=False),
+            elasticity_at_one(step_computing),
+            COMPUTE_ELASTICITY_MIN,
             on_compute,
         ),
         (
-            elasticity_at_one(lambda f: step_on(with_link_scaled(hw, f))),
             calibrate_link(hw, step_on, measured_step_s, at_one=False),
+            elasticity_at_one(lambda f: step_on(with_link_scaled(hw, f))),
+            LINK_ELASTICITY_MIN,
             on_link,
         ),
     ]
-    fitted = [(elastic, found, then) for elastic, found, then in slower if found is not None]
+    fitted = [candidate for candidate in candidates if candidate[0] is not None]
+    for found, elastic, least, then in fitted:
+        if elastic >= least:
+            return then(found)
+    if measured_step_s < predicted:
+        return None
+    # A slower step whose terms nearly tie at the profiled times: neither is elastic at 1.
+    # Of those that reach the measurement elastically, the one that moves the step more at 1.
     if fitted:
-        _, found, then = max(fitted, key=lambda candidate: candidate[0])
+        found, _, _, then = max(fitted, key=lambda candidate: candidate[1])
         return then(found)
 
     def step_both(factor: float) -> float:
