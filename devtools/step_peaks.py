@@ -1,0 +1,174 @@
+"""Each step's device memory peak from its first step on, and who holds the memory at the
+highest one (dev tool).
+
+Records the allocator's history from before the model is built (so the profiling steps, the
+switch to the searched plan and its first steps are all in it), marks each step's start in the
+trace, and prints per step: the peak allocated above the trace's start and where it was reached;
+then, at the highest peak (or ``--at-step``'s), the live blocks grouped by the two innermost
+autooffload / transformers / peft / torch frames that allocated them and by the step that
+allocated them (a block from an earlier step still live is a leftover), largest first.
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python devtools/step_peaks.py \\
+        llama-8b-lora 16GiB --bs 1 --seq 32768 --no-gc --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import torch
+from _workload import capped_workload
+
+import autooffload
+from autooffload.setting_values import parse_size_or_fraction
+
+GiB = 1 << 30
+MARK_BYTES = 7_777_792  # a size no model allocates: one marker block at each step's start
+INTERESTING = ("autooffload/", "transformers/", "peft/", "torch/utils/checkpoint", "torch/optim")
+
+
+def where(frames: list[dict], depth: int = 2) -> str:
+    out = []
+    for frame in frames:
+        path = frame.get("filename", "")
+        if any(key in path for key in INTERESTING):
+            short = "/".join(path.split("/")[-2:])
+            out.append(f"{short}:{frame.get('line')} {frame.get('name')}")
+            if len(out) == depth:
+                break
+    return " <- ".join(out) if out else (frames[0].get("name", "?") if frames else "?")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("workload")
+    parser.add_argument("cap")
+    parser.add_argument("--bs", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--no-gc", action="store_true")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--at-step", type=int, help="report this step's peak (default: highest)")
+    parser.add_argument("--no-history", action="store_true", help="per-step peaks only")
+    parser.add_argument("--settings", default="{}", help="JSON of extra enable() settings")
+    args = parser.parse_args()
+
+    if not args.no_history:
+        # Allocations only: recording frees too ("all") breaks checkpoint recomputation in
+        # torch 2.11 (pytorch/pytorch#179536: a SystemError in the recompute).
+        torch.cuda.memory._record_memory_history(
+            max_entries=3_000_000, context="alloc", stacks="python"
+        )
+    model, optimizer, batch = capped_workload(
+        args.workload,
+        args.cap,
+        bs=args.bs,
+        seq=args.seq,
+        gc=False if args.no_gc else None,
+        budget=parse_size_or_fraction(args.cap, "cap"),
+        **json.loads(args.settings),
+    )
+    failure = None
+    for step in range(args.steps):
+        marker = torch.empty(MARK_BYTES, dtype=torch.uint8, device="cuda")
+        del marker
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        try:
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        except torch.OutOfMemoryError as error:
+            failure = f"OOM in step {step}: {str(error).splitlines()[0][:200]}"
+            break
+        torch.cuda.synchronize()
+        plan = autooffload.last_plan()
+        print(
+            f"step {step} done in {time.perf_counter() - start:.1f} s: allocated"
+            f" {torch.cuda.memory_allocated() / GiB:.3f} GiB, max allocated since the step's"
+            f" start {torch.cuda.max_memory_allocated() / GiB:.3f} (reserved"
+            f" {torch.cuda.max_memory_reserved() / GiB:.3f}; the runtime may reset these"
+            f" within a step), plan {plan.source if plan else None}",
+            flush=True,
+        )
+    if args.no_history:
+        if failure:
+            print(failure)
+        return
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    if failure:
+        print(failure)
+    plan = autooffload.last_plan()
+    if plan is not None:
+        print(plan.summary())
+        terms = {k: round(v / GiB, 3) for k, v in plan.breakdown.items() if k.startswith("mem")}
+        print("predicted terms GiB:", terms)
+
+    events = snapshot["device_traces"][0]
+    # A block counts until its free completes (a block freed while a side stream still uses it,
+    # ``record_stream``, completes later), as the allocator's allocated counter has it.
+    live: dict[int, tuple[int, str, int]] = {}
+    current, step = 0, -1
+    peaks: dict[int, tuple[int, int, dict]] = {}
+    for index, event in enumerate(events):
+        action, addr, size = event["action"], event.get("addr"), event.get("size", 0)
+        if action == "alloc":
+            if size == MARK_BYTES:
+                step += 1
+                continue
+            live[addr] = (size, where(event.get("frames", [])), step)
+            current += size
+            best = peaks.get(step)
+            if best is None or current > best[0]:
+                # Copying the live map at every new high is quadratic; keep the index only.
+                peaks[step] = (current, index, {})
+        elif action == "free_completed" and addr in live:
+            current -= live.pop(addr)[0]
+    for s, (peak, index, _) in sorted(peaks.items()):
+        label = "before step 0" if s < 0 else f"step {s}"
+        print(f"{label}: peak {peak / GiB:.3f} GiB above the trace's start at event {index}")
+    if not peaks:
+        return
+    chosen = args.at_step if args.at_step is not None else max(peaks, key=lambda s: peaks[s][0])
+    target = peaks[chosen][1]
+    # Replay up to the chosen peak to list what was live there.
+    live.clear()
+    pending: set[int] = set()
+    step = -1
+    for event in events[: target + 1]:
+        action, addr, size = event["action"], event.get("addr"), event.get("size", 0)
+        if action == "alloc":
+            if size == MARK_BYTES:
+                step += 1
+                continue
+            live[addr] = (size, where(event.get("frames", [])), step)
+            pending.discard(addr)
+        elif action == "free_requested" and addr in live:
+            pending.add(addr)
+        elif action == "free_completed":
+            live.pop(addr, None)
+            pending.discard(addr)
+    print(
+        f"live at step {chosen}'s peak ({peaks[chosen][0] / GiB:.3f} GiB,"
+        f" {where(events[target].get('frames', []), 3)}):"
+    )
+    groups: dict[tuple[str, int, bool], list[int]] = collections.defaultdict(lambda: [0, 0])
+    for addr, (size, place, born) in live.items():
+        key = (place, born, addr in pending)
+        groups[key][0] += size
+        groups[key][1] += 1
+    print(f"  (freed, waiting on a side stream: {sum(live[a][0] for a in pending) / GiB:.3f} GiB)")
+    for (place, born, waiting), (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[
+        :30
+    ]:
+        state = "freed, waiting" if waiting else "live"
+        print(
+            f"  {size / GiB:7.3f} GiB {count:5d} blocks  from step {born:2d}  {state:14s} {place}"
+        )
+
+
+if __name__ == "__main__":
+    main()
