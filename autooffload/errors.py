@@ -43,3 +43,8 @@ class OutOfStepError(AutoOffloadError):
 class MissingExtraError(AutoOffloadError, ImportError):
     """A feature needs an optional dependency that is not installed (QLoRA: bitsandbytes, the
     ``autooffload[qlora]`` extra)."""
+
+
+class HostMemoryError(AutoOffloadError):
+    """Host memory ran short while training: pinning more for activations kept on the host would
+    leave the machine too little (the kernel's out-of-memory kill would follow)."""

@@ -211,3 +211,27 @@ def test_a_used_swap_copy_is_free_for_reuse_when_its_backward_is_done() -> None:
                 held.append(event.get("size"))
     assert freed > 0, "no swap copy was freed in the step"
     assert held == [], f"{len(held)} of {freed} used swap copies were held for the copy stream"
+
+
+def test_a_big_swapped_tensor_round_trips_through_page_locked_memory() -> None:
+    """A saved tensor of ``EXACT_PIN_BYTES`` or more leaves through a host buffer page-locked
+    alone at its size class (not a power-of-two slab), copies asynchronously both ways and comes
+    back equal; clearing the pool unlocks and frees it."""
+    from autooffload.runtime.activations import swap
+
+    swapper = ActivationSwapper("cuda")
+    x = torch.randn(25_000_000, device="cuda", requires_grad=True)  # 100 MB of fp32
+    nbytes = x.numel() * x.element_size()
+    with swapper.saving(0):
+        loss = (x * x.sin()).sum()
+    swapper.prefetch(0)
+    loss.backward()
+    expected = x.detach().sin() + x.detach() * x.detach().cos()
+    torch.testing.assert_close(x.grad, expected)
+    assert swapper.stats()["d2h_bytes"] >= nbytes
+    buffers = [buffer for idle in swapper.pool._idle.values() for buffer in idle]
+    assert buffers and all(b.registered and b.data.is_pinned() for b in buffers)
+    assert nbytes <= swapper.pool.allocated_bytes <= (1 + swap.SIZE_CLASS_ROUNDING) * 2 * nbytes
+    del buffers
+    swapper.pool.clear()
+    assert swapper.pool.allocated_bytes == 0

@@ -435,3 +435,68 @@ def test_batch_norm_running_statistics_are_updated_once_per_forward(offload_cpu,
     assert plain["layers.0.norm.num_batches_tracked"].item() == 4
     for key, value in plain.items():
         torch.testing.assert_close(attached[key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_big_pinned_buffers_are_page_locked_alone_at_their_size(monkeypatch) -> None:
+    """At a length that is no power of two, power-of-two slabs pinned 1.2-1.3x a long batch's
+    swapped bytes (Llama-3-8B at 49,152 tokens); buffers of ``EXACT_PIN_BYTES`` or more are
+    page-locked alone, at most ``SIZE_CLASS_ROUNDING`` over their request, and unlocked when
+    they go. Scaled by 1/1024, as the slab test."""
+    from autooffload.runtime.activations import swap
+
+    locked: list[int] = []
+    unlocked: list[int] = []
+    monkeypatch.setattr(swap, "EXACT_PIN_BYTES", 64 << 10)
+    monkeypatch.setattr(swap, "_host_register", lambda data: locked.append(data.numel()))
+    monkeypatch.setattr(swap, "_unlock_when_idle", lambda data: unlocked.append(data.numel()))
+    monkeypatch.setattr(swap, "_check_host_room", lambda nbytes, held: None)
+    empty = torch.empty
+    monkeypatch.setattr(  # no CUDA here: a slab's pinned memory is pageable
+        torch, "empty", lambda *size, dtype=None, pin_memory=False: empty(*size, dtype=dtype)
+    )
+    hidden = 49152 * 4096 * 2 >> 10
+    # Per block: fp32 and bf16 hidden-sized tensors, grouped K and V, a small one.
+    sizes = [2 * hidden, 2 * hidden, hidden, hidden, hidden // 4, hidden // 4, hidden, 3000] * 22
+    pool = swap.HostBufferPool(pin_memory=True)
+    buffers = [pool.acquire(n) for n in sizes]
+    big = [n for n in sizes if n >= swap.EXACT_PIN_BYTES]
+    assert len(locked) == len(big) and pool.allocated_bytes >= sum(sizes)
+    assert pool.allocated_bytes <= (1 + swap.SIZE_CLASS_ROUNDING) * sum(big) + (1 << 20)
+    for buffer in buffers:
+        pool.release(buffer)
+    again = [pool.acquire(n) for n in sizes]
+    assert len(locked) == len(big), "a second step locks nothing new"
+    del buffers
+    for buffer in again:
+        pool.release(buffer)
+    del again, buffer
+    pool.clear()
+    assert sorted(unlocked) == sorted(locked) and pool.allocated_bytes == 0
+
+
+def test_pinning_past_the_hosts_memory_is_a_clear_error(monkeypatch) -> None:
+    """A new pinned buffer that would leave the host under ``HOST_FLOOR_BYTES`` available raises
+    ``HostMemoryError`` naming the setting to lower, before the kernel's out-of-memory kill."""
+    from autooffload.errors import HostMemoryError
+    from autooffload.runtime.activations import swap
+    from autooffload.runtime.chunks import host
+    from autooffload.runtime.chunks.host import HostMemory
+
+    available = [8 << 30]
+    monkeypatch.setattr(
+        host, "host_memory", lambda: HostMemory(64 << 30, available[0], cgroup_limited=False)
+    )
+    monkeypatch.setattr(swap, "_host_register", lambda data: None)
+    monkeypatch.setattr(swap, "EXACT_PIN_BYTES", 64 << 10)
+    empty = torch.empty
+    monkeypatch.setattr(
+        torch, "empty", lambda *size, dtype=None, pin_memory=False: empty(*size, dtype=dtype)
+    )
+    pool = swap.HostBufferPool(pin_memory=True)
+    pool.acquire(1 << 20)  # 8 GiB available: fits
+    available[0] = swap.HOST_FLOOR_BYTES + (1 << 20)
+    with pytest.raises(HostMemoryError, match="AUTOOFFLOAD_N_SWAP"):
+        pool.acquire(2 << 20)
+    available[0] = swap.HOST_FLOOR_BYTES
+    with pytest.raises(HostMemoryError, match="AUTOOFFLOAD_N_SWAP"):
+        pool.acquire(16 << 10)  # a slab's too

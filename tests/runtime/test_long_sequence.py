@@ -5,6 +5,7 @@ nothing."""
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -292,3 +293,51 @@ def test_a_long_first_profiling_step_is_measured_itself(
     assert sources[:profiling] == ["profiling step"] * profiling, sources
     assert all(source.startswith("search") for source in sources[profiling:]), sources
     assert_same_training(plain, run)
+
+
+def test_host_room_leaves_the_pools_rounding(monkeypatch) -> None:
+    """The search's host room for activations is the share of the available memory less what
+    the swapper's pool rounds buffers up by, plus what the pool holds already."""
+    from autooffload.runtime.activations.swap import SIZE_CLASS_ROUNDING
+    from autooffload.runtime.chunks.host import HostMemory
+    from autooffload.runtime.control import host_need
+
+    memory = HostMemory(200 << 30, 100 << 30, cgroup_limited=False)
+    monkeypatch.setattr(host_need, "host_memory_now", lambda: memory)
+    share = host_need.HOST_ACTIVATIONS_SHARE * (100 << 30)
+    room = host_need.host_room_for_activations(held_bytes=5 << 30)
+    assert room == int(share / (1 + SIZE_CLASS_ROUNDING)) + (5 << 30)
+    assert host_need.host_room_for_activations(local_ranks=2) == int(
+        share / 2 / (1 + SIZE_CLASS_ROUNDING)
+    )
+
+
+def test_the_switch_frees_the_profiling_steps_host_buffers(
+    make_llama, make_batches, offload_cpu, monkeypatch
+) -> None:
+    """The profiling steps of a long batch keep the blocks' inputs on the host; the searched
+    plan that keeps none holds no host buffer after the switch (the idle ones stayed, counted
+    as room for the plan's own)."""
+    monkeypatch.setattr(model_activations, "PROFILING_MLP_TILE_TOKENS", TILE)
+    monkeypatch.setattr(model_activations, "PROFILING_INPUTS_SHARE", 1e-9)
+    # The tiny model's inputs are under the 1 MiB a tensor needs to leave the device.
+    swapper = functools.partial(model_activations.ActivationSwapper, min_swap_bytes=0)
+    monkeypatch.setattr(model_activations, "ActivationSwapper", swapper)
+    held: dict[str, object] = {}
+
+    def read(runtime) -> None:
+        held["plan"] = runtime.plan
+        held["bytes"] = runtime.activations.swapper.pool.allocated_bytes
+        held["allocations"] = runtime.activations.swapper.pool.allocations
+
+    train(
+        make_llama(tied=False),
+        make_batches(STEPS),
+        attach={"budget": "1GiB", "checkpoint_inputs": "cpu", "n_swap": 0},
+        offload_cpu=offload_cpu,
+        before_detach=read,
+    )
+    plan = held["plan"]
+    assert "search" in plan.source and held["allocations"] > 0, held
+    assert plan.n_swap == 0 and "checkpoint_cpu" not in plan.block_policies, plan.summary()
+    assert held["bytes"] == 0, held

@@ -177,6 +177,11 @@ class ModelActivations:
         if self.hf_checkpointing_taken:
             restore_hf_gradient_checkpointing(self.model)
 
+    def free_idle_host_buffers(self) -> None:
+        """The swapper's host buffers no saved tensor holds now go (``HostBufferPool.clear``)."""
+        if self.swapper is not None:
+            self.swapper.pool.clear()
+
     def release_swapper(self) -> None:
         """At detach: the swapper's device tensors in flight and its host buffers freed."""
         if self.swapper is not None:

@@ -40,21 +40,73 @@ from typing import Any
 import torch
 from torch import nn
 
+from autooffload.errors import HostMemoryError
+
 DEFAULT_MIN_SWAP_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------- host buffers
 
 
+# A buffer's bytes are its request rounded up to a granule: few distinct sizes to reuse. Below
+# ``EXACT_PIN_BYTES`` the granule is 1/8 of the power of two below the request, from it 1/16:
+# a buffer pinned alone is at most this share more than asked (the search's host room counts
+# it: ``control/host_need.py``).
+SIZE_CLASS_ROUNDING = 1 / 16
+
+
 def _size_class(nbytes: int) -> int:
-    # Round up to 1/8 of the power of two below: at most 12.5% waste, few distinct sizes to reuse.
-    granule = max(4096, 1 << max(0, nbytes.bit_length() - 4))
+    shift = 5 if nbytes >= EXACT_PIN_BYTES else 4
+    granule = max(4096, 1 << max(0, nbytes.bit_length() - shift))
     return -(-nbytes // granule) * granule
 
 
-# Pinned buffers are carved from slabs that double from the first buffer's power of two up to
-# this many bytes (a few KiB pin a few KiB; a long batch's tens of GiB take 1 GiB slabs).
+# Pinned buffers below ``EXACT_PIN_BYTES`` are carved from slabs that double from the first
+# buffer's power of two up to this many bytes (a few KiB pin a few KiB).
 SLAB_BYTES = 1 << 30
+# Buffers of at least this many bytes are pinned alone at their size class: pageable memory
+# page-locked in place (``cudaHostRegister``), which is not rounded. Carved from power-of-two
+# slabs, a long batch's hidden-sized tensors at a length that is no power of two left a quarter
+# of a slab unused each (Llama-3-8B at 49,152 tokens: 1.28x the swapped bytes pinned, and the
+# host ran out under a plan that counted the bytes swapped).
+EXACT_PIN_BYTES = 64 << 20
+# New host buffers stop, with a ``HostMemoryError``, where they would leave less host memory
+# available than this: a clear error rather than the kernel's out-of-memory kill.
+HOST_FLOOR_BYTES = 2 << 30
+
+
+def _host_register(data: torch.Tensor) -> None:
+    """Page-lock ``data`` (a pageable CPU tensor) for asynchronous copies."""
+    error = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel(), 0))
+    if error != 0:
+        raise RuntimeError(f"cudaHostRegister of {data.numel()} bytes failed: CUDA error {error}")
+
+
+def _unlock_when_idle(data: torch.Tensor) -> None:
+    """When a page-locked buffer goes: unlock it once the device is done with it (no copy may
+    still read or write memory that is unlocked, then freed)."""
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
+    except Exception:  # noqa: BLE001 - the interpreter shutting down: the process frees it all
+        pass
+
+
+def _check_host_room(nbytes: int, held: int) -> None:
+    """Raise ``HostMemoryError`` if pinning ``nbytes`` more would leave the host less than
+    ``HOST_FLOOR_BYTES`` available (``held``: bytes the pool holds already)."""
+    from autooffload.runtime.chunks.host import host_memory
+
+    memory = host_memory()
+    if memory is None or memory.available_bytes - nbytes >= HOST_FLOOR_BYTES:
+        return
+    gib = 1 << 30
+    raise HostMemoryError(
+        f"autooffload: pinning {nbytes / gib:.2f} GiB more host memory for activations (held:"
+        f" {held / gib:.2f} GiB) would leave {(memory.available_bytes - nbytes) / gib:.2f} GiB"
+        " of the host's memory available; set AUTOOFFLOAD_N_SWAP lower (fewer blocks' saved"
+        " tensors on the host), or free host memory"
+    )
 
 
 class _Slab:
@@ -78,24 +130,29 @@ class _Slab:
 
 
 class _HostBuffer:
-    __slots__ = ("data", "size_class", "ready", "slab")
+    __slots__ = ("data", "size_class", "ready", "slab", "registered", "__weakref__")
 
-    def __init__(self, data: torch.Tensor, size_class: int, slab: _Slab | None = None) -> None:
+    def __init__(
+        self, data: torch.Tensor, size_class: int, slab: _Slab | None = None,
+        registered: bool = False,
+    ) -> None:  # fmt: skip
         self.data = data
         self.size_class = size_class
         self.ready: torch.cuda.Event | None = None  # last H2D read; the next D2H waits for it
         self.slab = slab
+        self.registered = registered  # page-locked alone (``EXACT_PIN_BYTES``)
 
 
 class HostBufferPool:
     """Host buffers (pinned when ``pin_memory``) keyed by size class and reused across steps.
 
-    Pinned buffers are views of power-of-two slabs, filled first fit, since torch's pinned
-    allocator would round each buffer up to a power of two on its own (a 1.1 GiB buffer pinning
-    2 GiB): a buffer within 1/8 of a power of two gets that power of two (its tail serves
-    smaller buffers), the others share slabs each twice the last, up to ``SLAB_BYTES`` (or the
-    power of two above a larger buffer). ``allocated_bytes`` counts the slabs: the pinned
-    memory really held."""
+    A pinned buffer of ``EXACT_PIN_BYTES`` or more is pinned alone at its size class. Smaller
+    ones are views of power-of-two slabs, filled first fit, since torch's pinned allocator would
+    round each buffer up to a power of two on its own: a buffer within 1/8 of a power of two
+    gets that power of two (its tail serves smaller buffers), the others share slabs each twice
+    the last, up to ``SLAB_BYTES``. ``allocated_bytes`` counts what is pinned: the memory
+    really held. A new pinned buffer that would leave the host less than ``HOST_FLOOR_BYTES``
+    available raises ``HostMemoryError``."""
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
@@ -128,6 +185,14 @@ class HostBufferPool:
         if not self.pin_memory:  # pageable memory is not rounded: one allocation per buffer
             self.allocated_bytes += size_class
             return _HostBuffer(torch.empty(size_class, dtype=torch.uint8), size_class)
+        if size_class >= EXACT_PIN_BYTES:
+            _check_host_room(size_class, self.allocated_bytes)
+            data = torch.empty(size_class, dtype=torch.uint8)
+            _host_register(data)
+            self.allocated_bytes += size_class
+            buffer = _HostBuffer(data, size_class, registered=True)
+            weakref.finalize(buffer, _unlock_when_idle, data)
+            return buffer
         for slab in self._slabs:
             view = slab.carve(size_class)
             if view is not None:
@@ -138,6 +203,7 @@ class HostBufferPool:
         else:
             self._shared = max(own, min(SLAB_BYTES, 2 * self._shared))
             nbytes = self._shared
+        _check_host_room(nbytes, self.allocated_bytes)
         slab = _Slab(nbytes, pin_memory=True)
         self._slabs.append(slab)
         self.allocated_bytes += slab.data.numel()
@@ -155,12 +221,11 @@ class HostBufferPool:
         """Free every idle buffer, and every slab none of whose buffers is in use (buffers in use
         are freed when released and dropped)."""
         with self._lock:
-            for idle in self._idle.values():
-                for buffer in idle:
-                    if buffer.slab is None:
-                        self.allocated_bytes -= buffer.size_class
-                    else:
-                        buffer.slab.buffers -= 1
+            for buffer in (b for buffers in self._idle.values() for b in buffers):
+                if buffer.slab is None:  # a page-locked one is unlocked as it goes
+                    self.allocated_bytes -= buffer.size_class
+                else:
+                    buffer.slab.buffers -= 1
             self._idle.clear()
             for slab in self._slabs:
                 if slab.buffers == 0:

@@ -257,6 +257,9 @@ class PlanControl:
         ``accumulate_rate``: the CPU worker's update and gradient-add rates in the profiling
         step, None if unmeasured."""
         runtime = self._runtime
+        # The profiling steps' host buffers go (their memory counts as available again): the
+        # searched plan's are of other sizes, and idle ones counted as room overstated it.
+        runtime.activations.free_idle_host_buffers()
         request = search_request(runtime, profile, cpu_rate, accumulate_rate=accumulate_rate)
         # A profile taken again later (an OOM retry of a longer batch) keeps the persistent
         # chunks: their optimizer state lives in the user's optimizer.

@@ -9,6 +9,7 @@ import torch
 
 from autooffload.errors import PlanError
 from autooffload.log import logger
+from autooffload.runtime.activations.swap import SIZE_CLASS_ROUNDING
 from autooffload.runtime.chunks.host import HostMemory, host_memory
 from autooffload.runtime.chunks.layout import ALIGN, ChunkLayout
 from autooffload.settings import Settings
@@ -127,9 +128,11 @@ HOST_ACTIVATIONS_SHARE = 0.8
 def host_room_for_activations(held_bytes: int = 0, local_ranks: int = 1) -> int | None:
     """Host bytes this rank's activations (swapped blocks' saved tensors, checkpointed blocks'
     inputs) may take: ``HOST_ACTIVATIONS_SHARE`` of the memory available now (its share where
-    ``local_ranks`` share the host), plus ``held_bytes`` the rank already holds for them (its
+    ``local_ranks`` share the host), less what the swapper's pool rounds their buffers up by
+    (``SIZE_CLASS_ROUNDING``), plus ``held_bytes`` the rank already holds for them (its
     swapper's pool); None where the host's RAM is unknown."""
     memory = host_memory_now()
     if memory is None:
         return None
-    return int(HOST_ACTIVATIONS_SHARE * memory.available_bytes / max(1, local_ranks)) + held_bytes
+    share = HOST_ACTIVATIONS_SHARE * memory.available_bytes / max(1, local_ranks)
+    return int(share / (1 + SIZE_CLASS_ROUNDING)) + held_bytes
