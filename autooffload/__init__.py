@@ -16,6 +16,7 @@ from autooffload import settings as _settings
 from autooffload.errors import (
     AttachError,
     AutoOffloadError,
+    HostMemoryError,
     OutOfStepError,
     PlanError,
     SettingsError,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttachError",
     "AutoOffloadError",
+    "HostMemoryError",
     "OutOfStepError",
     "PlanError",
     "Settings",
