@@ -42,6 +42,37 @@ def where(frames: list[dict], depth: int = 2) -> str:
     return " <- ".join(out) if out else (frames[0].get("name", "?") if frames else "?")
 
 
+def replay(
+    events: list[dict],
+) -> tuple[dict[int, tuple[int, str, int]], set[int], dict[int, tuple[int, int]]]:
+    """Walk the trace: the blocks live at its end (address -> size, where allocated, the step
+    that allocated it), those of them freed but waiting on a side stream, and per step the peak
+    above the trace's start with its event index. A block counts until its free completes (one
+    freed while a side stream still uses it, ``record_stream``, completes later), as the
+    allocator's allocated counter has it."""
+    live: dict[int, tuple[int, str, int]] = {}
+    pending: set[int] = set()
+    peaks: dict[int, tuple[int, int]] = {}
+    current, step = 0, -1
+    for index, event in enumerate(events):
+        action, addr, size = event["action"], event.get("addr"), event.get("size", 0)
+        if action == "alloc":
+            if size == MARK_BYTES:
+                step += 1
+                continue
+            live[addr] = (size, where(event.get("frames", [])), step)
+            pending.discard(addr)
+            current += size
+            if step not in peaks or current > peaks[step][0]:
+                peaks[step] = (current, index)
+        elif action == "free_requested" and addr in live:
+            pending.add(addr)
+        elif action == "free_completed" and addr in live:
+            current -= live.pop(addr)[0]
+            pending.discard(addr)
+    return live, pending, peaks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workload")
@@ -108,49 +139,15 @@ def main() -> None:
         print("predicted terms GiB:", terms)
 
     events = snapshot["device_traces"][0]
-    # A block counts until its free completes (a block freed while a side stream still uses it,
-    # ``record_stream``, completes later), as the allocator's allocated counter has it.
-    live: dict[int, tuple[int, str, int]] = {}
-    current, step = 0, -1
-    peaks: dict[int, tuple[int, int, dict]] = {}
-    for index, event in enumerate(events):
-        action, addr, size = event["action"], event.get("addr"), event.get("size", 0)
-        if action == "alloc":
-            if size == MARK_BYTES:
-                step += 1
-                continue
-            live[addr] = (size, where(event.get("frames", [])), step)
-            current += size
-            best = peaks.get(step)
-            if best is None or current > best[0]:
-                # Copying the live map at every new high is quadratic; keep the index only.
-                peaks[step] = (current, index, {})
-        elif action == "free_completed" and addr in live:
-            current -= live.pop(addr)[0]
-    for s, (peak, index, _) in sorted(peaks.items()):
+    _, _, peaks = replay(events)
+    for s, (peak, index) in sorted(peaks.items()):
         label = "before step 0" if s < 0 else f"step {s}"
         print(f"{label}: peak {peak / GiB:.3f} GiB above the trace's start at event {index}")
     if not peaks:
         return
     chosen = args.at_step if args.at_step is not None else max(peaks, key=lambda s: peaks[s][0])
     target = peaks[chosen][1]
-    # Replay up to the chosen peak to list what was live there.
-    live.clear()
-    pending: set[int] = set()
-    step = -1
-    for event in events[: target + 1]:
-        action, addr, size = event["action"], event.get("addr"), event.get("size", 0)
-        if action == "alloc":
-            if size == MARK_BYTES:
-                step += 1
-                continue
-            live[addr] = (size, where(event.get("frames", [])), step)
-            pending.discard(addr)
-        elif action == "free_requested" and addr in live:
-            pending.add(addr)
-        elif action == "free_completed":
-            live.pop(addr, None)
-            pending.discard(addr)
+    live, pending, _ = replay(events[: target + 1])
     print(
         f"live at step {chosen}'s peak ({peaks[chosen][0] / GiB:.3f} GiB,"
         f" {where(events[target].get('frames', []), 3)}):"
