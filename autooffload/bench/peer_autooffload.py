@@ -106,6 +106,10 @@ class AutoOffloadTrainee(Trainee):
         out["predicted_breakdown"] = dict(getattr(plan, "breakdown", None) or {}) or None
         out["model_profile"] = _safe(lambda: _planned_profile(runtime, plan).to_dict())
         out["hardware"] = _safe(lambda: runtime.search_request.hw.to_dict())
+        # The search itself, as measured (before the plan's layout variant): with ``hardware``
+        # it re-runs offline (``search_request_from_dict``), e.g. on a profile scaled to
+        # another length.
+        out["search_request"] = _safe(lambda: search_request_to_dict(runtime.search_request))
         # Read directly: a renamed attribute must fail the bench's tests, not record None.
         out["expandable_segments"] = runtime.expandable_segments if runtime is not None else None
         out["profiling_peak_bytes"] = (
@@ -127,6 +131,40 @@ class AutoOffloadTrainee(Trainee):
         disable = getattr(autooffload, "disable", None)
         if callable(disable):
             _safe(disable)
+
+
+def search_request_to_dict(request: Any) -> dict[str, Any]:
+    """A JSON-ready ``SearchRequest`` without its hardware (recorded apart): the measured
+    profile per chunk size, the budget, the fixed knobs and the search's options."""
+    return {
+        "profiles": {str(size): p.to_dict() for size, p in request.profiles_by_chunk_size.items()},
+        "budget_bytes": request.budget_bytes,
+        "fixed": dict(request.fixed),
+        "min_persist": request.min_persist,
+        "checkpoint_inputs": request.checkpoint_inputs,
+        "mlp_tiles": None if request.mlp_tiles is None else list(request.mlp_tiles),
+        "host_input_blocks": request.host_input_blocks,
+        "host_room": request.host_room,
+    }
+
+
+def search_request_from_dict(data: dict[str, Any], hardware: dict[str, Any]) -> Any:
+    """The ``SearchRequest`` a run recorded (``search_request_to_dict`` and its ``hardware``)."""
+    from autooffload.plan.profile_types import HardwareProfile, ModelProfile
+    from autooffload.plan.search import SearchRequest
+
+    tiles = data["mlp_tiles"]
+    return SearchRequest(
+        {int(size): ModelProfile.from_dict(p) for size, p in data["profiles"].items()},
+        HardwareProfile.from_dict(hardware),
+        data["budget_bytes"],
+        fixed=dict(data["fixed"]),
+        min_persist=data["min_persist"],
+        checkpoint_inputs=data["checkpoint_inputs"],
+        mlp_tiles=None if tiles is None else tuple(tiles),
+        host_input_blocks=data["host_input_blocks"],
+        host_room=data["host_room"],
+    )
 
 
 def _planned_profile(runtime: Any, plan: Any) -> Any:

@@ -13,7 +13,7 @@ import pytest
 import autooffload
 from autooffload.bench.__main__ import main
 from autooffload.bench.deepspeed_configs import HOST_OOM
-from autooffload.bench.peer_autooffload import _planned_profile
+from autooffload.bench.peer_autooffload import _planned_profile, search_request_from_dict
 from autooffload.bench.runner import exit_reason, sweep_outcome, worker_env
 from autooffload.plan.configuration import with_checkpoint_inputs_on_cpu
 from autooffload.plan.cost_memory import predict_peak_bytes
@@ -138,6 +138,11 @@ def test_autooffload_peer_ok_once_runtime_landed(tiny_run: tuple[dict, str, Path
         assert step_s == pytest.approx(run["predicted_step_s"], rel=1e-9)
         assert predict_peak_bytes(profile, hw, knobs) == run["predicted_peak_bytes"]
         assert run["predicted_breakdown"]["h2d_bytes"] == pytest.approx(breakdown["h2d_bytes"])
+        # The search itself, from the measured profile: re-run offline, it finds the plan.
+        request = search_request_from_dict(run["search_request"], run["hardware"])
+        again = request.plan()
+        assert [getattr(again, k) for k in names] == [run["plan"][k] for k in names]
+        assert again.predicted_step_s == pytest.approx(run["predicted_step_s"], rel=1e-9)
     else:
         assert run["status"] in ("error", "skipped")
         assert "autooffload" in run["reason"]
