@@ -181,6 +181,26 @@ class UnitProfile:
     mlp_fwd_s: float = 0.0
     """The MLP's forward time, seconds: what a tiled MLP's backward adds (it runs the forward
     again, tile by tile)."""
+    growth: tuple[tuple[str, float, float, float], ...] = ()
+    """How the fields grow with the batch's length, where the block probe ran on slices of a
+    long batch: ``(field, a, b, c)``, the field at ``r`` times this batch's length being
+    ``a + b r + c r^2`` (``grown``); empty where the block ran whole."""
+
+
+def grown(growth: tuple[tuple[str, float, float, float], ...], ratio: float) -> dict[str, Any]:
+    """The fields ``growth`` describes (``UnitProfile.growth``) at ``ratio`` times the batch's
+    length: byte counts as integers, no size or time below 0, a backward's transient no lower
+    than minus the saved bytes it frees."""
+    out: dict[str, Any] = {}
+    for name, a, b, c in growth:
+        value = a + b * ratio + c * ratio * ratio
+        out[name] = int(round(value)) if name.endswith("_bytes") else max(0.0, value)
+    for name in ("act_bytes_keep", "fwd_transient_bytes", "mlp_act_bytes"):
+        if name in out:
+            out[name] = max(0, out[name])
+    if "bwd_transient_bytes" in out and "act_bytes_keep" in out:
+        out["bwd_transient_bytes"] = max(-out["act_bytes_keep"], out["bwd_transient_bytes"])
+    return out
 
 
 # ``ModelProfile.accumulate_on``.
@@ -362,6 +382,50 @@ class ModelProfile:
 
         return self._with_units(scaled, batch_tokens=int(self.batch_tokens * ratio))
 
+    def with_sequence_scaled(self, ratio: float) -> ModelProfile:
+        """The profile of a batch of the same rows ``ratio`` times as long, as far as this one
+        tells: a block the probe ran on slices takes its fields from their fit
+        (``UnitProfile.growth``: attention's time quadratic, the rest as measured); every other
+        figure grows linearly with the tokens, times included (attention's time in a block
+        probed whole is then under-counted). Chunks and static bytes stay."""
+        linear = self.with_batch_scaled(ratio)
+
+        def scaled(unit: UnitProfile, measured: UnitProfile) -> UnitProfile:
+            if not measured.growth:
+                return replace(
+                    unit,
+                    fwd_s=measured.fwd_s * ratio,
+                    bwd_s=measured.bwd_s * ratio,
+                    mlp_fwd_s=measured.mlp_fwd_s * ratio,
+                )
+            # Relative to the fit at this length, so what changed the unit since it was
+            # measured (a calibrated compute factor) carries over: times by their ratio, bytes
+            # by their difference.
+            at_one, at_ratio = grown(measured.growth, 1.0), grown(measured.growth, ratio)
+            changes = {}
+            for name, value in at_ratio.items():
+                now = getattr(measured, name)
+                if name.endswith("_bytes"):
+                    changes[name] = now + value - at_one[name]
+                else:
+                    changes[name] = now * value / at_one[name] if at_one[name] > 0 else value
+            return replace(unit, **changes)
+
+        def units(profile: ModelProfile) -> tuple[UnitProfile, ...]:
+            return (*profile.blocks, profile.pre, profile.post)
+
+        new = [scaled(u, m) for u, m in zip(units(linear), units(self), strict=True)]
+        n = len(self.blocks)
+
+        return replace(
+            linear,
+            blocks=tuple(new[:n]),
+            pre=new[n],
+            post=new[n + 1],
+            other_s=self.other_s * ratio,
+            host_input_bytes=tuple(int(b * ratio) for b in self.host_input_bytes),
+        )
+
     def validate(self) -> None:
         """Raise ``PlanError`` if the profile is inconsistent (unit out of range, negative size)."""
         n_units = self.n_units
@@ -412,9 +476,13 @@ class ModelProfile:
         values["chunks"] = tuple(
             ChunkProfile(**{**c, "units": tuple(c["units"])}) for c in data["chunks"]
         )
-        values["blocks"] = tuple(UnitProfile(**b) for b in data["blocks"])
-        values["pre"] = UnitProfile(**data["pre"])
-        values["post"] = UnitProfile(**data["post"])
+        values["blocks"] = tuple(_unit_from_dict(b) for b in data["blocks"])
+        values["pre"] = _unit_from_dict(data["pre"])
+        values["post"] = _unit_from_dict(data["post"])
         values["fragmentation"] = dict(data.get("fragmentation", {}))
         values["host_input_bytes"] = tuple(data.get("host_input_bytes", ()))
         return cls(**values)
+
+
+def _unit_from_dict(data: dict[str, Any]) -> UnitProfile:
+    return UnitProfile(**{**data, "growth": tuple(tuple(g) for g in data.get("growth", ()))})

@@ -64,3 +64,29 @@ def test_a_chunk_larger_than_chunk_size_is_valid():
     profile = make_profile()
     oversized = ChunkProfile(4 * profile.chunk_size, units=(0,))
     replace(profile, chunks=(oversized, *profile.chunks)).validate()
+
+
+def test_a_profile_scales_to_a_longer_sequence_by_its_blocks_fit():
+    """``with_sequence_scaled``: a block with a probe fit (``growth``) takes its fields from it,
+    relative to its values now (a calibrated compute factor carries over); a block without one,
+    and pre and post, grow linearly; the fit survives JSON."""
+    base = make_profile(n_blocks=3, seed=1)
+    fit = (("fwd_s", 0.001, 0.01, 0.02), ("act_bytes_keep", 1000.0, 3000.0, 500.0))
+    first = replace(base.blocks[0], growth=fit, fwd_s=0.031, act_bytes_keep=4500)
+    profile = replace(base, blocks=(first, *base.blocks[1:]), host_input_bytes=(100, 100))
+    restored = ModelProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert restored == profile
+    scaled = profile.with_sequence_scaled(4.0)
+    assert scaled.blocks[0].fwd_s == pytest.approx(0.001 + 0.04 + 0.32)
+    assert scaled.blocks[0].act_bytes_keep == 1000 + 12000 + 8000
+    assert scaled.blocks[0].act_bytes_checkpoint == 4 * first.act_bytes_checkpoint
+    plain = base.blocks[1]
+    assert scaled.blocks[1].fwd_s == pytest.approx(4 * plain.fwd_s)
+    assert scaled.blocks[1].act_bytes_keep == 4 * plain.act_bytes_keep
+    assert scaled.post.bwd_s == pytest.approx(4 * base.post.bwd_s)
+    assert scaled.batch_tokens == 4 * base.batch_tokens
+    assert scaled.host_input_bytes == (400, 400)
+    assert scaled.static_bytes == base.static_bytes and scaled.chunks == base.chunks
+    # Twice as slow since it was measured: twice as slow at the longer length too.
+    slower = profile.with_compute_scaled(2.0).with_sequence_scaled(4.0)
+    assert slower.blocks[0].fwd_s == pytest.approx(2 * scaled.blocks[0].fwd_s)

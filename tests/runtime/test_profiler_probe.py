@@ -69,9 +69,9 @@ def test_a_step_of_micro_batches_is_profiled_on_its_first_and_counted(
     assert "3 micro-batches of accumulation" in runtime.plan.summary()
 
 
-def _probed_block(make_llama, offload_cpu, attention: str, long: bool, monkeypatch):
-    """The first block's profile of one attached step on a (1, 256) batch; ``long``: the
-    batch reads as long (the probe runs on slices of 32, 64 and 128 positions)."""
+def _probed_block(make_llama, offload_cpu, attention: str, long: bool, monkeypatch, seq=256):
+    """The first block's profile of one attached step on a (1, ``seq``) batch; ``long``: the
+    batch reads as long (the probe runs on slices of 32, 64 and 128 positions at 256)."""
     from autooffload.runtime.activations import model_activations
 
     share = 1e-9 if long else model_activations.PROFILING_INPUTS_SHARE
@@ -91,7 +91,7 @@ def _probed_block(make_llama, offload_cpu, attention: str, long: bool, monkeypat
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(
-        0, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0)
+        0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0)
     )
     for _ in range(3):  # two profiling steps, then the searched plan
         model(input_ids=ids, labels=ids).loss.backward()
@@ -101,7 +101,7 @@ def _probed_block(make_llama, offload_cpu, attention: str, long: bool, monkeypat
     import autooffload
 
     autooffload.disable()
-    assert probed == ({32, 64, 128} if long else {256}), probed
+    assert probed == ({seq // 8, seq // 4, seq // 2} if long else {seq}), probed
     return block
 
 
@@ -119,6 +119,29 @@ def test_a_long_batch_is_probed_on_slices_and_extrapolated(
     assert sliced.act_bytes_keep == pytest.approx(whole.act_bytes_keep, rel=1e-3)
     assert sliced.mlp_act_bytes == pytest.approx(whole.mlp_act_bytes, rel=1e-3)
     assert whole.mlp_act_bytes > 0 and sliced.fwd_s > 0
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_long_batchs_fit_predicts_a_longer_batch(make_llama, offload_cpu, monkeypatch, attention):
+    """The fit of a block probed on slices of 256 positions (``UnitProfile.growth``), scaled to
+    twice the length (``ModelProfile.with_sequence_scaled``), gives the saved bytes measured on
+    512 positions: eager attention's quadratic probabilities included, which a linear scaling
+    of the 256-position figures misses."""
+    from autooffload.plan.profile_types import ModelProfile
+
+    # Whole first: the sliced probe's share setting stays for the rest of the test.
+    longer = _probed_block(make_llama, offload_cpu, attention, False, monkeypatch, seq=512)
+    sliced = _probed_block(make_llama, offload_cpu, attention, True, monkeypatch)
+    assert sliced.growth and not longer.growth
+    profile = ModelProfile(
+        chunk_size=1, chunks=(), blocks=(sliced,), pre=sliced, post=sliced, batch_tokens=256
+    )
+    scaled = profile.with_sequence_scaled(2.0).blocks[0]
+    assert scaled.act_bytes_keep == pytest.approx(longer.act_bytes_keep, rel=2e-3)
+    assert scaled.mlp_act_bytes == pytest.approx(longer.mlp_act_bytes, rel=2e-3)
+    assert scaled.act_bytes_checkpoint == 2 * sliced.act_bytes_checkpoint
+    if attention == "eager":
+        assert abs(2 * sliced.act_bytes_keep - longer.act_bytes_keep) > 0.01 * longer.act_bytes_keep
 
 
 def test_probe_slices_fit_the_budget_share():

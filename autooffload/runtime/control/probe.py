@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 
 from autooffload.errors import PlanError
 from autooffload.log import logger
-from autooffload.plan.profile_types import UnitProfile
+from autooffload.plan.profile_types import UnitProfile, grown
 from autooffload.runtime.activations import policies as activations
 from autooffload.runtime.activations.model_activations import long_batch
 from autooffload.runtime.activations.tiled_mlp import (
@@ -89,15 +89,15 @@ _EXTRAPOLATED = {
 }
 
 
-def extrapolate(measured: list[tuple[int, dict[str, Any]]], seq: int) -> dict[str, Any]:
-    """Each field at ``seq`` positions from its values at three slice lengths, as
-    ``a + b s + c s^2``: constant parts (weights' views, launch overheads), linear ones (the
-    projections, the MLP, flash attention's memory) and quadratic ones (attention's time, an
-    eager attention's probabilities). Where the three points read negative curvature (noise),
-    the line through the two longer ones."""
-    lengths = [float(t) for t, _ in measured]
-    out: dict[str, Any] = {}
-    for name, integer in _EXTRAPOLATED.items():
+def growth(measured: list[tuple[int, dict[str, Any]]], seq: int) -> dict[str, tuple]:
+    """Per field, ``(a, b, c)`` of ``a + b r + c r^2`` through its values at three slice
+    lengths, with ``r`` the length as a share of ``seq`` (1 at the batch): constant parts
+    (weights' views, launch overheads), linear ones (the projections, the MLP, flash attention's
+    memory) and quadratic ones (attention's time, an eager attention's probabilities). Where the
+    three points read negative curvature (noise), the line through the two longer ones."""
+    lengths = [float(t) / seq for t, _ in measured]
+    out: dict[str, tuple] = {}
+    for name in _EXTRAPOLATED:
         if any(name not in fields for _, fields in measured):
             continue
         values = [float(fields[name]) for _, fields in measured]
@@ -106,14 +106,16 @@ def extrapolate(measured: list[tuple[int, dict[str, Any]]], seq: int) -> dict[st
             (t1, t2), (v1, v2) = lengths[1:], values[1:]
             b = (v2 - v1) / (t2 - t1)
             a, c = v2 - b * t2, 0.0
-        value = a + b * seq + c * seq * seq
-        out[name] = int(round(value)) if integer else max(0.0, value)
-    for name in ("act_bytes_keep", "fwd_transient_bytes", "mlp_act_bytes"):
-        if name in out:
-            out[name] = max(0, out[name])
-    if "bwd_transient_bytes" in out:
-        out["bwd_transient_bytes"] = max(-out["act_bytes_keep"], out["bwd_transient_bytes"])
+        out[name] = (a, b, c)
     return out
+
+
+def extrapolate(measured: list[tuple[int, dict[str, Any]]], seq: int) -> dict[str, Any]:
+    """Each field at ``seq`` positions from its values at three slice lengths (``growth``),
+    with the fit itself as ``growth``: what the profile scales by to another length
+    (``ModelProfile.with_sequence_scaled``)."""
+    fit = tuple((name, *abc) for name, abc in growth(measured, seq).items())
+    return {**grown(fit, 1.0), "growth": fit}
 
 
 def _quadratic_through(x: list[float], y: list[float]) -> tuple[float, float, float]:
