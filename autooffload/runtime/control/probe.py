@@ -75,18 +75,19 @@ def sliced(args: tuple, kwargs: dict, seq: int, length: int) -> tuple[tuple, dic
     return tree_map(cut, args), tree_map(cut, kwargs)
 
 
-# Fields a sliced probe extrapolates, and whether they are byte counts (integers).
-_EXTRAPOLATED = {
-    "fwd_s": False,
-    "bwd_s": False,
-    "act_bytes_keep": True,
-    "fwd_transient_bytes": True,
-    "bwd_transient_bytes": True,
-    "mlp_act_bytes": True,
-    "mlp_fwd_transient_bytes": True,
-    "mlp_bwd_transient_bytes": True,
-    "mlp_fwd_s": False,
-}
+# Fields a sliced probe extrapolates (``profile_types.grown`` reads a name ending in "_bytes" as a
+# byte count).
+_EXTRAPOLATED = (
+    "fwd_s",
+    "bwd_s",
+    "act_bytes_keep",
+    "fwd_transient_bytes",
+    "bwd_transient_bytes",
+    "mlp_act_bytes",
+    "mlp_fwd_transient_bytes",
+    "mlp_bwd_transient_bytes",
+    "mlp_fwd_s",
+)
 
 
 def growth(measured: list[tuple[int, dict[str, Any]]], seq: int) -> dict[str, tuple]:
