@@ -500,3 +500,25 @@ def test_pinning_past_the_hosts_memory_is_a_clear_error(monkeypatch) -> None:
     available[0] = swap.HOST_FLOOR_BYTES
     with pytest.raises(HostMemoryError, match="AUTOOFFLOAD_N_SWAP"):
         pool.acquire(16 << 10)  # a slab's too
+
+
+def test_shorter_batches_reuse_a_longer_ones_host_buffers() -> None:
+    """Batches of varied lengths (SFT without packing): a step shorter than an earlier one takes
+    that step's idle buffers (up to twice its size class) instead of pinning its own, so after
+    the longest step the pool stops growing; a step of one shape reuses its own classes."""
+    from autooffload.runtime.activations import swap
+
+    pool = swap.HostBufferPool(pin_memory=False)
+
+    def step(seq: int) -> None:
+        buffers = [pool.acquire(n) for n in swapped_sizes(seq, blocks=4)]
+        for buffer in buffers:
+            pool.release(buffer)
+
+    step(8192)
+    held = pool.allocated_bytes
+    allocations = pool.allocations
+    for seq in (7168, 5120, 6144, 4608, 8192, 7680):
+        step(seq)
+    assert pool.allocations == allocations and pool.allocated_bytes == held
+    assert pool.in_use_bytes == 0

@@ -70,6 +70,9 @@ SLAB_BYTES = 1 << 30
 # of a slab unused each (Llama-3-8B at 49,152 tokens: 1.28x the swapped bytes pinned, and the
 # host ran out under a plan that counted the bytes swapped).
 EXACT_PIN_BYTES = 64 << 20
+# An idle buffer of up to this many times a request's size class serves it when none of its own
+# class is idle (``HostBufferPool.acquire``).
+REUSE_LARGER = 2
 # New host buffers stop, with a ``HostMemoryError``, where they would leave less host memory
 # available than this: a clear error rather than the kernel's out-of-memory kill.
 HOST_FLOOR_BYTES = 2 << 30
@@ -167,19 +170,28 @@ class HostBufferPool:
         self.peak_in_use_bytes = 0
 
     def acquire(self, nbytes: int) -> _HostBuffer:
-        """A buffer of at least ``nbytes``: an idle one of the same size class, else a new one."""
+        """A buffer of at least ``nbytes``: an idle one of the same size class, else the smallest
+        idle one of at most ``REUSE_LARGER`` times that class, else a new one. A step of a fixed
+        shape finds its own classes idle again; a shorter batch than earlier ones reuses their
+        buffers instead of pinning more (with batches of varied lengths, each length's classes
+        kept the pool growing)."""
         size_class = _size_class(nbytes)
         with self._lock:
-            idle = self._idle[size_class]
+            idle = self._idle[size_class] or self._larger_idle(size_class)
             if idle:
                 buffer = idle.pop()
                 self.reuses += 1
             else:
                 buffer = self._new_buffer(size_class)
                 self.allocations += 1
-            self.in_use_bytes += size_class
+            self.in_use_bytes += buffer.size_class
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         return buffer
+
+    def _larger_idle(self, size_class: int) -> list[_HostBuffer]:
+        larger = [c for c, idle in self._idle.items() if idle and size_class < c]
+        fits = [c for c in larger if c <= REUSE_LARGER * size_class]
+        return self._idle[min(fits)] if fits else []
 
     def _new_buffer(self, size_class: int) -> _HostBuffer:
         if not self.pin_memory:  # pageable memory is not rounded: one allocation per buffer
