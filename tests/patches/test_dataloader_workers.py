@@ -11,14 +11,7 @@ from torch.utils.data import DataLoader
 
 import autooffload
 from autooffload.masking import IGNORE_INDEX
-
-CHAT = [
-    {"role": "system", "content": "You are a terse assistant."},
-    {"role": "user", "content": "Hi there, who are you?"},
-    {"role": "assistant", "content": "I am a helpful bot."},
-    {"role": "user", "content": "What is 2+2?"},
-    {"role": "assistant", "content": "It is 4."},
-]
+from tests.patches.test_hf_collators import CHAT, chat_features
 
 
 @functools.cache
@@ -32,9 +25,7 @@ def tokenizer(name: str):
 
 
 def features(tok) -> list[dict[str, list[int]]]:
-    chats = [CHAT, CHAT[:3], CHAT[1:3]]
-    rendered = [tok.apply_chat_template(c, tokenize=True, return_dict=True) for c in chats]
-    return [{"input_ids": list(r["input_ids"])} for r in rendered]
+    return chat_features(tok, [CHAT, CHAT[:3], CHAT[1:3]])
 
 
 def batches(collator, data, **loader_kwargs) -> list[dict[str, torch.Tensor]]:
