@@ -237,6 +237,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             result["failed_step"] = result.get("_step_index")
             result["traceback_tail"] = traceback.format_exc().strip().splitlines()[-12:]
             result["plan_at_failure"] = _plan_summary()
+            if trainee is not None:
+                result.update(trainee.failure_report())
         else:
             lines = traceback.format_exc().strip().splitlines()
             result.update(status="error", reason="\n".join(lines[-TRACEBACK_LINES:]))

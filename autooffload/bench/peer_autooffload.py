@@ -125,6 +125,22 @@ class AutoOffloadTrainee(Trainee):
             out["candidates"] = {"error": f"{type(exc).__name__}: {exc}"}
         return out
 
+    def failure_report(self) -> dict[str, Any]:
+        """The failed plan's predicted breakdown and the search it came from, as ``report``
+        records them: a run that ran out of memory is re-planned offline from these."""
+        import autooffload
+
+        runtime = _safe(lambda: _runtime_of(self.model))
+        plan = _safe(lambda: autooffload.last_plan())
+        request = getattr(runtime, "search_request", None)
+        return {
+            "predicted_peak_bytes": getattr(plan, "predicted_peak_bytes", None),
+            "predicted_breakdown": dict(getattr(plan, "breakdown", None) or {}) or None,
+            "model_profile": _safe(lambda: _planned_profile(runtime, plan).to_dict()),
+            "hardware": _safe(lambda: request.hw.to_dict()),
+            "search_request": _safe(lambda: search_request_to_dict(request)),
+        }
+
     def close(self) -> None:
         import autooffload
 

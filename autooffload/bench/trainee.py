@@ -76,6 +76,10 @@ class Trainee:
         """Peer-specific fields for the result (breakdown, plan); never raises."""
         return {}
 
+    def failure_report(self) -> dict[str, Any]:
+        """Peer-specific fields for a run that failed (what it planned from); never raises."""
+        return {}
+
     def close(self) -> None:
         """Release process-wide state (process groups, patches)."""
 

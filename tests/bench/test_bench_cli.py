@@ -302,3 +302,41 @@ def test_the_recorded_profile_is_the_planned_layout_variant() -> None:
     recorded = _planned_profile(runtime, on_cpu)
     assert recorded.checkpoint_inputs_on_cpu
     assert predict_step_time(recorded, hw, knobs)[0] == pytest.approx(on_cpu.predicted_step_s)
+
+
+def test_a_run_that_fails_in_a_step_records_what_its_peer_planned_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An OOM in a step keeps the peer's failure report (autooffload: the plan's breakdown and
+    its search request) beside the failure, for an offline re-plan."""
+    import torch
+
+    from autooffload.bench import _worker, peers
+    from autooffload.bench.trainee import Trainee
+
+    class FailingTrainee(Trainee):
+        def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        def failure_report(self) -> dict:
+            return {"search_request": {"budget_bytes": 123}}
+
+    def setup(ctx: peers.PeerContext) -> Trainee:
+        model = torch.nn.Linear(2, 2)
+        return FailingTrainee(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    monkeypatch.setattr(peers, "get_peer", lambda name: peers.PeerDef(setup, "test"))
+    result = _worker.run(
+        {
+            "workload": "llama-tiny",
+            "device": "cpu",
+            "seed": 0,
+            "warmup": 1,
+            "steps": 1,
+            "peer": "failing",
+            "options": {},
+        }
+    )
+    assert result["status"] == "OOM", result.get("reason")
+    assert result["failed_step"] == 0
+    assert result["search_request"] == {"budget_bytes": 123}
