@@ -79,7 +79,12 @@ HOST_FLOOR_BYTES = 2 << 30
 
 
 def _host_register(data: torch.Tensor) -> None:
-    """Page-lock ``data`` (a pageable CPU tensor) for asynchronous copies."""
+    """Page-lock ``data`` (a pageable CPU tensor, just allocated) for asynchronous copies.
+
+    Its pages are faulted in first by a fill on torch's intra-op threads: ``cudaHostRegister``
+    faults the pages it finds missing on its one thread (H200 host, 16 cores: 2.4-3.2 GiB/s
+    alone, 8.5 GiB/s after the fill; a long batch's first planned step pins ~80 GiB)."""
+    data.zero_()
     error = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel(), 0))
     if error != 0:
         raise RuntimeError(f"cudaHostRegister of {data.numel()} bytes failed: CUDA error {error}")
