@@ -23,6 +23,7 @@ import torch
 from _workload import capped_workload
 
 import autooffload
+from autooffload.runtime import runtime_of
 from autooffload.setting_values import parse_size_or_fraction
 
 GiB = 1 << 30
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--at-step", type=int, help="report this step's peak (default: highest)")
     parser.add_argument("--no-history", action="store_true", help="per-step peaks only")
     parser.add_argument("--settings", default="{}", help="JSON of extra enable() settings")
+    parser.add_argument("--budget", help="the planner's budget (default: the cap)")
     args = parser.parse_args()
 
     if not args.no_history:
@@ -98,7 +100,7 @@ def main() -> None:
         bs=args.bs,
         seq=args.seq,
         gc=False if args.no_gc else None,
-        budget=parse_size_or_fraction(args.cap, "cap"),
+        budget=parse_size_or_fraction(args.budget or args.cap, "budget"),
         **json.loads(args.settings),
     )
     failure = None
@@ -137,6 +139,15 @@ def main() -> None:
         print(plan.summary())
         terms = {k: round(v / GiB, 3) for k, v in plan.breakdown.items() if k.startswith("mem")}
         print("predicted terms GiB:", terms)
+        runtime = runtime_of(model) or runtime_of(next(model.parameters()))
+        if runtime is not None and runtime.profile is not None:
+            block = runtime.profile.blocks[-1]
+            sizes = {
+                k: round(v / GiB, 3)
+                for k, v in vars(block).items()
+                if k.endswith("_bytes") and isinstance(v, int)
+            }
+            print("last block as measured, GiB:", sizes)
 
     events = snapshot["device_traces"][0]
     _, _, peaks = replay(events)

@@ -143,8 +143,15 @@ def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
     The first case is a block whose peak lies in its MLP (its transient is no larger than the
     MLP's own): tiled, one tile's intermediates and their gradients live there. Otherwise the
     peak lies outside the MLP, where tiling changes no bytes: the same absolute peak, above a
-    keep that is A smaller. A checkpointed block's recompute materialises ``act_bytes_keep'``,
-    so tiling shrinks its backward too; its recompute runs the tiled forward (no extra time).
+    keep that is A smaller. Where the probe ran the block tiled (K, P_f, P_b =
+    ``tiled_act_bytes_keep``, ``tiled_fwd/bwd_peak_bytes``; K > 0), what it measured wins:
+      act_bytes_keep'  = K       (a tiled norm saves its input, where an RMSNorm in bf16 saved
+                                  an fp32 copy and let the input go: K can exceed keep - A)
+      fwd_transient'   = max(keep - A + fwd_transient_above, P_f) - K   (likewise bwd, P_b)
+    with ``*_above`` the formulas' transients: with the MLP's peak gone, the rest of the block
+    (its attention's backward) may hold the higher one.
+    A checkpointed block's recompute materialises ``act_bytes_keep'``, so tiling shrinks its
+    backward too; its recompute runs the tiled forward (no extra time).
     """
     if tile_tokens < 1:
         raise PlanError(f"mlp_tile_tokens={tile_tokens} is out of range; valid: >= 1 tokens")
@@ -164,12 +171,20 @@ def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
                 return int(x + share * (a + max(own - x, 0)))
             return transient + a
 
+        keep = unit.act_bytes_keep - a
+        fwd = tiled(unit.fwd_transient_bytes, unit.mlp_fwd_transient_bytes)
+        bwd = tiled(unit.bwd_transient_bytes, unit.mlp_bwd_transient_bytes)
+        if unit.tiled_act_bytes_keep > 0:
+            measured = unit.tiled_act_bytes_keep
+            fwd = max(keep + fwd, unit.tiled_fwd_peak_bytes) - measured
+            bwd = max(keep + bwd, unit.tiled_bwd_peak_bytes) - measured
+            keep = measured
         blocks.append(
             replace(
                 unit,
-                act_bytes_keep=unit.act_bytes_keep - a,
-                fwd_transient_bytes=tiled(unit.fwd_transient_bytes, unit.mlp_fwd_transient_bytes),
-                bwd_transient_bytes=tiled(unit.bwd_transient_bytes, unit.mlp_bwd_transient_bytes),
+                act_bytes_keep=keep,
+                fwd_transient_bytes=fwd,
+                bwd_transient_bytes=bwd,
                 bwd_s=unit.bwd_s + unit.mlp_fwd_s,
             )
         )

@@ -181,6 +181,16 @@ class UnitProfile:
     mlp_fwd_s: float = 0.0
     """The MLP's forward time, seconds: what a tiled MLP's backward adds (it runs the forward
     again, tile by tile)."""
+    tiled_act_bytes_keep: int = 0
+    """Bytes the unit saves with its MLP and norms tiled (the block probe runs them in
+    ``probe.PROBE_TILES`` tiles where the batch is longer than a tile), its input included
+    where a tiled norm saves it; 0 where not measured (``configuration.with_mlp_tiles``)."""
+    tiled_fwd_peak_bytes: int = 0
+    """The forward's peak above the unit's input with its MLP and norms tiled, its saved
+    bytes included; 0 where not measured. A tiled block's peak may lie outside its MLP."""
+    tiled_bwd_peak_bytes: int = 0
+    """The same in the backward, its parameter gradients aside (as for
+    ``bwd_transient_bytes``): saved bytes plus the backward's transient, the MLP tiled."""
     growth: tuple[tuple[str, float, float, float], ...] = ()
     """How the fields grow with the batch's length, where the block probe ran on slices of a
     long batch: ``(field, a, b, c)``, the field at ``r`` times this batch's length being
@@ -195,7 +205,15 @@ def grown(growth: tuple[tuple[str, float, float, float], ...], ratio: float) -> 
     for name, a, b, c in growth:
         value = a + b * ratio + c * ratio * ratio
         out[name] = int(round(value)) if name.endswith("_bytes") else max(0.0, value)
-    for name in ("act_bytes_keep", "fwd_transient_bytes", "mlp_act_bytes"):
+    never_negative = (
+        "act_bytes_keep",
+        "fwd_transient_bytes",
+        "mlp_act_bytes",
+        "tiled_act_bytes_keep",
+        "tiled_fwd_peak_bytes",
+        "tiled_bwd_peak_bytes",
+    )
+    for name in never_negative:
         if name in out:
             out[name] = max(0, out[name])
     if "bwd_transient_bytes" in out and "act_bytes_keep" in out:
@@ -378,6 +396,9 @@ class ModelProfile:
                 mlp_act_bytes=int(unit.mlp_act_bytes * ratio),
                 mlp_fwd_transient_bytes=int(unit.mlp_fwd_transient_bytes * ratio),
                 mlp_bwd_transient_bytes=int(unit.mlp_bwd_transient_bytes * ratio),
+                tiled_act_bytes_keep=int(unit.tiled_act_bytes_keep * ratio),
+                tiled_fwd_peak_bytes=int(unit.tiled_fwd_peak_bytes * ratio),
+                tiled_bwd_peak_bytes=int(unit.tiled_bwd_peak_bytes * ratio),
             )
 
         return self._with_units(scaled, batch_tokens=int(self.batch_tokens * ratio))
@@ -459,6 +480,9 @@ class ModelProfile:
                 unit.mlp_act_bytes,
                 unit.mlp_fwd_transient_bytes,
                 unit.mlp_act_bytes + unit.mlp_bwd_transient_bytes,
+                unit.tiled_act_bytes_keep,
+                unit.tiled_fwd_peak_bytes,
+                unit.tiled_bwd_peak_bytes,
             )
             if min(sizes) < 0 or min(unit.fwd_s, unit.bwd_s, unit.mlp_fwd_s) < 0:
                 raise PlanError(f"unit {unit.name or '?'} has a negative time or size: {unit}")

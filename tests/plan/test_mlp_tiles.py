@@ -65,6 +65,40 @@ def test_peak_outside_the_mlp_keeps_its_absolute_size() -> None:
     )
 
 
+def test_a_block_probed_tiled_keeps_what_was_measured_and_the_higher_peak() -> None:
+    """The probe ran the block tiled: its saved bytes are the measured ones (a tiled norm saves
+    its input, which the untiled block let go), and each peak is the higher of the measured
+    one (the attention's backward, once the MLP's peak is gone) and the formula's."""
+    profile = long_profile()
+    unit = profile.blocks[0]
+    formula = with_mlp_tiles(replace(profile, blocks=(unit,)), 8192).blocks[0]
+    keep = formula.act_bytes_keep  # keep - A
+    measured_keep = keep + 32 * MiB
+    high = replace(
+        unit,
+        tiled_act_bytes_keep=measured_keep,
+        tiled_fwd_peak_bytes=keep + formula.fwd_transient_bytes + 96 * MiB,
+        tiled_bwd_peak_bytes=keep + formula.bwd_transient_bytes + 200 * MiB,
+    )
+    low = replace(
+        unit,
+        tiled_act_bytes_keep=measured_keep,
+        tiled_fwd_peak_bytes=measured_keep,
+        tiled_bwd_peak_bytes=measured_keep,
+    )
+    blocks = with_mlp_tiles(replace(profile, blocks=(high, low)), 8192).blocks
+    assert blocks[0].act_bytes_keep == blocks[1].act_bytes_keep == measured_keep
+    assert blocks[0].act_bytes_keep + blocks[0].fwd_transient_bytes == high.tiled_fwd_peak_bytes
+    assert blocks[0].act_bytes_keep + blocks[0].bwd_transient_bytes == high.tiled_bwd_peak_bytes
+    # Below the formula's peaks: the formula's absolute peaks stand, above the measured keep.
+    assert blocks[1].act_bytes_keep + blocks[1].fwd_transient_bytes == (
+        keep + formula.fwd_transient_bytes
+    )
+    assert blocks[1].act_bytes_keep + blocks[1].bwd_transient_bytes == (
+        keep + formula.bwd_transient_bytes
+    )
+
+
 def test_memory_term_shrinks_with_the_tile_as_the_formula_says() -> None:
     profile = long_profile()
     knobs = Knobs(n_persist=0, n_buffer=4, n_swap=0, n_checkpoint=profile.n_blocks)

@@ -121,6 +121,24 @@ def test_a_long_batch_is_probed_on_slices_and_extrapolated(
     assert whole.mlp_act_bytes > 0 and sliced.fwd_s > 0
 
 
+def test_a_batch_longer_than_a_tile_is_also_probed_with_its_mlp_tiled(
+    make_llama, offload_cpu, monkeypatch
+):
+    """Where the search may tile the MLPs (the batch is longer than its smallest tile), the
+    probe also runs the block with its MLP and norms tiled: on the CPU its saved bytes, which
+    leave out the MLP's intermediates and the norms' copies: no more than the kept block's less
+    ``mlp_act_bytes`` (what ``with_mlp_tiles`` counts), and well below the untiled block's."""
+    untiled = _probed_block(make_llama, offload_cpu, "sdpa", True, monkeypatch)
+    assert untiled.tiled_act_bytes_keep == untiled.tiled_bwd_peak_bytes == 0
+    monkeypatch.setattr(probe, "MLP_TILE_TOKENS", (64,))
+    block = _probed_block(make_llama, offload_cpu, "sdpa", True, monkeypatch)
+    assert block.mlp_act_bytes > 0
+    assert 0 < block.tiled_act_bytes_keep <= block.act_bytes_keep - block.mlp_act_bytes
+    assert block.tiled_act_bytes_keep < 0.6 * block.act_bytes_keep
+    # No peaks on the CPU: the saved bytes.
+    assert block.tiled_fwd_peak_bytes == block.tiled_bwd_peak_bytes == block.tiled_act_bytes_keep
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_a_long_batchs_fit_predicts_a_longer_batch(make_llama, offload_cpu, monkeypatch, attention):
     """The fit of a block probed on slices of 256 positions (``UnitProfile.growth``), scaled to

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map
 from autooffload.errors import PlanError
 from autooffload.log import logger
 from autooffload.plan.profile_types import UnitProfile, grown
+from autooffload.plan.search import MLP_TILE_TOKENS
 from autooffload.runtime.activations import policies as activations
 from autooffload.runtime.activations.model_activations import long_batch
 from autooffload.runtime.activations.tiled_mlp import (
@@ -39,6 +40,12 @@ PROBE_HIDDEN_STATES = 32
 PROBE_BUDGET_SHARE = 0.25
 # The shorter slice has at least this many positions (else the whole batch is probed).
 MIN_PROBE_SLICE = 16
+# A block whose batch has more tokens than the smallest MLP tile the search offers
+# (``plan.search.MLP_TILE_TOKENS``) is also run with its MLP and norms in this many tiles: the
+# tiled block's own peaks (``UnitProfile.tiled_*_peak_bytes``), where the attention's backward
+# may rise above what the tiled MLP leaves (Llama-3-8B LoRA: fp32 copies of the input of every
+# LoRA projection and their gradients).
+PROBE_TILES = 16
 
 
 def probe_slices(
@@ -87,6 +94,9 @@ _EXTRAPOLATED = (
     "mlp_fwd_transient_bytes",
     "mlp_bwd_transient_bytes",
     "mlp_fwd_s",
+    "tiled_act_bytes_keep",
+    "tiled_fwd_peak_bytes",
+    "tiled_bwd_peak_bytes",
 )
 
 
@@ -254,6 +264,9 @@ class BlockProbe:
         args = tuple(None if i in caches else a for i, a in enumerate(args))
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        tokens = first.numel() // max(1, first.shape[-1]) if first is not None else 0
+        tiled_probe = mlp is not None and tokens > min(MLP_TILE_TOKENS)
         n_blocks = sum(g.is_block for g in runtime.groups)
         slices = None
         if long_batch(n_blocks, checkpoint_bytes, runtime.plan.budget_bytes):
@@ -267,7 +280,7 @@ class BlockProbe:
 
                 def measure(call_args: tuple, call_kwargs: dict) -> dict[str, Any]:
                     return self._measure(
-                        block, call_args, call_kwargs, params, mlp, chunked_trainable
+                        block, call_args, call_kwargs, params, mlp, chunked_trainable, tiled_probe
                     )
 
                 fields = None
@@ -323,8 +336,10 @@ class BlockProbe:
         params: list,
         mlp: nn.Module | None,
         chunked_trainable: Callable[[Iterable[torch.Tensor]], list[torch.Tensor]],
+        tiled_probe: bool = False,
     ) -> dict[str, Any]:
-        """The block's ``UnitProfile`` fields (its MLP's included) on these inputs."""
+        """The block's ``UnitProfile`` fields (its MLP's included) on these inputs; with
+        ``tiled_probe``, also its peaks with the MLP and norms in ``PROBE_TILES`` tiles."""
         saved = [0]
         norms = find_norms(block) if mlp is not None else []
         inputs: list[list[torch.Tensor]] = [[] for _ in range(1 + len(norms))]
@@ -350,6 +365,11 @@ class BlockProbe:
                     extra = self._mlp(norm, captured[-1], chunked_trainable)
                     mlp_fields["mlp_act_bytes"] += extra["mlp_act_bytes"]
                     mlp_fields["mlp_fwd_s"] += extra["mlp_fwd_s"]
+            if tiled_probe:
+                tiled = (mlp, *norms)
+                mlp_fields.update(
+                    self._tiled(block, args, kwargs, params, tiled, chunked_trainable)
+                )
         # The probe's backward allocates the block's parameter gradients; the cost model adds
         # them (offloaded and persistent grads per unit), so they leave the transient, which
         # may go negative (down to -kept: activations are freed as the gradients are made).
@@ -363,6 +383,59 @@ class BlockProbe:
             "fwd_transient_bytes": int(max(0, fwd_peak - kept)),
             "bwd_transient_bytes": int(bwd_transient),
             **mlp_fields,
+        }
+
+    def _tiled(
+        self,
+        block: nn.Module,
+        args: tuple,
+        kwargs: dict,
+        params: list,
+        tiled: tuple,
+        chunked_trainable: Callable[[Iterable[torch.Tensor]], list[torch.Tensor]],
+    ) -> dict[str, int]:
+        """The block with the ``tiled`` modules (its MLP and norms) in ``PROBE_TILES`` tiles:
+        what it saves, its input included where a tiled norm saves it (an untiled RMSNorm saves
+        an fp32 copy instead, so the input was freed after the block), and its forward and
+        backward peaks above its input with those saved bytes, its parameter gradients aside
+        (``UnitProfile.tiled_act_bytes_keep``, ``tiled_fwd_peak_bytes``,
+        ``tiled_bwd_peak_bytes``)."""
+        x = args[0]
+        tile = max(1, x.numel() // max(1, x.shape[-1]) // PROBE_TILES)
+        inputs = self._inputs(args)
+        storage = inputs[0].untyped_storage().data_ptr()
+        input_saved = [False]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() == storage:
+                input_saved[0] = True
+            return t
+
+        # On the CPU the probe's own saved-bytes count sees the input; on the GPU the allocator
+        # counted it before the forward.
+        spotting = (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            if self.clock.cuda
+            else contextlib.nullcontext()
+        )
+        for module in tiled:
+            tile_mlp(module, tile)
+        try:
+            with spotting:
+                _, _, kept, fwd_peak, bwd_peak = self._once(block, inputs, kwargs, params, [0])
+        finally:
+            for module in tiled:
+                untile_mlp(module)
+        bwd_transient = max(0, bwd_peak)
+        if self.clock.cuda:
+            bwd_transient = max(-int(kept), bwd_peak - grad_bytes(chunked_trainable(params)))
+        if input_saved[0] and self.clock.cuda:
+            x_bytes = inputs[0].numel() * inputs[0].element_size()
+            kept, fwd_peak = kept + x_bytes, fwd_peak + x_bytes
+        return {
+            "tiled_act_bytes_keep": int(kept),
+            "tiled_fwd_peak_bytes": int(max(kept, fwd_peak)),
+            "tiled_bwd_peak_bytes": int(kept + bwd_transient),
         }
 
     def _mlp(
