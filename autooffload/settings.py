@@ -164,6 +164,12 @@ class Settings:
             math), peak memory no longer grows with seq x vocab in fp32. ``outputs.logits`` is
             unchanged. Applies to every model while enabled, attached or not; ``False`` keeps
             transformers' loss.
+        saved_upcasts: Where a PEFT layer of an attached model upcasts its input to its
+            adapters' dtype (a bf16 base with fp32 LoRA adapters), save the input in place of
+            the fp32 copy its ``lora_A`` keeps for the backward, and cast it again there: the
+            same gradients bit for bit, one bf16 input saved where each layer reading it kept
+            an fp32 copy (``runtime/activations/saved_upcasts.py``). ``False`` keeps PEFT's
+            copies.
         fused_head: Fuse an attached causal LM's ``lm_head`` with its loss in training steps
             given ``labels``: the loss is computed over chunks of rows and the logits are never
             made whole (``runtime/activations/fused_head.py``); ``outputs.logits`` is None in
@@ -327,6 +333,12 @@ class Settings:
         "AUTOOFFLOAD_CHUNKED_LOSS",
         parse_bool,
         "causal-LM loss over row chunks, no fp32 copy of all the logits",
+    )
+    saved_upcasts: bool = _knob(
+        True,
+        "AUTOOFFLOAD_SAVED_UPCASTS",
+        parse_bool,
+        "a PEFT layer's upcast input saved as the input itself (no fp32 copy per layer)",
     )
     fused_head: bool | None = _knob(
         None,

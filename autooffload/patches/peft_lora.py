@@ -4,9 +4,12 @@ tokens, ``modules_to_save`` copies) runs with the owning chunks on the device, a
 are stored back to the host.
 
 Inside a block's forward every chunk of the block is resident (the runtime's group hooks), so
-``lora.Linear.forward`` and DoRA's magnitude path need nothing. Everything here runs outside
-one: ``merge_adapter()``, ``merge_and_unload()``, ``unmerge`` inside a ``disable_adapter()``
-forward of a merged model, and adapter creation on an already attached base.
+``lora.Linear.forward`` and DoRA's magnitude path need nothing for their weights; an attached
+layer's forward saves the fp32 upcast of its input (fp32 adapters on a bf16 base) as the bf16
+input itself (``Settings.saved_upcasts``, ``runtime/activations/saved_upcasts.py``).
+Everything else here runs outside one: ``merge_adapter()``, ``merge_and_unload()``,
+``unmerge`` inside a ``disable_adapter()`` forward of a merged model, and adapter creation on
+an already attached base.
 
 ``add_weighted_adapter`` reads the source adapters' weights directly, outside any layer method:
 with adapters in chunks (trainable bytes over a tenth) the LoRA task-arithmetic combinations
@@ -36,10 +39,14 @@ from torch import nn
 from autooffload.errors import AttachError
 from autooffload.patches import _registry
 from autooffload.patches.torch_module import attach_suppressed
+from autooffload.runtime.activations.saved_upcasts import register, saving_sources
 from autooffload.runtime.attachable import install_copy_guard, remove_copy_guard
 from autooffload.settings import Settings
 
 TARGETS = ("peft",)
+
+# ``Settings.saved_upcasts`` of the installing ``enable()``.
+_saved_upcasts = True
 
 # Methods of PEFT tuner layers (LoRA, DoRA and every other tuner: IA3, LoHa, LoKr, VeRA, OFT,
 # trainable tokens, ...) that read base weights; those in _WRITES also change them in place.
@@ -117,7 +124,21 @@ def _forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     if runtime is None:
         return wrapped(*args, **kwargs)
     with params_on_device(runtime, params):
-        return wrapped(*args, **kwargs)
+        if not _saved_upcasts:
+            return wrapped(*args, **kwargs)
+        with saving_sources():
+            return wrapped(*args, **kwargs)
+
+
+def _cast_input_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``_cast_input_dtype`` inside an attached layer's forward: the upcast it makes (the input
+    for an fp32 ``lora_A`` of a bf16 base) is saved for the backward as the input itself
+    (``saved_upcasts``; the forward wrapper opened the scope)."""
+    out = wrapped(*args, **kwargs)
+    source = args[0] if args else kwargs.get("x")
+    if isinstance(out, torch.Tensor) and isinstance(source, torch.Tensor):
+        register(out, source)
+    return out
 
 
 def _inject_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -304,6 +325,10 @@ def install(settings: Settings, target: str) -> None:
             _registry.wrap(cls, "_move_adapter_to_device_of_base_layer", _inject_wrapper, __name__)
         if "forward" in cls.__dict__:
             _registry.wrap(cls, "forward", _forward_wrapper, __name__)
+    global _saved_upcasts
+    _saved_upcasts = settings.saved_upcasts
+    if _saved_upcasts and "_cast_input_dtype" in BaseTunerLayer.__dict__:
+        _registry.wrap(BaseTunerLayer, "_cast_input_dtype", _cast_input_wrapper, __name__)
 
 
 def uninstall() -> None:

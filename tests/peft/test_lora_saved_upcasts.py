@@ -1,0 +1,82 @@
+"""A bf16 base with fp32 LoRA adapters: each LoRA layer's upcast input is saved as the bf16
+input itself (``saved_upcasts``), training exactly as with PEFT's fp32 copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import autooffload
+from tests.peft.peft_runs import SEQ, batches, enable_cpu, lora, runtime_for, tiny_llama
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+def _attached(saved_upcasts: bool, mode: str) -> torch.nn.Module:
+    enable_cpu(saved_upcasts=saved_upcasts, activation_mode=mode)
+    base = tiny_llama().to(BF16)
+    torch.manual_seed(123)
+    model = get_peft_model(base, lora())
+    lora_a = next(p for n, p in model.named_parameters() if "lora_A" in n)
+    assert lora_a.dtype == FP32  # PEFT keeps the adapters in fp32 beside a bf16 base
+    model.to("cpu")
+    assert runtime_for(model) is not None
+    return model
+
+
+def _train(saved_upcasts: bool, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _attached(saved_upcasts, mode)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for ids in batches(6):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    autooffload.disable()
+    return losses, weights
+
+
+@pytest.mark.parametrize("mode", ["keep", "checkpoint", "swap"])
+def test_training_equals_pefts_fp32_copies_bit_for_bit(mode: str) -> None:
+    losses, weights = _train(True, mode)
+    plain_losses, plain_weights = _train(False, mode)
+    assert losses == plain_losses
+    assert weights.keys() == plain_weights.keys()
+    for name, value in weights.items():
+        assert torch.equal(value, plain_weights[name]), name
+
+
+def test_the_bf16_input_is_saved_where_each_lora_layer_saved_an_fp32_copy() -> None:
+    """Counted by a hook around a training forward: as many tensors saved, and the fp32 bytes
+    fall by one fp32 copy of the input of every LoRA linear (7 a layer, 3 layers)."""
+
+    def saved(saved_upcasts: bool) -> tuple[int, int, int]:
+        model = _attached(saved_upcasts, "keep")
+        sizes: dict[torch.dtype, int] = {}
+        count = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            count[0] += 1
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel() * t.element_size()
+            return t
+
+        ids = batches(1)[0]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids).loss.backward()
+        inputs = sum(
+            m.in_features
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.endswith("lora_A.default")
+        )
+        autooffload.disable()
+        return count[0], sizes.get(FP32, 0), inputs * ids.numel()
+
+    count, fp32, elements = saved(True)
+    plain_count, plain_fp32, _ = saved(False)
+    assert count == plain_count
+    assert plain_fp32 - fp32 == 4 * elements
+    assert SEQ * 7 * 3 <= elements
