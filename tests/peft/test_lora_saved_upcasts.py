@@ -8,7 +8,16 @@ import torch
 from peft import get_peft_model
 
 import autooffload
-from tests.peft.peft_runs import SEQ, batches, enable_cpu, lora, runtime_for, tiny_llama
+from tests.peft.peft_runs import (
+    SEQ,
+    batches,
+    enable_cpu,
+    lora,
+    runtime_for,
+    tiny_llama,
+    train,
+    trained_weights,
+)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -27,15 +36,8 @@ def _attached(saved_upcasts: bool, mode: str) -> torch.nn.Module:
 
 def _train(saved_upcasts: bool, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _attached(saved_upcasts, mode)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for ids in batches(6):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    losses = train(model, batches(6))
+    weights = trained_weights(model)
     autooffload.disable()
     return losses, weights
 
