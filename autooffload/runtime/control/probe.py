@@ -373,9 +373,7 @@ class BlockProbe:
         # The probe's backward allocates the block's parameter gradients; the cost model adds
         # them (offloaded and persistent grads per unit), so they leave the transient, which
         # may go negative (down to -kept: activations are freed as the gradients are made).
-        bwd_transient = max(0, bwd_peak)
-        if self.clock.cuda:
-            bwd_transient = max(-int(kept), bwd_peak - grad_bytes(chunked_trainable(params)))
+        bwd_transient = self._bwd_transient(kept, bwd_peak, chunked_trainable(params))
         return {
             "fwd_s": fwd_s,
             "bwd_s": bwd_s,
@@ -426,9 +424,7 @@ class BlockProbe:
         finally:
             for module in tiled:
                 untile_mlp(module)
-        bwd_transient = max(0, bwd_peak)
-        if self.clock.cuda:
-            bwd_transient = max(-int(kept), bwd_peak - grad_bytes(chunked_trainable(params)))
+        bwd_transient = self._bwd_transient(kept, bwd_peak, chunked_trainable(params))
         if input_saved[0] and self.clock.cuda:
             x_bytes = inputs[0].numel() * inputs[0].element_size()
             kept, fwd_peak = kept + x_bytes, fwd_peak + x_bytes
@@ -456,15 +452,21 @@ class BlockProbe:
                 mlp, inputs, {}, params, saved, skip=inputs[0]
             )
             best_s = min(best_s, fwd_s)
-        bwd_transient = max(0, bwd_peak)
-        if self.clock.cuda:
-            bwd_transient = max(-int(kept), bwd_peak - grad_bytes(chunked_trainable(params)))
+        bwd_transient = self._bwd_transient(kept, bwd_peak, chunked_trainable(params))
         return {
             "mlp_act_bytes": int(kept),
             "mlp_fwd_transient_bytes": int(max(0, fwd_peak - kept)),
             "mlp_bwd_transient_bytes": int(bwd_transient),
             "mlp_fwd_s": best_s,
         }
+
+    def _bwd_transient(self, kept: int, bwd_peak: int, trainable: list) -> int:
+        """A backward's peak above its start less the gradients of ``trainable`` (the cost
+        model counts them), down to ``-kept`` (saved tensors freed as gradients are made); on
+        the CPU, where no gradients are counted, the peak itself."""
+        if not self.clock.cuda:
+            return max(0, bwd_peak)
+        return max(-int(kept), bwd_peak - grad_bytes(trainable))
 
     @staticmethod
     def _inputs(args: tuple) -> tuple:
