@@ -128,3 +128,21 @@ def test_outside_a_scope_or_for_a_narrowing_cast_the_upcast_is_saved_itself() ->
             register(z, x)  # narrowing: not exact
             (z.double() @ w).sum().backward()
     assert saved == [torch.float64, torch.float64]
+
+
+def test_a_graph_never_run_backward_frees_what_the_scope_saved() -> None:
+    """Saved tensors are held detached: a saved output (``exp`` saves its result) held with its
+    ``grad_fn`` would be a cycle through autograd's nodes that nothing frees."""
+    import gc
+    import weakref
+
+    x = torch.randn(64, dtype=BF16, requires_grad=True)
+    with saving_sources():
+        y = x.to(FP32)
+        register(y, x)
+        out = torch.exp(y * 2)
+        loss = out.sum()
+    gone = weakref.ref(out)
+    del out, loss, y
+    gc.collect()
+    assert gone() is None

@@ -109,12 +109,15 @@ class _Source:
 
 
 class _Kept:
-    """A saved tensor kept as it is (no outer hooks), with its version at saving."""
+    """A saved tensor kept as it is (no outer hooks), with its version at saving. Held
+    detached (the same storage and version counter; autograd puts the saved tensor's graph
+    back on unpack): a saved output held with its ``grad_fn`` would make a cycle through
+    autograd's C++ nodes that nothing frees where no backward runs."""
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = tensor.detach()
         self.version = tensor._version
 
 
@@ -164,7 +167,7 @@ def _hooks(
             return outer[0](tensor) if outer is not None else _Kept(tensor)
         if outer is not None:
             return _Source(outer[0](source), tensor.dtype, None, tensor.shape)
-        return _Source(source, tensor.dtype, source._version, tensor.shape)
+        return _Source(source.detach(), tensor.dtype, source._version, tensor.shape)
 
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, _Source):
