@@ -22,14 +22,21 @@ from tests.peft.peft_runs import (
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
-def _attached(saved_upcasts: bool, mode: str) -> torch.nn.Module:
-    enable_cpu(saved_upcasts=saved_upcasts, activation_mode=mode)
+def _attached(saved_upcasts: bool, mode: str, explicit: bool = False) -> torch.nn.Module:
+    """The PEFT model attached by its move under ``enable()``, or by ``attach()`` (which holds
+    the PEFT patches while it is attached) with ``explicit``."""
+    settings = {"saved_upcasts": saved_upcasts, "activation_mode": mode}
+    if not explicit:
+        enable_cpu(**settings)
     base = tiny_llama().to(BF16)
     torch.manual_seed(123)
     model = get_peft_model(base, lora())
     lora_a = next(p for n, p in model.named_parameters() if "lora_A" in n)
     assert lora_a.dtype == FP32  # PEFT keeps the adapters in fp32 beside a bf16 base
-    model.to("cpu")
+    if explicit:
+        autooffload.attach(model, device="cpu", force_attach=True, n_persist=0, **settings)
+    else:
+        model.to("cpu")
     assert runtime_for(model) is not None
     return model
 
@@ -52,12 +59,13 @@ def test_training_equals_pefts_fp32_copies_bit_for_bit(mode: str) -> None:
         assert torch.equal(value, plain_weights[name]), name
 
 
-def test_the_bf16_input_is_saved_where_each_lora_layer_saved_an_fp32_copy() -> None:
+@pytest.mark.parametrize("explicit", [False, True], ids=["enable", "attach"])
+def test_the_bf16_input_is_saved_where_each_lora_layer_saved_an_fp32_copy(explicit: bool) -> None:
     """Counted by a hook around a training forward: as many tensors saved, and the fp32 bytes
     fall by one fp32 copy of the input of every LoRA linear (7 a layer, 3 layers)."""
 
     def saved(saved_upcasts: bool) -> tuple[int, int, int]:
-        model = _attached(saved_upcasts, "keep")
+        model = _attached(saved_upcasts, "keep", explicit)
         sizes: dict[torch.dtype, int] = {}
         count = [0]
 
