@@ -90,3 +90,27 @@ def test_the_bf16_input_is_saved_where_each_lora_layer_saved_an_fp32_copy(explic
     assert count == plain_count
     assert plain_fp32 - fp32 == 4 * elements
     assert SEQ * 7 * 3 <= elements
+
+
+@pytest.mark.parametrize("mode", ["keep", "checkpoint"])
+def test_tiled_mlps_train_the_same_with_saved_upcasts(mode: str) -> None:
+    """A tiled MLP runs its LoRA layers again tile by tile in its backward: their upcasts are
+    saved as their inputs there too, and training is the same bit for bit."""
+    from autooffload.runtime.activations.tiled_mlp import find_mlp, is_tiled, set_mlp_tiles
+
+    def run(saved_upcasts: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = _attached(saved_upcasts, mode)
+        data = batches(6)
+        losses = train(model, data[:3])  # profiling, then the searched plan
+        layers = model.get_base_model().model.layers
+        assert set_mlp_tiles(layers, 8) == len(layers)
+        losses += train(model, data[3:])
+        assert all(is_tiled(find_mlp(layer)) for layer in layers)
+        weights = trained_weights(model)
+        autooffload.disable()
+        return losses, weights
+
+    (losses, weights), (plain_losses, plain_weights) = run(True), run(False)
+    assert losses == plain_losses
+    for name, value in weights.items():
+        assert torch.equal(value, plain_weights[name]), name
