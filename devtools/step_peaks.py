@@ -145,7 +145,7 @@ def main() -> None:
             sizes = {
                 k: round(v / GiB, 3)
                 for k, v in vars(block).items()
-                if k.endswith("_bytes") and isinstance(v, int)
+                if "bytes" in k and isinstance(v, int)
             }
             print("last block as measured, GiB:", sizes)
 
