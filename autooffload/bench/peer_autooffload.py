@@ -93,7 +93,6 @@ class AutoOffloadTrainee(Trainee):
         out: dict[str, Any] = {"attached": runtime is not None}
         plan = _safe(lambda: autooffload.last_plan())
         out["plan_summary"] = _safe(plan.summary) if plan is not None else None
-        out["predicted_peak_bytes"] = getattr(plan, "predicted_peak_bytes", None)
         out["predicted_allocated_bytes"] = (getattr(plan, "breakdown", None) or {}).get(
             "mem_allocated"
         )
@@ -101,15 +100,7 @@ class AutoOffloadTrainee(Trainee):
         out["plan"] = {k: _safe(lambda k=k: getattr(plan, k)) for k in PLAN_FIELDS}
         out["plan"]["bottleneck"] = getattr(plan, "bottleneck", None)
         out["plan"]["source"] = getattr(plan, "source", None)
-        # The plan's predicted breakdown (times, stalls, memory terms), and what the model ran
-        # on: re-running ``plan.cost_time`` on these offline shows where a prediction went wrong.
-        out["predicted_breakdown"] = dict(getattr(plan, "breakdown", None) or {}) or None
-        out["model_profile"] = _safe(lambda: _planned_profile(runtime, plan).to_dict())
-        out["hardware"] = _safe(lambda: runtime.search_request.hw.to_dict())
-        # The search itself, as measured (before the plan's layout variant): with ``hardware``
-        # it re-runs offline (``search_request_from_dict``), e.g. on a profile scaled to
-        # another length.
-        out["search_request"] = _safe(lambda: search_request_to_dict(runtime.search_request))
+        out.update(_planned_from(runtime, plan))
         # Read directly: a renamed attribute must fail the bench's tests, not record None.
         out["expandable_segments"] = runtime.expandable_segments if runtime is not None else None
         out["profiling_peak_bytes"] = (
@@ -126,20 +117,12 @@ class AutoOffloadTrainee(Trainee):
         return out
 
     def failure_report(self) -> dict[str, Any]:
-        """The failed plan's predicted breakdown and the search it came from, as ``report``
-        records them: a run that ran out of memory is re-planned offline from these."""
+        """What the failed plan predicted and the search it came from (``_planned_from``): a
+        run that ran out of memory is re-planned offline from these."""
         import autooffload
 
         runtime = _safe(lambda: _runtime_of(self.model))
-        plan = _safe(lambda: autooffload.last_plan())
-        request = getattr(runtime, "search_request", None)
-        return {
-            "predicted_peak_bytes": getattr(plan, "predicted_peak_bytes", None),
-            "predicted_breakdown": dict(getattr(plan, "breakdown", None) or {}) or None,
-            "model_profile": _safe(lambda: _planned_profile(runtime, plan).to_dict()),
-            "hardware": _safe(lambda: request.hw.to_dict()),
-            "search_request": _safe(lambda: search_request_to_dict(request)),
-        }
+        return _planned_from(runtime, _safe(lambda: autooffload.last_plan()))
 
     def close(self) -> None:
         import autooffload
@@ -147,6 +130,22 @@ class AutoOffloadTrainee(Trainee):
         disable = getattr(autooffload, "disable", None)
         if callable(disable):
             _safe(disable)
+
+
+def _planned_from(runtime: Any, plan: Any) -> dict[str, Any]:
+    """The plan's predicted peak and breakdown (times, stalls, memory terms) and what the model
+    ran on: re-running ``plan.cost_time`` on these offline shows where a prediction went wrong.
+    With them the search itself, as measured (before the plan's layout variant): with
+    ``hardware`` it re-runs offline (``search_request_from_dict``), e.g. on a profile scaled to
+    another length."""
+    request = getattr(runtime, "search_request", None)
+    return {
+        "predicted_peak_bytes": getattr(plan, "predicted_peak_bytes", None),
+        "predicted_breakdown": dict(getattr(plan, "breakdown", None) or {}) or None,
+        "model_profile": _safe(lambda: _planned_profile(runtime, plan).to_dict()),
+        "hardware": _safe(lambda: request.hw.to_dict()),
+        "search_request": _safe(lambda: search_request_to_dict(request)),
+    }
 
 
 def search_request_to_dict(request: Any) -> dict[str, Any]:
