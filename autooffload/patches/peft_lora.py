@@ -45,9 +45,6 @@ from autooffload.settings import Settings
 
 TARGETS = ("peft",)
 
-# ``Settings.saved_upcasts`` of the installing ``enable()``.
-_saved_upcasts = True
-
 # Methods of PEFT tuner layers (LoRA, DoRA and every other tuner: IA3, LoHa, LoKr, VeRA, OFT,
 # trainable tokens, ...) that read base weights; those in _WRITES also change them in place.
 _READS = ("merge", "unmerge", "get_delta_weight", "update_layer")
@@ -123,11 +120,10 @@ def _forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     runtime = runtime_managing(params)
     if runtime is None:
         return wrapped(*args, **kwargs)
-    with params_on_device(runtime, params):
-        if not _saved_upcasts:
-            return wrapped(*args, **kwargs)
-        with saving_sources():
-            return wrapped(*args, **kwargs)
+    # The scope saves the upcasts ``_cast_input_wrapper`` registers (installed with
+    # ``Settings.saved_upcasts``); without it, none is registered and the scope saves nothing.
+    with params_on_device(runtime, params), saving_sources():
+        return wrapped(*args, **kwargs)
 
 
 def _cast_input_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -325,9 +321,7 @@ def install(settings: Settings, target: str) -> None:
             _registry.wrap(cls, "_move_adapter_to_device_of_base_layer", _inject_wrapper, __name__)
         if "forward" in cls.__dict__:
             _registry.wrap(cls, "forward", _forward_wrapper, __name__)
-    global _saved_upcasts
-    _saved_upcasts = settings.saved_upcasts
-    if _saved_upcasts and "_cast_input_dtype" in BaseTunerLayer.__dict__:
+    if settings.saved_upcasts and "_cast_input_dtype" in BaseTunerLayer.__dict__:
         _registry.wrap(BaseTunerLayer, "_cast_input_dtype", _cast_input_wrapper, __name__)
 
 
