@@ -114,3 +114,34 @@ def test_tiled_mlps_train_the_same_with_saved_upcasts(mode: str) -> None:
     assert losses == plain_losses
     for name, value in weights.items():
         assert torch.equal(value, plain_weights[name]), name
+
+
+def test_a_checkpointed_lora_layers_input_is_not_held_past_its_forward() -> None:
+    """In a checkpointed block nothing holds a LoRA layer's upcast input after the forward:
+    the attention output ``o_proj`` reads is freed before the backward, as without
+    ``saved_upcasts`` (held, Llama-3-8B at seq 98304 kept ~2.3 GiB a block on the device)."""
+    import gc
+    import weakref
+
+    held = {}
+    for saved_upcasts in (True, False):
+        model = _attached(saved_upcasts, "checkpoint")
+        data = batches(4)
+        train(model, data[:3])  # profiling, then the searched plan under the fixed mode
+        refs: list[weakref.ref] = []
+        layers = model.get_base_model().model.layers
+        handles = [
+            layer.self_attn.o_proj.register_forward_pre_hook(
+                lambda _m, args, refs=refs: refs.append(weakref.ref(args[0]))
+            )
+            for layer in layers
+        ]
+        loss = model(input_ids=data[3], labels=data[3]).loss
+        gc.collect()
+        held[saved_upcasts] = sum(ref() is not None for ref in refs)
+        assert len(refs) == len(layers)
+        loss.backward()
+        for handle in handles:
+            handle.remove()
+        autooffload.disable()
+    assert held == {True: 0, False: 0}

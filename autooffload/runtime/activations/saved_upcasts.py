@@ -91,6 +91,12 @@ def saving_sources() -> Iterator[None]:
         stack.pop()
         if frame.hooks is not None:
             frame.hooks.__exit__(None, None, None)
+            # Every tensor saved under the hooks keeps their unpack hook, and with it this
+            # table, until the backward: the sources it holds go now (a source saved for the
+            # backward is held by what the outer hooks packed, or by its ``_Source``). Held on,
+            # a checkpointed block's LoRA inputs would stay on the device until its backward
+            # (Llama-3-8B at seq 98304: ~2.3 GiB a block).
+            frame.sources.clear()
 
 
 class _Source:
