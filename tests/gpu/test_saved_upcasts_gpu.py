@@ -17,13 +17,13 @@ pytestmark = pytest.mark.gpu
 SEQ = 2048
 
 
-def _run(saved_upcasts: bool) -> tuple[int, dict[str, torch.Tensor]]:
-    """Bytes allocated at the end of the first forward (every block kept), and the adapters
+def _run(saved_upcasts: bool, mode: str = "keep") -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes allocated by the third forward (every block under ``mode``), and the adapters
     after three AdamW steps."""
     autooffload.enable(
         saved_upcasts=saved_upcasts,
         force_attach=True,
-        activation_mode="keep",
+        activation_mode=mode,
         n_persist=0,
         mask=False,
         log="warning",
@@ -60,7 +60,7 @@ def _run(saved_upcasts: bool) -> tuple[int, dict[str, torch.Tensor]]:
     return saved, weights
 
 
-def test_lora_upcasts_saved_as_their_bf16_input_on_the_gpu() -> None:
+def test_lora_upcasts_saved_as_their_bf16_input_on_the_gpu(clean_gpu) -> None:
     shared, weights = _run(True)
     copies, plain = _run(False)
     for name, value in weights.items():
@@ -69,3 +69,15 @@ def test_lora_upcasts_saved_as_their_bf16_input_on_the_gpu() -> None:
     # down (1536): 18 KiB; the bf16 inputs saved instead (q/k/v's, o's, gate/up's, down's):
     # 3 x 512 + 1536 elements, 6 KiB. Two layers.
     assert copies - shared >= 0.9 * 2 * SEQ * (4 * (6 * 512 + 1536) - 2 * (3 * 512 + 1536))
+
+
+def test_checkpointed_blocks_hold_no_lora_input_past_the_forward_on_the_gpu(clean_gpu) -> None:
+    """Checkpointed, a block saves nothing of its LoRA layers: what the forward leaves
+    allocated is the same with ``saved_upcasts`` as without (a source held past its layer's
+    forward would add a hidden state per LoRA input, 3 a layer), and training the same."""
+    shared, weights = _run(True, "checkpoint")
+    plain, plain_weights = _run(False, "checkpoint")
+    for name, value in weights.items():
+        assert torch.equal(value, plain_weights[name]), name
+    hidden_state = SEQ * 512 * 2
+    assert abs(shared - plain) < hidden_state, (shared, plain)
