@@ -182,6 +182,9 @@ def test_oom_is_retried_once_under_a_smaller_plan(settings, where):
     lines = [line for line in records.lines if "out of memory" in line]
     assert len(lines) == 1, lines
     assert f"in {where}" in lines[0] and "n_buffer=" in lines[0] and "(was " in lines[0]
+    # A profiling step's plan has no block policies: its blocks are checkpointed, not kept.
+    profiling = "every block checkpointed (profiling)"
+    assert (lines[0].count(profiling) == 2) == (settings == "profiling-step"), lines[0]
     assert offloaded_chunks_on_host(runtime) and worker_idle(runtime)
 
 

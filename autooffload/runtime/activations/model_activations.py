@@ -15,6 +15,7 @@ from autooffload.runtime.activations.policies import (
     ActivationSwapper,
     apply_policy,
     keep_checkpoint_input_on_host,
+    policy_of,
     remove_policy,
     restore_hf_gradient_checkpointing,
     take_over_hf_gradient_checkpointing,
@@ -130,7 +131,10 @@ class ModelActivations:
             if self.swapper is None:
                 self.swapper = ActivationSwapper(self.device)
             first = self.blocks_in_order()[:fits]  # their inputs wait longest for the backward
-            switched = sum(keep_checkpoint_input_on_host(g.module, self.swapper) for g in first)
+            for group in first:
+                keep_checkpoint_input_on_host(group.module, self.swapper)
+            # Counted after the switch: a re-fit (an OOM retry's) finds them switched already.
+            switched = sum(policy_of(g.module) == "checkpoint_cpu" for g in first)
         tiled = set_mlp_tiles((g.module for g in blocks), PROFILING_MLP_TILE_TOKENS)
         if switched or tiled:
             logger.info(

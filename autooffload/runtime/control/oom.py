@@ -91,12 +91,17 @@ def _size(nbytes: int | None) -> str:
     return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def _describe(plan: Plan) -> str:
+def _describe(plan: Plan, activation_mode: str) -> str:
     budget = _size(plan.budget_bytes)
-    return (
-        f"budget {budget}, n_persist={plan.n_persist}, n_buffer={plan.n_buffer},"
-        f" {plan.n_checkpoint} blocks checkpointed, {plan.n_swap} swapped"
-    )
+    # A plan without block policies leaves the blocks as the start put them: checkpointed in
+    # the profiling steps (a long batch's inputs on the host), else the fixed mode's policy.
+    if plan.block_policies:
+        activations = f"{plan.n_checkpoint} blocks checkpointed, {plan.n_swap} swapped"
+    elif activation_mode == "auto":
+        activations = "every block checkpointed (profiling)"
+    else:
+        activations = f"activation_mode={activation_mode}"
+    return f"budget {budget}, n_persist={plan.n_persist}, n_buffer={plan.n_buffer}, {activations}"
 
 
 class OomRetry:
@@ -256,13 +261,14 @@ class OomRetry:
             # searched from it.
             runtime.control.reprofile()
         self.retries += 1
+        mode = runtime.settings.activation_mode
         logger.warning(
             "device out of memory in %s (step %d); retrying it once under a smaller plan: %s"
             " (was %s)%s",
             where,
             runtime.steps_taken,
-            _describe(plan),
-            _describe(old),
+            _describe(plan, mode),
+            _describe(old, mode),
             f"; the failed backward's graph holds {_size(held)} through the retry" if held else "",
         )
 
@@ -286,7 +292,8 @@ class OomRetry:
         setting = "unset" if budget is None else budget
         first = message.splitlines()[0] if message else "out of memory"
         return OutOfMemoryRetryError(
-            f"device out of memory {what} under the plan ({_describe(self.runtime.plan)}):"
+            f"device out of memory {what} under the plan"
+            f" ({_describe(self.runtime.plan, self.runtime.settings.activation_mode)}):"
             f" {first}; lower AUTOOFFLOAD_BUDGET (now {setting}), set a smaller"
             " AUTOOFFLOAD_N_PERSIST or AUTOOFFLOAD_N_BUFFER,"
             " AUTOOFFLOAD_ACTIVATION_MODE=checkpoint, or use a smaller batch or sequence length"
