@@ -194,6 +194,34 @@ def test_extrapolate_fits_constant_linear_and_quadratic_terms():
     assert bent["fwd_s"] == pytest.approx(fields(64, 1e-4)["fwd_s"] + slope * (1024 - 64))
 
 
+@pytest.mark.parametrize("saved", ["linear", "quadratic"])
+def test_a_peak_bends_up_past_the_slices_only_with_the_saved_bytes(saved: str) -> None:
+    """A peak that moves from a constant part of the block (the smallest slice) to a linear one
+    (the longer two) reads as a parabola through three slices: with saved bytes linear in the
+    positions (flash attention), the line through the two longer slices is extrapolated; with
+    saved bytes that grow quadratically (eager attention's probabilities), the parabola.
+    Times keep their quadratic term (attention's compute)."""
+    curve = 0 if saved == "linear" else 2
+
+    def fields(t: int) -> dict:
+        return {
+            "act_bytes_keep": 100 * t + curve * t * t,
+            "tiled_bwd_peak_bytes": max(5000, 200 * t),
+            "bwd_s": 0.5 * t + 1e-3 * t * t,
+        }
+
+    measured = [(t, fields(t)) for t in (16, 32, 64)]
+    out = probe.extrapolate(measured, 1024)
+    a, b, c = probe._quadratic_through([16, 32, 64], [5000, 6400, 12800])
+    if saved == "linear":
+        assert out["tiled_bwd_peak_bytes"] == 200 * 1024  # the line through 6400 and 12800
+    else:
+        assert out["tiled_bwd_peak_bytes"] == int(a + b * 1024 + c * 1024 * 1024)
+        assert out["tiled_bwd_peak_bytes"] > 2 * 200 * 1024
+    assert out["act_bytes_keep"] == 100 * 1024 + curve * 1024 * 1024
+    assert out["bwd_s"] == pytest.approx(0.5 * 1024 + 1e-3 * 1024 * 1024)
+
+
 def test_blocks_of_one_class_with_other_parameters_are_probed_apart(
     make_llama, offload_cpu, make_batches
 ):
