@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autooffload.errors import PlanError
-from autooffload.plan.profile_types import HardwareProfile, ModelProfile
+from autooffload.plan.profile_types import PROBE_TILES, HardwareProfile, ModelProfile
 from autooffload.plan.residency import ChunkTables, chunk_tables
 from autooffload.plan.types import Knobs, Plan
 
@@ -144,12 +144,17 @@ def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
     MLP's own): tiled, one tile's intermediates and their gradients live there. Otherwise the
     peak lies outside the MLP, where tiling changes no bytes: the same absolute peak, above a
     keep that is A smaller. Where the probe ran the block tiled (K, P_f, P_b =
-    ``tiled_act_bytes_keep``, ``tiled_fwd/bwd_peak_bytes``; K > 0), what it measured wins:
+    ``tiled_act_bytes_keep``, ``tiled_fwd/bwd_peak_bytes``; K > 0), what it measured wins, its
+    peaks grown by the larger tile's intermediates where the plan's tile holds a larger share
+    of the batch than the probe's (1 / ``PROBE_TILES``):
       act_bytes_keep'  = K       (a tiled norm saves its input, where an RMSNorm in bf16 saved
                                   an fp32 copy and let the input go: K can exceed keep - A)
-      fwd_transient'   = max(keep - A + fwd_transient_above, P_f) - K   (likewise bwd, P_b)
-    with ``*_above`` the formulas' transients: with the MLP's peak gone, the rest of the block
-    (its attention's backward) may hold the higher one.
+      fwd_transient'   = P_f + max(r - 1/PROBE_TILES, 0) * (A + max(F - X, 0)) - K
+      bwd_transient'   = P_b + max(r - 1/PROBE_TILES, 0) * (A + max(B - X, 0)) - K
+    The measurement sees where the tiled block's peak lies (its attention's backward, once the
+    MLP's is gone); the formulas' second case cannot: an untiled peak after the MLP holds its
+    intermediates, which tiling removes (Llama 1.1B at 65536 tokens: 5.6 GiB by the formula
+    for the forward, 2.1 measured).
     A checkpointed block's recompute materialises ``act_bytes_keep'``, so tiling shrinks its
     backward too; its recompute runs the tiled forward (no extra time).
     """
@@ -176,8 +181,11 @@ def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
         bwd = tiled(unit.bwd_transient_bytes, unit.mlp_bwd_transient_bytes)
         if unit.tiled_act_bytes_keep > 0:
             measured = unit.tiled_act_bytes_keep
-            fwd = max(keep + fwd, unit.tiled_fwd_peak_bytes) - measured
-            bwd = max(keep + bwd, unit.tiled_bwd_peak_bytes) - measured
+            larger = max(0.0, share - 1 / PROBE_TILES)
+            own_f = max(unit.mlp_fwd_transient_bytes - x, 0)
+            own_b = max(unit.mlp_bwd_transient_bytes - x, 0)
+            fwd = unit.tiled_fwd_peak_bytes + int(larger * (a + own_f)) - measured
+            bwd = unit.tiled_bwd_peak_bytes + int(larger * (a + own_b)) - measured
             keep = measured
         blocks.append(
             replace(

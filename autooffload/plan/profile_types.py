@@ -37,6 +37,10 @@ FALLBACK_FRAGMENTATION = 1.20
 # small-block pool (measured: 8B QLoRA at a 5 GiB cap, 4.86 GiB allocated in 5.01 reserved).
 EXPANDABLE_FRAGMENTATION = 1.03
 
+# The block probe runs a block's MLP and norms in this many tiles (``runtime/control/probe.py``)
+# where its batch is longer than the smallest tile the search offers: ``UnitProfile.tiled_*``.
+PROBE_TILES = 16
+
 
 def need_from_peaks(allocated: float, reserved: float, expandable_segments: bool) -> float:
     """What a measured run needed in device memory, in the units of a predicted peak (the
@@ -183,7 +187,7 @@ class UnitProfile:
     again, tile by tile)."""
     tiled_act_bytes_keep: int = 0
     """Bytes the unit saves with its MLP and norms tiled (the block probe runs them in
-    ``probe.PROBE_TILES`` tiles where the batch is longer than a tile), its input included
+    ``PROBE_TILES`` tiles where the batch is longer than a tile), its input included
     where a tiled norm saves it; 0 where not measured (``configuration.with_mlp_tiles``)."""
     tiled_fwd_peak_bytes: int = 0
     """The forward's peak above the unit's input with its MLP and norms tiled, its saved

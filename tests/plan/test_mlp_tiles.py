@@ -65,10 +65,13 @@ def test_peak_outside_the_mlp_keeps_its_absolute_size() -> None:
     )
 
 
-def test_a_block_probed_tiled_keeps_what_was_measured_and_the_higher_peak() -> None:
-    """The probe ran the block tiled: its saved bytes are the measured ones (a tiled norm saves
-    its input, which the untiled block let go), and each peak is the higher of the measured
-    one (the attention's backward, once the MLP's peak is gone) and the formula's."""
+def test_a_block_probed_tiled_keeps_what_was_measured_grown_to_the_plans_tile() -> None:
+    """The probe ran the block tiled (in ``PROBE_TILES`` tiles): its saved bytes and peaks are
+    the measured ones, above or below the formulas' (a tiled norm saves its input; a peak the
+    untiled block reached after its MLP held intermediates tiling removes), each peak grown by
+    the intermediates of a tile that holds a larger share of the batch than the probe's."""
+    from autooffload.plan.profile_types import PROBE_TILES
+
     profile = long_profile()
     unit = profile.blocks[0]
     formula = with_mlp_tiles(replace(profile, blocks=(unit,)), 8192).blocks[0]
@@ -86,17 +89,22 @@ def test_a_block_probed_tiled_keeps_what_was_measured_and_the_higher_peak() -> N
         tiled_fwd_peak_bytes=measured_keep,
         tiled_bwd_peak_bytes=measured_keep,
     )
-    blocks = with_mlp_tiles(replace(profile, blocks=(high, low)), 8192).blocks
-    assert blocks[0].act_bytes_keep == blocks[1].act_bytes_keep == measured_keep
-    assert blocks[0].act_bytes_keep + blocks[0].fwd_transient_bytes == high.tiled_fwd_peak_bytes
-    assert blocks[0].act_bytes_keep + blocks[0].bwd_transient_bytes == high.tiled_bwd_peak_bytes
-    # Below the formula's peaks: the formula's absolute peaks stand, above the measured keep.
-    assert blocks[1].act_bytes_keep + blocks[1].fwd_transient_bytes == (
-        keep + formula.fwd_transient_bytes
-    )
-    assert blocks[1].act_bytes_keep + blocks[1].bwd_transient_bytes == (
-        keep + formula.bwd_transient_bytes
-    )
+    a, x = unit.mlp_act_bytes, unit.act_bytes_checkpoint
+    own_f = max(unit.mlp_fwd_transient_bytes - x, 0)
+    own_b = max(unit.mlp_bwd_transient_bytes - x, 0)
+    for tile in (4096, 8192, 32768):
+        larger = max(0.0, tile / TOKENS - 1 / PROBE_TILES)
+        blocks = with_mlp_tiles(replace(profile, blocks=(high, low)), tile).blocks
+        assert blocks[0].act_bytes_keep == blocks[1].act_bytes_keep == measured_keep
+        for new, probed in zip(blocks, (high, low), strict=True):
+            assert new.act_bytes_keep + new.fwd_transient_bytes == (
+                probed.tiled_fwd_peak_bytes + int(larger * (a + own_f))
+            )
+            assert new.act_bytes_keep + new.bwd_transient_bytes == (
+                probed.tiled_bwd_peak_bytes + int(larger * (a + own_b))
+            )
+        if tile == 4096:  # the probe's own share: the measured peaks as they are
+            assert blocks[1].fwd_transient_bytes == blocks[1].bwd_transient_bytes == 0
 
 
 def test_memory_term_shrinks_with_the_tile_as_the_formula_says() -> None:

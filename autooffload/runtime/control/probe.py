@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 
 from autooffload.errors import PlanError
 from autooffload.log import logger
-from autooffload.plan.profile_types import UnitProfile, grown
+from autooffload.plan.profile_types import PROBE_TILES, UnitProfile, grown
 from autooffload.plan.search import MLP_TILE_TOKENS
 from autooffload.runtime.activations import policies as activations
 from autooffload.runtime.activations.model_activations import long_batch
@@ -40,12 +40,6 @@ PROBE_HIDDEN_STATES = 32
 PROBE_BUDGET_SHARE = 0.25
 # The shorter slice has at least this many positions (else the whole batch is probed).
 MIN_PROBE_SLICE = 16
-# A block whose batch has more tokens than the smallest MLP tile the search offers
-# (``plan.search.MLP_TILE_TOKENS``) is also run with its MLP and norms in this many tiles: the
-# tiled block's own peaks (``UnitProfile.tiled_*_peak_bytes``), where the attention's backward
-# may rise above what the tiled MLP leaves (Llama-3-8B LoRA: fp32 copies of the input of every
-# LoRA projection and their gradients).
-PROBE_TILES = 16
 # A block's saved bytes grow quadratically (its other memory figures may too: ``growth``) where
 # the fit's quadratic term at the batch is over this share of them.
 QUADRATIC_MEMORY_SHARE = 0.01
