@@ -14,56 +14,27 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 
 import torch
-from _workload import capped_workload
+from _workload import (
+    add_workload_arguments,
+    record_allocations,
+    where,
+    workload_from_arguments,
+)
 
 import autooffload
-from autooffload.setting_values import parse_size_or_fraction
 
 GiB = 1 << 30
-INTERESTING = ("autooffload/", "transformers/", "peft/", "torch/utils/checkpoint", "torch/optim")
-
-
-def where(frames: list[dict], depth: int) -> str:
-    out = []
-    for frame in frames:
-        path = frame.get("filename", "")
-        if any(key in path for key in INTERESTING):
-            short = "/".join(path.split("/")[-2:])
-            out.append(f"{short}:{frame.get('line')} {frame.get('name')}")
-            if len(out) == depth:
-                break
-    return " <- ".join(out) if out else "?"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workload")
-    parser.add_argument("cap")
-    parser.add_argument("--bs", type=int)
-    parser.add_argument("--seq", type=int)
-    parser.add_argument("--no-gc", action="store_true")
-    parser.add_argument("--steps", type=int, default=4)
+    add_workload_arguments(parser)
     parser.add_argument("--depth", type=int, default=3, help="frames per allocation site")
-    parser.add_argument("--settings", default="{}", help="JSON of extra enable() settings")
     args = parser.parse_args()
-    settings = {"oom_retry": False, **json.loads(args.settings)}
-    # Allocations only, Python frames (as devtools/step_peaks.py: recording frees breaks the
-    # checkpoint recompute in torch 2.11).
-    torch.cuda.memory._record_memory_history(
-        max_entries=1_000_000, context="alloc", stacks="python"
-    )
-    model, optimizer, batch = capped_workload(
-        args.workload,
-        args.cap,
-        bs=args.bs,
-        seq=args.seq,
-        gc=False if args.no_gc else None,
-        budget=parse_size_or_fraction(args.cap, "cap"),
-        **settings,
-    )
+    record_allocations(1_000_000)
+    model, optimizer, batch = workload_from_arguments(args, oom_retry=False)
     step, phase = 0, "forward"
     try:
         for step in range(args.steps):

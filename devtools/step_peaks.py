@@ -16,31 +16,21 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import time
 
 import torch
-from _workload import capped_workload
+from _workload import (
+    add_workload_arguments,
+    record_allocations,
+    where,
+    workload_from_arguments,
+)
 
 import autooffload
 from autooffload.runtime import runtime_of
-from autooffload.setting_values import parse_size_or_fraction
 
 GiB = 1 << 30
 MARK_BYTES = 7_777_792  # a size no model allocates: one marker block at each step's start
-INTERESTING = ("autooffload/", "transformers/", "peft/", "torch/utils/checkpoint", "torch/optim")
-
-
-def where(frames: list[dict], depth: int = 2) -> str:
-    out = []
-    for frame in frames:
-        path = frame.get("filename", "")
-        if any(key in path for key in INTERESTING):
-            short = "/".join(path.split("/")[-2:])
-            out.append(f"{short}:{frame.get('line')} {frame.get('name')}")
-            if len(out) == depth:
-                break
-    return " <- ".join(out) if out else (frames[0].get("name", "?") if frames else "?")
 
 
 def replay(
@@ -76,33 +66,14 @@ def replay(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("workload")
-    parser.add_argument("cap")
-    parser.add_argument("--bs", type=int)
-    parser.add_argument("--seq", type=int)
-    parser.add_argument("--no-gc", action="store_true")
-    parser.add_argument("--steps", type=int, default=4)
+    add_workload_arguments(parser)
     parser.add_argument("--at-step", type=int, help="report this step's peak (default: highest)")
     parser.add_argument("--no-history", action="store_true", help="per-step peaks only")
-    parser.add_argument("--settings", default="{}", help="JSON of extra enable() settings")
-    parser.add_argument("--budget", help="the planner's budget (default: the cap)")
     args = parser.parse_args()
 
     if not args.no_history:
-        # Allocations only: recording frees too ("all") breaks checkpoint recomputation in
-        # torch 2.11 (pytorch/pytorch#179536: a SystemError in the recompute).
-        torch.cuda.memory._record_memory_history(
-            max_entries=3_000_000, context="alloc", stacks="python"
-        )
-    model, optimizer, batch = capped_workload(
-        args.workload,
-        args.cap,
-        bs=args.bs,
-        seq=args.seq,
-        gc=False if args.no_gc else None,
-        budget=parse_size_or_fraction(args.budget or args.cap, "budget"),
-        **json.loads(args.settings),
-    )
+        record_allocations(3_000_000)
+    model, optimizer, batch = workload_from_arguments(args)
     failure = None
     for step in range(args.steps):
         marker = torch.empty(MARK_BYTES, dtype=torch.uint8, device="cuda")
