@@ -99,6 +99,56 @@ def test_planned_long_sequence_path_trains_like_plain_autograd(
     assert not any(is_tiled(mlp) for mlp in decoder_mlps(model))  # detach untiles
 
 
+def test_the_final_norm_is_tiled_from_attach_and_trains_like_plain(
+    make_llama, make_batches, offload_cpu, monkeypatch
+) -> None:
+    """A batch of more tokens than ``FINAL_NORM_TILE_TOKENS`` runs the causal LM's final norm
+    in tiles, whatever the plan: it saves its input alone (one hidden state; an untiled norm
+    saves two or more, a bf16 RMSNorm an fp32 copy among them), and training matches plain
+    autograd; detach untiles it."""
+    monkeypatch.setattr(model_activations, "FINAL_NORM_TILE_TOKENS", TILE)
+    base = make_llama(tied=False)
+    data = make_batches(STEPS)
+    saved: dict[str, list[torch.Tensor]] = {}
+
+    def norm_saves(model: torch.nn.Module, key: str) -> None:
+        """What the final norm saves for the backward in one training forward."""
+        tensors: list[torch.Tensor] = []
+        entered = []
+        norm = model.model.norm
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if entered:
+                tensors.append(t)
+            return t
+
+        pre = norm.register_forward_pre_hook(lambda m, a: entered.append(True))
+        post = norm.register_forward_hook(lambda m, a, o: entered.clear())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=data[0], labels=data[0]).loss.backward()
+        pre.remove()
+        post.remove()
+        model.zero_grad(set_to_none=True)
+        saved[key] = tensors
+
+    def check(runtime) -> None:
+        assert is_tiled(runtime.model.model.norm)
+        norm_saves(runtime.model, "tiled")
+
+    plain_model = copy.deepcopy(base)
+    plain = train(plain_model, data, attach=None, offload_cpu=offload_cpu)
+    norm_saves(plain_model, "plain")
+    model = copy.deepcopy(base)
+    tiled = train(model, data, attach={}, offload_cpu=offload_cpu, before_detach=check)
+    assert_same_training(plain, tiled)
+    assert not is_tiled(model.model.norm)  # detach untiles
+    hidden = data[0].numel() * model.config.hidden_size
+    (kept,) = [t for t in saved["tiled"] if t.numel() >= hidden]
+    assert kept.dtype == torch.float32 and kept.shape == (*data[0].shape, model.config.hidden_size)
+    # Untiled: the fp32 input it squares and scales, and its normalised output for the weight.
+    assert sum(t.numel() >= hidden for t in saved["plain"]) >= 2
+
+
 def test_untiled_plan_installs_nothing(make_llama, make_batches, offload_cpu) -> None:
     model = make_llama()
     seen = []

@@ -20,7 +20,12 @@ from autooffload.runtime.activations.policies import (
     restore_hf_gradient_checkpointing,
     take_over_hf_gradient_checkpointing,
 )
-from autooffload.runtime.activations.tiled_mlp import set_mlp_tiles
+from autooffload.runtime.activations.tiled_mlp import (
+    find_final_norm,
+    set_mlp_tiles,
+    tile_mlp,
+    untile_mlp,
+)
 from autooffload.runtime.blocks import Group
 
 # A batch is long when its checkpointed blocks' inputs, one per block, would take more than this
@@ -30,6 +35,11 @@ from autooffload.runtime.blocks import Group
 PROFILING_INPUTS_SHARE = 0.25
 # Tokens per MLP tile in a long batch's profiling steps (the smallest tile the search tries).
 PROFILING_MLP_TILE_TOKENS = 8192
+# Tokens per tile of a causal LM's final norm, tiled from attach on for batches of more tokens
+# (``ModelActivations.start``): untiled, a bf16 RMSNorm saves an fp32 copy of the last hidden
+# state and its backward holds several more; tiled, it saves its input and the backward one
+# tile's fp32 temporaries. The profile measures it as it runs, whatever the plan.
+FINAL_NORM_TILE_TOKENS = 8192
 
 
 def long_batch(n_blocks: int, input_bytes: int, budget: int | None) -> bool:
@@ -68,6 +78,8 @@ class ModelActivations:
         # Made at the first block swapped or checkpointed with its inputs on the host.
         self.swapper: ActivationSwapper | None = None
         self.hf_checkpointing_taken = False
+        # The causal LM's final norm, tiled from ``start`` to ``remove``.
+        self.final_norm: nn.Module | None = None
 
     def blocks_in_order(self) -> list[Group]:
         """The blocks in the order the last forward ran them."""
@@ -76,9 +88,13 @@ class ModelActivations:
 
     def start(self) -> None:
         """Conservative start: every block checkpointed (or under the mode's fixed policy) until
-        the plan from the real batch, HF gradient checkpointing taken over."""
+        the plan from the real batch, HF gradient checkpointing taken over, the final norm tiled
+        (``FINAL_NORM_TILE_TOKENS``)."""
         if self.mode == "off" or not any(g.is_block for g in self.groups):
             return
+        self.final_norm = find_final_norm(self.model)
+        if self.final_norm is not None:
+            tile_mlp(self.final_norm, FINAL_NORM_TILE_TOKENS)
         self.hf_checkpointing_taken = take_over_hf_gradient_checkpointing(self.model)
         if self.hf_checkpointing_taken:
             logger.info("activation management takes over HF gradient checkpointing per block")
@@ -172,12 +188,15 @@ class ModelActivations:
             self.hf_checkpointing_taken = True
 
     def remove(self) -> None:
-        """At detach: every block's forward as before attach, no MLP tiles, HF gradient
-        checkpointing back where it was taken over."""
+        """At detach: every block's forward as before attach, no MLP or final-norm tiles, HF
+        gradient checkpointing back where it was taken over."""
         for group in self.groups:
             if group.is_block:
                 remove_policy(group.module)
         set_mlp_tiles((g.module for g in self.groups if g.is_block), 0)
+        if self.final_norm is not None:
+            untile_mlp(self.final_norm)
+            self.final_norm = None
         if self.hf_checkpointing_taken:
             restore_hf_gradient_checkpointing(self.model)
 

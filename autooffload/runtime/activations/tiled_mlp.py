@@ -145,6 +145,22 @@ def find_norms(block: nn.Module) -> list[nn.Module]:
     return norms
 
 
+def find_final_norm(model: nn.Module) -> nn.Module | None:
+    """The norm a causal LM applies before its head (``find_norms`` of its decoder, where that
+    finds exactly one: Llama's ``model.norm``), or None."""
+    from autooffload.runtime.activations.head_source import find_causal_lm
+
+    causal_lm = find_causal_lm(model)
+    if causal_lm is None:
+        return None
+    get_decoder = getattr(causal_lm, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else getattr(causal_lm, "model", None)
+    if not isinstance(decoder, nn.Module):
+        return None
+    norms = find_norms(decoder)
+    return norms[0] if len(norms) == 1 else None
+
+
 def set_mlp_tiles(blocks: Iterable[nn.Module], tile_tokens: int) -> int:
     """Tile the MLP of every block (``find_mlp``), and the block's norms (``find_norms``), in
     tiles of ``tile_tokens`` tokens, or untile them all with 0; returns how many MLPs are
