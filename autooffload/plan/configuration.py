@@ -171,22 +171,19 @@ def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
             continue
         x = unit.act_bytes_checkpoint
 
-        def tiled(transient: int, own: int, a: int = a, x: int = x) -> int:
-            if transient <= own:
-                return int(x + share * (a + max(own - x, 0)))
-            return transient + a
-
-        keep = unit.act_bytes_keep - a
-        fwd = tiled(unit.fwd_transient_bytes, unit.mlp_fwd_transient_bytes)
-        bwd = tiled(unit.bwd_transient_bytes, unit.mlp_bwd_transient_bytes)
-        if unit.tiled_act_bytes_keep > 0:
-            measured = unit.tiled_act_bytes_keep
+        own_f = max(unit.mlp_fwd_transient_bytes - x, 0)
+        own_b = max(unit.mlp_bwd_transient_bytes - x, 0)
+        if unit.tiled_act_bytes_keep > 0:  # measured by the probe in PROBE_TILES tiles
+            keep = unit.tiled_act_bytes_keep
             larger = max(0.0, share - 1 / PROBE_TILES)
-            own_f = max(unit.mlp_fwd_transient_bytes - x, 0)
-            own_b = max(unit.mlp_bwd_transient_bytes - x, 0)
-            fwd = unit.tiled_fwd_peak_bytes + int(larger * (a + own_f)) - measured
-            bwd = unit.tiled_bwd_peak_bytes + int(larger * (a + own_b)) - measured
-            keep = measured
+            fwd = unit.tiled_fwd_peak_bytes + int(larger * (a + own_f)) - keep
+            bwd = unit.tiled_bwd_peak_bytes + int(larger * (a + own_b)) - keep
+        else:
+            keep = unit.act_bytes_keep - a
+            in_mlp = unit.fwd_transient_bytes <= unit.mlp_fwd_transient_bytes
+            fwd = int(x + share * (a + own_f)) if in_mlp else unit.fwd_transient_bytes + a
+            in_mlp = unit.bwd_transient_bytes <= unit.mlp_bwd_transient_bytes
+            bwd = int(x + share * (a + own_b)) if in_mlp else unit.bwd_transient_bytes + a
         blocks.append(
             replace(
                 unit,
