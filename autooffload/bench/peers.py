@@ -66,16 +66,33 @@ class SaveOnCpuTrainee(Trainee):
             return self.model(**batch).loss
 
 
+# The input width of each LoRA target of a Llama-like layer, by name: "hidden" or
+# "intermediate" (the down projection reads the MLP's wide product).
+_LORA_TARGET_INPUT = {
+    "q_proj": "hidden",
+    "k_proj": "hidden",
+    "v_proj": "hidden",
+    "o_proj": "hidden",
+    "gate_proj": "hidden",
+    "up_proj": "hidden",
+    "down_proj": "intermediate",
+}
+
+
 def _save_on_cpu_host_need(workload: Workload, options: dict[str, Any], ranks: int) -> HostNeed:
     """A lower bound of what ``save_on_cpu`` holds on the host at the end of the forward, so a
     length no host holds is skipped instead of the host killing the run (or its neighbours): per
     token and decoder layer, the hidden states a Llama-like layer saves (its input and normed
     input twice, q, the attention output and the projection's input: ~7 ``hidden``; k and v;
-    the MLP's gate, up, activation and product: 4 ``intermediate``), the LM head's logits once,
-    every one in the model's dtype, unrounded (the pinned allocator rounds each tensor up to a
-    power of two, and LoRA's dropout copies inputs: the real figure is higher; the model built
-    on the host has moved to the device by then). Llama-3-8B LoRA at seq 8192: 46 GB, where
-    swapping every block was measured pinning 62 GB."""
+    the MLP's gate, up, activation and product: 4 ``intermediate``) in the model's dtype; with
+    LoRA on a 16-bit (or 4-bit) base, the fp32 copy of its input each LoRA layer saves (PEFT
+    keeps the adapters in fp32 and casts the input for ``lora_A``; ``save_on_cpu`` saves every
+    copy, q, k and v's three of one input); and the fp32 log-softmax of the logits the loss
+    saves. Unrounded (the pinned allocator rounds each tensor up to a power of two: the real
+    figure is higher; the model built on the host has moved to the device by then). Llama-3-8B
+    LoRA at seq 16384: 170 GiB (86 of activations, 76 of LoRA copies, 8 of logits; without the
+    copies the bound read 90 GiB, and a run on a host with 124 GiB free was killed by its
+    out-of-memory killer). A target of another name counts nothing (the bound stays one)."""
     d = workload.text_dims
     h, i, layers = d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"]
     kv = d["num_key_value_heads"] * (h // d["num_attention_heads"])
@@ -83,8 +100,14 @@ def _save_on_cpu_host_need(workload: Workload, options: dict[str, Any], ranks: i
     tokens = workload.bs * workload.seq
     parts = {
         "saved activations": tokens * layers * (7 * h + 2 * kv + 4 * i) * element,
-        "logits": tokens * d["vocab_size"] * element,
+        "logits (fp32 log-softmax)": tokens * d["vocab_size"] * 4,
     }
+    if workload.mode in ("lora", "qlora") and (element == 2 or workload.mode == "qlora"):
+        widths = {"hidden": h, "intermediate": i}
+        inputs = sum(
+            widths[_LORA_TARGET_INPUT[t]] for t in workload.lora_targets if t in _LORA_TARGET_INPUT
+        )
+        parts["LoRA inputs' fp32 copies"] = tokens * layers * inputs * 4
     return HostNeed(sum(parts.values()), ranks, parts)
 
 

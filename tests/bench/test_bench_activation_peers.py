@@ -75,9 +75,18 @@ def test_save_on_cpu_at_a_length_no_host_holds_is_skipped_before_it_starts() -> 
     common = CommonSettings("cuda", steps=1, warmup=1, host_memory_bytes=120 * GiB)
     (short, _), (long, reason) = (host_check(run, common) for run in runs)
     assert host_check(runs[0], common)[1] is None
-    assert 44 < short["host_need_gib"] < 46  # 43 GiB of layers' tensors, 2 of logits
+    # 43 GiB of layers' tensors, 38 of LoRA's fp32 input copies, 4 of fp32 log-softmax.
+    parts = short["host_need_parts_gib"]
+    assert 42.5 < parts["saved activations"] < 43.5
+    assert 37.5 < parts["LoRA inputs' fp32 copies"] < 38.5
+    assert 3.5 < parts["logits (fp32 log-softmax)"] < 4.5
+    assert 84 < short["host_need_gib"] < 86
     assert long["host_need_gib"] > 4 * short["host_need_gib"] - 1
-    assert reason == "host memory: needs ~180 GiB, the host has 120 GiB available"
+    assert reason == "host memory: needs ~340 GiB, the host has 120 GiB available"
+    # Full fine-tuning: no adapters, no copies.
+    full = replace(get_workload("llama-8b-full"), bs=1, seq=8192)
+    (full_run,) = plan_runs([full], [None], parse_peers("save_on_cpu"), 1)
+    assert "LoRA inputs' fp32 copies" not in host_check(full_run, common)[0]["host_need_parts_gib"]
 
 
 @pytest.mark.parametrize(
