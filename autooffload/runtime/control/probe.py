@@ -106,11 +106,12 @@ def growth(measured: list[tuple[int, dict[str, Any]]], seq: int) -> dict[str, tu
     bytes do not (``QUADRATIC_MEMORY_SHARE``), the line through the two longer ones."""
     lengths = [float(t) / seq for t, _ in measured]
     out: dict[str, tuple] = {}
+    values_of: dict[str, list[float]] = {}
     for name in _EXTRAPOLATED:
         if any(name not in fields for _, fields in measured):
             continue
-        values = [float(fields[name]) for _, fields in measured]
-        out[name] = _quadratic_through(lengths, values)
+        values_of[name] = [float(fields[name]) for _, fields in measured]
+        out[name] = _quadratic_through(lengths, values_of[name])
     keep = out.get("act_bytes_keep")
     # Memory grows quadratically only with what the block saves (eager attention's
     # probabilities). Where the saved bytes grow linearly, a peak's upward bend through three
@@ -123,8 +124,7 @@ def growth(measured: list[tuple[int, dict[str, Any]]], seq: int) -> dict[str, tu
         bytes_field = name.endswith("_bytes") and name != "act_bytes_keep"
         if c < 0 or (c > 0 and bytes_field and not quadratic_memory):
             # Noise, or a bend the saved bytes do not show: the line through the two longer.
-            values = [float(fields[name]) for _, fields in measured]
-            (t1, t2), (v1, v2) = lengths[1:], values[1:]
+            (t1, t2), (v1, v2) = lengths[1:], values_of[name][1:]
             b = (v2 - v1) / (t2 - t1)
             out[name] = (v2 - b * t2, b, 0.0)
     return out
