@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="micro-batches per optimizer step (gradient accumulation; default 1); tokens/s"
         " counts them all",
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="the text model's block count (default: the workload's); a shallower model at a"
+        " length the full depth cannot run in the time at hand measures the length's"
+        " per-block cost",
+    )
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     parser.add_argument(
         "--plot",
@@ -195,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         seqs = parse_seqs(args.seq)
         # One length overrides the workload's as before; several are expanded by plan_runs.
         single_seq = seqs[0] if seqs and len(seqs) == 1 else None
-        workloads = resolve_workloads(args.workload, args.bs, single_seq, args.gc, args.accum)
+        workloads = resolve_workloads(
+            args.workload, args.bs, single_seq, args.gc, args.accum, args.layers
+        )
         swept_seqs = seqs if seqs and len(seqs) > 1 else None
         peers = parse_peers(args.peers, parse_options(args.autooffload_opt))
         caps = parse_caps(args.cap)

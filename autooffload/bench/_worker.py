@@ -203,9 +203,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         from autooffload.bench.peers import PeerContext, get_peer
         from autooffload.bench.workloads import get_workload
 
-        workload = get_workload(
-            spec["workload"], spec.get("bs"), spec.get("seq"), spec.get("gc"), spec.get("accum")
-        )
+        workload = get_workload(spec["workload"], **spec.get("overrides", {}))
         ctx = PeerContext(
             workload, device, spec.get("cap_bytes"), spec["seed"], spec.get("options", {})
         )

@@ -20,7 +20,13 @@ from autooffload.atomic import write_text_atomic
 from autooffload.bench.cli_values import cap_label, parse_options, parse_size
 from autooffload.bench.deepspeed_configs import DEVICE_OOM, FAILED, FITS, HOST_OOM, HostNeed
 from autooffload.bench.peers import get_peer
-from autooffload.bench.workloads import UnknownNameError, Workload, get_workload, workload_to_dict
+from autooffload.bench.workloads import (
+    UnknownNameError,
+    Workload,
+    get_workload,
+    workload_overrides,
+    workload_to_dict,
+)
 from autooffload.runtime.chunks.host import host_memory
 
 GiB = 1 << 30
@@ -315,10 +321,7 @@ def run_one(run: RunSpec, common: CommonSettings, workdir: Path, index: int) -> 
     log_path = log_dir / f"run{index:03d}-{run.workload.name}-{run.peer.name}.log"
     spec = {
         "workload": run.workload.name,
-        "bs": run.workload.bs,
-        "seq": run.workload.seq,
-        "gc": run.workload.gc,
-        "accum": run.workload.accum,
+        "overrides": workload_overrides(run.workload),
         "peer": run.peer.name,
         "options": run.peer.options,
         "device": common.device,
@@ -481,7 +484,14 @@ def failure_message(result: dict[str, Any]) -> str:
 
 
 def resolve_workloads(
-    names: str, bs: int | None, seq: int | None, gc: bool | None, accum: int | None = None
+    names: str,
+    bs: int | None,
+    seq: int | None,
+    gc: bool | None,
+    accum: int | None = None,
+    layers: int | None = None,
 ) -> list[Workload]:
     """Comma-separated workload names -> workloads with overrides (clear error if unknown)."""
-    return [get_workload(n.strip(), bs, seq, gc, accum) for n in names.split(",") if n.strip()]
+    return [
+        get_workload(n.strip(), bs, seq, gc, accum, layers) for n in names.split(",") if n.strip()
+    ]

@@ -188,7 +188,15 @@ class Workload:
         size = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
         gc = "gc" if self.gc else "no-gc"
         accum = f" accum {self.accum}" if self.accum > 1 else ""
-        return f"{self.name}: ~{size} params, {self.mode}, bs {self.bs} seq {self.seq}{accum} {gc}"
+        named = WORKLOADS.get(self.name)
+        layers = self.text_dims["num_hidden_layers"]
+        depth = (
+            f" {layers} layers" if named is not None and named.text_dims != self.text_dims else ""
+        )
+        return (
+            f"{self.name}{depth}: ~{size} params, {self.mode}, bs {self.bs} seq {self.seq}"
+            f"{accum} {gc}"
+        )
 
 
 def _w(**kwargs: Any) -> Workload:
@@ -383,9 +391,10 @@ def get_workload(
     seq: int | None = None,
     gc: bool | None = None,
     accum: int | None = None,
+    layers: int | None = None,
 ) -> Workload:
-    """The workload ``name`` with its batch size, sequence length, checkpointing or gradient
-    accumulation overridden."""
+    """The workload ``name`` with its batch size, sequence length, checkpointing, gradient
+    accumulation or depth (``layers``: the text model's block count) overridden."""
     if name not in WORKLOADS:
         valid = ", ".join(WORKLOADS)
         raise UnknownNameError(f"unknown workload {name!r}; valid workloads: {valid}")
@@ -401,17 +410,30 @@ def get_workload(
         if accum < 1:
             raise ValueError(f"invalid accum {accum}: micro-batches per step must be >= 1")
         changes["accum"] = accum
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"invalid layers {layers}: the block count must be >= 1")
+        changes["text_dims"] = dict(workload.text_dims, num_hidden_layers=layers)
     return replace(workload, **changes) if changes else workload
+
+
+def workload_overrides(workload: Workload) -> dict[str, Any]:
+    """The ``get_workload`` arguments that rebuild ``workload`` from its name (what a worker
+    process is sent)."""
+    return {
+        "bs": workload.bs,
+        "seq": workload.seq,
+        "gc": workload.gc,
+        "accum": workload.accum,
+        "layers": workload.text_dims["num_hidden_layers"],
+    }
 
 
 def workload_to_dict(workload: Workload) -> dict[str, Any]:
     """A JSON-ready dict of ``workload`` (sent to workers and written to results)."""
     return {
         "name": workload.name,
-        "bs": workload.bs,
-        "seq": workload.seq,
-        "gc": workload.gc,
-        "accum": workload.accum,
+        **workload_overrides(workload),
         "mode": workload.mode,
         "arch": workload.arch,
         "dtype": workload.dtype,

@@ -99,3 +99,21 @@ def test_the_parameter_list_is_the_built_models(name: str) -> None:
     assert sum(t.numel for t in full) == pytest.approx(
         get_workload("llama-8b-full").approx_params(), rel=1e-5
     )
+
+
+def test_the_depth_override_builds_that_many_blocks() -> None:
+    """``--layers``: the same shape with fewer blocks, rebuilt alike in the worker process."""
+    from autooffload.bench.workloads import workload_overrides
+
+    shallow = get_workload("llama-tiny", bs=1, seq=16, layers=3)
+    assert shallow.text_dims["num_hidden_layers"] == 3
+    assert get_workload("llama-tiny").text_dims["num_hidden_layers"] == 2  # the named one kept
+    model = build_model(shallow, seed=0)
+    assert len(model.model.layers) == 3
+    listed = [(t.numel, t.trainable, t.element_size) for t in shallow.parameter_tensors()]
+    assert listed == [(p.numel(), p.requires_grad, p.element_size()) for p in model.parameters()]
+    assert "llama-tiny 3 layers:" in shallow.describe()
+    assert "layers" not in get_workload("llama-tiny").describe()
+    assert get_workload(shallow.name, **workload_overrides(shallow)) == shallow
+    with pytest.raises(ValueError, match="invalid layers 0"):
+        get_workload("llama-tiny", layers=0)
