@@ -181,6 +181,21 @@ def test_find_mlp_takes_token_wise_mlps_and_skips_routed_ones(make_llama) -> Non
     assert set_mlp_tiles([moe], 8) == 0
 
 
+def test_a_batch_is_long_by_its_blocks_inputs_or_by_one_blocks_forward() -> None:
+    """Llama-3-8B's block input at 524288 tokens is 4 GiB: 32 blocks' inputs pass a quarter of
+    78 GiB, and so does one block's untiled forward where the model has only two blocks (its
+    MLP's fp32 input copy alone is 28 GiB); at 16384 tokens neither does."""
+    gib = 1 << 30
+    budget = 78 * gib
+    long_batch = model_activations.long_batch
+    assert long_batch(32, 4 * gib, budget)
+    assert long_batch(2, 4 * gib, budget)
+    assert not long_batch(2, gib // 8, budget)
+    assert not long_batch(32, gib // 8, budget)
+    assert long_batch(32, gib // 2, 16 * gib)  # 8B at 65536 under 16 GiB, by its inputs
+    assert not long_batch(2, 4 * gib, None)  # no budget: nothing to fit
+
+
 @pytest.mark.parametrize(
     ("share", "host_room"),
     [(1e-9, None), (1e-9, 0), (1e-9, "two"), (None, None)],

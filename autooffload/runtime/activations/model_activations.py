@@ -28,11 +28,16 @@ from autooffload.runtime.activations.tiled_mlp import (
 )
 from autooffload.runtime.blocks import Group
 
-# A batch is long when its checkpointed blocks' inputs, one per block, would take more than this
-# share of the budget (``long_batch``): its profiling steps keep those inputs in host memory and
-# tile the MLPs (``fit_long_batch_for_profiling``), and the block probe runs on slices of it
-# (``control/probe.py``).
+# A batch is long when its checkpointed blocks' inputs, one per block, or one block's untiled
+# forward would take more than this share of the budget (``long_batch``): its profiling steps
+# keep those inputs in host memory and tile the MLPs (``fit_long_batch_for_profiling``), and the
+# block probe runs on slices of it (``control/probe.py``).
 PROFILING_INPUTS_SHARE = 0.25
+# Hidden states a position holds in one block's untiled forward: a Llama MLP's intermediates
+# (3.5 hidden states each for Llama-3-8B) and PEFT's fp32 copy of the down projection's input.
+# A shallow model at a long batch is long by these, not by its few inputs (two Llama-3-8B blocks
+# at 524288 tokens: 2 x 4 GiB of inputs, a 28 GiB fp32 copy in one MLP).
+BLOCK_FORWARD_HIDDEN_STATES = 16
 # Tokens per MLP tile in a long batch's profiling steps (the smallest tile the search tries).
 PROFILING_MLP_TILE_TOKENS = 8192
 # Tokens per tile of a causal LM's final norm, tiled from attach on for batches of more tokens
@@ -43,9 +48,11 @@ FINAL_NORM_TILE_TOKENS = 8192
 
 
 def long_batch(n_blocks: int, input_bytes: int, budget: int | None) -> bool:
-    """Whether ``n_blocks`` checkpointed inputs of ``input_bytes`` each would take more than
+    """Whether ``n_blocks`` checkpointed inputs of ``input_bytes`` each, or one block's untiled
+    forward (``BLOCK_FORWARD_HIDDEN_STATES`` inputs), would take more than
     ``PROFILING_INPUTS_SHARE`` of ``budget``."""
-    return budget is not None and n_blocks * input_bytes > PROFILING_INPUTS_SHARE * budget
+    held = max(n_blocks, BLOCK_FORWARD_HIDDEN_STATES) * input_bytes
+    return budget is not None and held > PROFILING_INPUTS_SHARE * budget
 
 
 class ModelActivations:
