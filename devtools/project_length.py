@@ -19,20 +19,55 @@ from dataclasses import replace
 
 from autooffload.bench.peer_autooffload import search_request_from_dict
 from autooffload.errors import PlanError
+from autooffload.plan.profile_types import ModelProfile
 from autooffload.runtime.control.planning import BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE
 from autooffload.setting_values import parse_size_or_fraction
 
 GiB = 1 << 30
 
 
-def project(run: dict, seq: int, cap: int, host_room: int | None) -> str:
-    """The summary of the plan ``run``'s model gets at ``seq`` positions under ``cap``."""
+def scaled_profiles(run: dict, seq: int) -> dict[int, ModelProfile]:
+    """``run``'s profiles (by chunk size) scaled to ``seq`` positions."""
     request = search_request_from_dict(run["search_request"], run["hardware"])
     ratio = seq / run["seq"]
-    profiles = {
+    return {
         size: profile.with_sequence_scaled(ratio)
         for size, profile in request.profiles_by_chunk_size.items()
     }
+
+
+def with_units_of(profile: ModelProfile, other: ModelProfile) -> ModelProfile:
+    """``profile`` with ``other``'s block, embedding and head/loss units (both at the same
+    length; ``other`` a shallower model of the same block shape: its blocks repeat)."""
+    mine, theirs = profile.blocks[0], other.blocks[0]
+    if abs(mine.act_bytes_checkpoint - theirs.act_bytes_checkpoint) > 0.01 * max(
+        1, mine.act_bytes_checkpoint
+    ):
+        raise SystemExit(
+            "--units-from: the other run's block input is"
+            f" {theirs.act_bytes_checkpoint} bytes at this length, this run's"
+            f" {mine.act_bytes_checkpoint}: not the same block shape and batch"
+        )
+    n = len(other.blocks)
+    blocks = tuple(
+        replace(other.blocks[i % n], name=unit.name) for i, unit in enumerate(profile.blocks)
+    )
+    return replace(profile, blocks=blocks, pre=other.pre, post=other.post)
+
+
+def project(
+    run: dict, seq: int, cap: int, host_room: int | None, units_from: dict | None = None
+) -> str:
+    """The summary of the plan ``run``'s model gets at ``seq`` positions under ``cap``
+    (its units ``units_from``'s where given)."""
+    request = search_request_from_dict(run["search_request"], run["hardware"])
+    profiles = scaled_profiles(run, seq)
+    if units_from is not None:
+        others = scaled_profiles(units_from, seq)
+        profiles = {
+            size: with_units_of(profile, others.get(size, next(iter(others.values()))))
+            for size, profile in profiles.items()
+        }
     budget = cap - max(BUDGET_MARGIN_MIN, int(BUDGET_MARGIN_SHARE * cap))
     room = request.host_room if host_room is None else host_room
     scaled = replace(
@@ -58,7 +93,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, required=True, help="positions to project to")
     parser.add_argument("--cap", required=True, help="device cap, e.g. 78GiB")
     parser.add_argument("--host-room", help="host bytes for activations (default: the run's)")
+    parser.add_argument(
+        "--units-from",
+        help="bench JSON of the same block shape at another depth: its units replace the run's",
+    )
     args = parser.parse_args()
+    units_from = None
+    if args.units_from:
+        with open(args.units_from) as f:
+            units_from = next(
+                r
+                for r in json.load(f).get("runs", [])
+                if r.get("peer") == "autooffload" and r.get("search_request")
+            )
     cap = int(parse_size_or_fraction(args.cap, "cap"))
     room = int(parse_size_or_fraction(args.host_room, "host-room")) if args.host_room else None
     with open(args.json) as f:
@@ -68,7 +115,7 @@ def main() -> None:
             continue
         label = f"{run['workload']} seq {run['seq']} -> {args.seq}, cap {args.cap}"
         try:
-            print(f"{label}:\n{project(run, args.seq, cap, room)}")
+            print(f"{label}:\n{project(run, args.seq, cap, room, units_from)}")
         except PlanError as error:
             print(f"{label}: no plan fits: {error}")
 
