@@ -207,3 +207,79 @@ def test_no_tiling_without_a_tileable_mlp_or_below_one_tile() -> None:
     floor = smallest_peak(short, hw, None)
     assert floor == smallest_peak(short, hw, ())
     assert search({short.chunk_size: short}, hw, floor).mlp_tile_tokens == 0
+
+
+@pytest.mark.parametrize("elsewhere_mib", [0, 150, 250, 400])
+def test_a_smaller_tile_than_the_probes_reads_between_its_two_measured_peaks(
+    elsewhere_mib: int,
+) -> None:
+    """The probe measures the tiled block's peaks with tiles of 1/16 and 1/64 of the batch. A
+    block's tiled peak is the larger of one in its MLP, rising with the tile, and one elsewhere
+    (its attention's backward), flat: the planner's peak for a tile between the two shares is
+    the chord through them, for a smaller one the finer peak. Never below the true peak, equal
+    to it at the measured shares; where the peak lies elsewhere at both, the tile moves nothing.
+    (Llama-3-8B LoRA at 524288 tokens: the plan's 8192-token tile is 1/64 of the batch.)"""
+    from autooffload.plan.profile_types import PROBE_FINE_TILES, PROBE_TILES
+
+    assert (PROBE_TILES, PROBE_FINE_TILES) == (16, 64)
+    profile = long_profile()
+    unit = profile.blocks[0]
+    keep = 300 * MiB
+    per_batch = 4096 * MiB  # a batch's worth of MLP intermediates and their gradients
+    elsewhere = keep + elsewhere_mib * MiB
+
+    def true_peak(share: float) -> int:
+        return max(elsewhere, keep + int(share * per_batch))
+
+    probed = replace(
+        unit,
+        tiled_act_bytes_keep=keep,
+        tiled_fwd_peak_bytes=true_peak(1 / 16),
+        tiled_bwd_peak_bytes=true_peak(1 / 16),
+        tiled_fine_fwd_peak_bytes=true_peak(1 / 64),
+        tiled_fine_bwd_peak_bytes=true_peak(1 / 64),
+    )
+    tiled = replace(profile, blocks=(probed,))
+    for tile in (256, 512, 1024, 1536, 2048, 3072, 4096):
+        share = tile / TOKENS
+        new = with_mlp_tiles(tiled, tile).blocks[0]
+        predicted = new.act_bytes_keep + new.bwd_transient_bytes
+        assert new.act_bytes_keep + new.fwd_transient_bytes == predicted
+        assert predicted >= true_peak(share) - 1, (tile, predicted, true_peak(share))
+        if share >= 1 / 64:  # at and above the finer share the reading is exact or above
+            chord = true_peak(1 / 64) + (share - 1 / 64) / (3 / 64) * (
+                true_peak(1 / 16) - true_peak(1 / 64)
+            )
+            assert predicted == pytest.approx(chord, abs=1)
+        else:
+            assert predicted == true_peak(1 / 64)
+    # Measured in the MLP at both shares: a quarter of the tile holds a quarter of the bytes.
+    if elsewhere_mib == 0:
+        at_fine = with_mlp_tiles(tiled, 1024).blocks[0]
+        at_coarse = with_mlp_tiles(tiled, 4096).blocks[0]
+        assert at_coarse.bwd_transient_bytes - at_fine.bwd_transient_bytes == (
+            int(per_batch / 16) - int(per_batch / 64)
+        )
+
+
+def test_a_finer_tile_measured_no_lower_keeps_the_higher_peak() -> None:
+    """Noise, or a smaller tile's own overheads: where the finer tile's peak is not below the
+    coarser one's, a tile smaller than the probe's gets the higher of the two; where the finer
+    peak was not measured (a profile from before it was), the coarser one."""
+    profile = long_profile()
+    unit = profile.blocks[0]
+    keep, coarse, fine = 300 * MiB, 700 * MiB, 720 * MiB
+    probed = replace(
+        unit,
+        tiled_act_bytes_keep=keep,
+        tiled_fwd_peak_bytes=coarse,
+        tiled_bwd_peak_bytes=coarse,
+        tiled_fine_fwd_peak_bytes=fine,
+        tiled_fine_bwd_peak_bytes=fine,
+    )
+    for tile in (512, 2048):
+        new = with_mlp_tiles(replace(profile, blocks=(probed,)), tile).blocks[0]
+        assert new.act_bytes_keep + new.bwd_transient_bytes == fine
+        unmeasured = replace(probed, tiled_fine_fwd_peak_bytes=0, tiled_fine_bwd_peak_bytes=0)
+        old = with_mlp_tiles(replace(profile, blocks=(unmeasured,)), tile).blocks[0]
+        assert old.act_bytes_keep + old.bwd_transient_bytes == coarse

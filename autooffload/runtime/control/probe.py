@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 
 from autooffload.errors import PlanError
 from autooffload.log import logger
-from autooffload.plan.profile_types import PROBE_TILES, UnitProfile, grown
+from autooffload.plan.profile_types import PROBE_FINE_TILES, PROBE_TILES, UnitProfile, grown
 from autooffload.plan.search import MLP_TILE_TOKENS
 from autooffload.runtime.activations import policies as activations
 from autooffload.runtime.activations.model_activations import long_batch
@@ -94,6 +94,8 @@ _EXTRAPOLATED = (
     "tiled_act_bytes_keep",
     "tiled_fwd_peak_bytes",
     "tiled_bwd_peak_bytes",
+    "tiled_fine_fwd_peak_bytes",
+    "tiled_fine_bwd_peak_bytes",
 )
 
 
@@ -348,7 +350,8 @@ class BlockProbe:
         tiled_probe: bool = False,
     ) -> dict[str, Any]:
         """The block's ``UnitProfile`` fields (its MLP's included) on these inputs; with
-        ``tiled_probe``, also its peaks with the MLP and norms in ``PROBE_TILES`` tiles."""
+        ``tiled_probe``, also its peaks with the MLP and norms in ``PROBE_TILES`` and in
+        ``PROBE_FINE_TILES`` tiles."""
         saved = [0]
         norms = find_norms(block) if mlp is not None else []
         inputs: list[list[torch.Tensor]] = [[] for _ in range(1 + len(norms))]
@@ -379,6 +382,11 @@ class BlockProbe:
                 mlp_fields.update(
                     self._tiled(block, args, kwargs, params, tiled, chunked_trainable)
                 )
+                fine = self._tiled(
+                    block, args, kwargs, params, tiled, chunked_trainable, PROBE_FINE_TILES
+                )
+                mlp_fields["tiled_fine_fwd_peak_bytes"] = fine["tiled_fwd_peak_bytes"]
+                mlp_fields["tiled_fine_bwd_peak_bytes"] = fine["tiled_bwd_peak_bytes"]
         # The probe's backward allocates the block's parameter gradients; the cost model adds
         # them (offloaded and persistent grads per unit), so they leave the transient, which
         # may go negative (down to -kept: activations are freed as the gradients are made).
@@ -400,15 +408,16 @@ class BlockProbe:
         params: list,
         tiled: tuple,
         chunked_trainable: Callable[[Iterable[torch.Tensor]], list[torch.Tensor]],
+        tiles: int = PROBE_TILES,
     ) -> dict[str, int]:
-        """The block with the ``tiled`` modules (its MLP and norms) in ``PROBE_TILES`` tiles:
+        """The block with the ``tiled`` modules (its MLP and norms) in ``tiles`` tiles:
         what it saves, its input included where a tiled norm saves it (an untiled RMSNorm saves
         an fp32 copy instead, so the input was freed after the block), and its forward and
         backward peaks above its input with those saved bytes, its parameter gradients aside
         (``UnitProfile.tiled_act_bytes_keep``, ``tiled_fwd_peak_bytes``,
         ``tiled_bwd_peak_bytes``)."""
         x = args[0]
-        tile = max(1, x.numel() // max(1, x.shape[-1]) // PROBE_TILES)
+        tile = max(1, x.numel() // max(1, x.shape[-1]) // tiles)
         inputs = self._inputs(args)
         storage = inputs[0].untyped_storage().data_ptr()
         input_saved = [False]
