@@ -5,6 +5,7 @@ PyTorch; a batch that fits no plan raises ``OutOfMemoryRetryError`` and training
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 
 import pytest
@@ -50,9 +51,19 @@ def batch(shape: tuple[int, int], seed: int) -> torch.Tensor:
 
 @pytest.fixture
 def capped() -> None:
-    """This process may use ``CAP_BYTES`` of the GPU, as if others held the rest."""
+    """This process may use ``CAP_BYTES`` of the GPU, as if others held the rest.
+
+    The cap counts reserved memory, so earlier tests' device tensors must be gone first: a model
+    whose ``forward`` autooffload wrapped (an attached one, a detached one its runtime still
+    references, a block under ``apply_policy``) is freed by the cycle collector only, and its
+    tensors pin the 20 MiB expandable-segment pages they sit in (after the long-context test,
+    ~8 GiB reserved under the 3 GiB cap, and every allocation of the test ran out of memory)."""
     total = torch.cuda.get_device_properties(0).total_memory
+    gc.collect()
+    torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    left = torch.cuda.memory_reserved()
+    assert left < CAP_BYTES // 4, f"{left / 2**30:.2f} GiB still reserved from earlier tests"
     torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
     yield
     torch.cuda.set_per_process_memory_fraction(1.0)
