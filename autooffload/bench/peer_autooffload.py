@@ -139,6 +139,8 @@ def _planned_from(runtime: Any, plan: Any) -> dict[str, Any]:
     ``hardware`` it re-runs offline (``search_request_from_dict``), e.g. on a profile scaled to
     another length."""
     request = getattr(runtime, "search_request", None)
+    if request is None:  # a budget refused before the first update: the search that found none
+        request = _safe(lambda: runtime.control.refused_request)
     return {
         "predicted_peak_bytes": getattr(plan, "predicted_peak_bytes", None),
         "predicted_breakdown": dict(getattr(plan, "breakdown", None) or {}) or None,

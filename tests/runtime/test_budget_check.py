@@ -46,6 +46,22 @@ def test_a_budget_above_the_weights_but_below_the_batch_stops_before_the_first_u
     assert message.startswith("before the first update: no configuration fits the budget of 200")
     assert re.search(r"AUTOOFFLOAD_BUDGET >= \d+MiB", message), message
     assert not optimizer.state
+    # The refused search is kept (and recorded by the bench): searched again offline, it fails
+    # alike, and finds a plan under a budget the message names.
+    from dataclasses import replace
+
+    from autooffload.bench.peer_autooffload import _planned_from, search_request_from_dict
+
+    runtime = rt.runtime_of(model)
+    refused = runtime.control.refused_request
+    assert refused is not None and runtime.search_request is None
+    with pytest.raises(PlanError, match="no configuration fits the budget of 200"):
+        refused.plan()
+    needed = int(re.search(r"AUTOOFFLOAD_BUDGET >= (\d+)MiB", message).group(1)) << 20
+    assert replace(refused, budget_bytes=needed).plan().predicted_peak_bytes <= needed
+    recorded = _planned_from(runtime, None)
+    again = search_request_from_dict(recorded["search_request"], recorded["hardware"])
+    assert again.budget_bytes == refused.budget_bytes
     autooffload.disable()
     fresh = tiny_llama()
     for name, value in fresh.state_dict().items():

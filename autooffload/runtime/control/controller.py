@@ -72,6 +72,7 @@ class PlanControl:
         self._plan = plan
         self._profile: ModelProfile | None = None
         self._search_request: SearchRequest | None = None
+        self._refused_request: SearchRequest | None = None
         self._profiler: StepProfiler | None = None
         self._pending: PendingSwitch | None = None
         self._profiling_peak_bytes: int | None = None
@@ -95,6 +96,12 @@ class PlanControl:
     def search_request(self) -> SearchRequest | None:
         """The search behind the running plan (``Runtime.candidates`` re-runs it)."""
         return self._search_request
+
+    @property
+    def refused_request(self) -> SearchRequest | None:
+        """The search that found no plan before the first update (``before_update``), kept so
+        that a refused budget can be searched again offline; None otherwise."""
+        return self._refused_request
 
     @property
     def profiler(self) -> StepProfiler | None:
@@ -172,10 +179,11 @@ class PlanControl:
             return
         if not runtime.step_state.backwards_this_step or self._plan.budget_bytes is None:
             return
-        profile = step_profile(runtime, profiler, optimizer)
+        request = search_request(runtime, step_profile(runtime, profiler, optimizer))
         try:
-            search_request(runtime, profile).plan()
+            request.plan()
         except PlanError as error:
+            self._refused_request = request
             raise PlanError(f"before the first update: {error}") from None
 
     def profile_after_step(self, optimizer: torch.optim.Optimizer) -> ModelProfile | None:
