@@ -730,8 +730,11 @@ def test_a_first_check_switches_only_for_a_faster_plan(
         )
 
     monkeypatch.setattr(SearchRequest, "plan", scripted)
-    new_plan = calibrate_after_steps(runtime, plan.predicted_peak_bytes, PLANNED_RATE / 20)
-    assert runtime.search_request.hw.cpu_optim_params_per_s == PLANNED_RATE / 20, "not calibrated"
+    # A rate slow enough that the CPU update sets the step whatever the profiled compute and
+    # whatever it overlaps (a 20x slower one left the prediction unchanged in a full run).
+    slow = PLANNED_RATE / 1000
+    new_plan = calibrate_after_steps(runtime, plan.predicted_peak_bytes, slow)
+    assert runtime.search_request.hw.cpu_optim_params_per_s == slow, "not calibrated"
     if switches:
         assert new_plan is not None and runtime.plan is new_plan
         assert new_plan.n_buffer == plan.n_buffer + 1
