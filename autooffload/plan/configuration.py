@@ -20,10 +20,12 @@ from dataclasses import replace
 
 from autooffload.errors import PlanError
 from autooffload.plan.profile_types import (
+    PROBE_COARSE_TILES,
     PROBE_FINE_TILES,
     PROBE_TILES,
     HardwareProfile,
     ModelProfile,
+    UnitProfile,
 )
 from autooffload.plan.residency import ChunkTables, chunk_tables
 from autooffload.plan.types import Knobs, Plan
@@ -150,16 +152,18 @@ def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
     peak lies outside the MLP, where tiling changes no bytes: the same absolute peak, above a
     keep that is A smaller. Where the probe ran the block tiled (K, P_f, P_b =
     ``tiled_act_bytes_keep``, ``tiled_fwd/bwd_peak_bytes``; K > 0), what it measured wins, its
-    peaks grown by the larger tile's intermediates where the plan's tile holds a larger share
-    of the batch than the probe's (1 / ``PROBE_TILES``), and where it holds a smaller one, read
-    between the peaks measured with 1 / ``PROBE_TILES`` and 1 / ``PROBE_FINE_TILES`` tiles
-    (``p_f, p_b``: ``tiled_fine_fwd/bwd_peak_bytes``; ``_tiled_peak``):
+    peaks read at the plan's tile share r from those measured with 1/64, 1/16 and 1/4 of the
+    batch in a tile (``PROBE_FINE_TILES``, ``PROBE_TILES``, ``PROBE_COARSE_TILES``; peaks
+    p, P, q: ``tiled_fine_*``, ``tiled_*``, ``tiled_coarse_*``; ``_tiled_peak``), each first
+    raised to those at smaller shares:
       act_bytes_keep'  = K       (a tiled norm saves its input, where an RMSNorm in bf16 saved
                                   an fp32 copy and let the input go: K can exceed keep - A)
-      fwd_transient'   = P_f + (r - 1/PROBE_TILES) * (A + max(F - X, 0)) - K     r >= 1/16
-                       = p_f + (r - 1/64) / (1/16 - 1/64) * (P_f - p_f) - K       1/64 < r < 1/16
-                       = p_f - K                                                  r <= 1/64
-      bwd_transient'   likewise with P_b, p_b and B
+      fwd_transient'   = p_f - K                                          r <= 1/64
+                       = the chord through (1/64, p_f), (1/16, P_f), (1/4, q_f) at r, - K
+                       = q_f + (r - 1/4) * (A + max(F - X, 0)) - K         r > 1/4
+      bwd_transient'   likewise with p_b, P_b, q_b and B
+    (a peak not measured drops out: a profile with P alone grows it from 1/16 and keeps it
+    below).
     The measurement sees where the tiled block's peak lies (its attention's backward, once the
     MLP's is gone); the formulas' second case cannot: an untiled peak after the MLP holds its
     intermediates, which tiling removes (Llama 1.1B at 65536 tokens: 5.6 GiB by the formula
@@ -184,9 +188,8 @@ def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
         own_b = max(unit.mlp_bwd_transient_bytes - x, 0)
         if unit.tiled_act_bytes_keep > 0:  # measured by the probe in PROBE_TILES tiles
             keep = unit.tiled_act_bytes_keep
-            fine_f, fine_b = unit.tiled_fine_fwd_peak_bytes, unit.tiled_fine_bwd_peak_bytes
-            fwd = _tiled_peak(share, unit.tiled_fwd_peak_bytes, fine_f, a + own_f) - keep
-            bwd = _tiled_peak(share, unit.tiled_bwd_peak_bytes, fine_b, a + own_b) - keep
+            fwd = _tiled_peak(share, _tiled_peaks(unit, "fwd"), a + own_f) - keep
+            bwd = _tiled_peak(share, _tiled_peaks(unit, "bwd"), a + own_b) - keep
         else:
             keep = unit.act_bytes_keep - a
             in_mlp = unit.fwd_transient_bytes <= unit.mlp_fwd_transient_bytes
@@ -205,25 +208,35 @@ def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
     return replace(profile, blocks=tuple(blocks), mlp_tile_tokens=tile_tokens)
 
 
-def _tiled_peak(share: float, coarse: int, fine: int, per_batch: int) -> int:
-    """A tiled block's peak with tiles of ``share`` of the batch, from the probe's with
-    ``1 / PROBE_TILES`` (``coarse``) and ``1 / PROBE_FINE_TILES`` (``fine``; 0 where not
-    measured). The peak is the larger of one in the MLP, rising with the tile by ``per_batch``
-    bytes per batch's worth (its intermediates and their gradients), and one elsewhere, flat: a
-    convex, rising function of the share. Above the coarse share: ``coarse`` grown by the larger
-    tile's intermediates. Between the two: the chord through them, never below the function.
-    Below the fine share: ``fine``. Where the fine peak was not measured, ``coarse``; where it is
-    not below the coarse one, the higher of the two (a smaller tile lowered nothing)."""
-    upper, lower = 1 / PROBE_TILES, 1 / PROBE_FINE_TILES
-    if share >= upper:
-        return coarse + int((share - upper) * per_batch)
-    if fine <= 0:
-        return coarse
-    if fine >= coarse:
-        return fine
-    if share <= lower:
-        return fine
-    return fine + int((share - lower) / (upper - lower) * (coarse - fine))
+def _tiled_peaks(unit: UnitProfile, side: str) -> tuple[tuple[int, int], ...]:
+    """The probe's ``(tiles, peak)`` of ``unit``'s forward or backward (``side``) tiled."""
+    return (
+        (PROBE_FINE_TILES, getattr(unit, f"tiled_fine_{side}_peak_bytes")),
+        (PROBE_TILES, getattr(unit, f"tiled_{side}_peak_bytes")),
+        (PROBE_COARSE_TILES, getattr(unit, f"tiled_coarse_{side}_peak_bytes")),
+    )
+
+
+def _tiled_peak(share: float, measured: tuple[tuple[int, int], ...], per_batch: int) -> int:
+    """A tiled block's peak with tiles of ``share`` of the batch, from the probe's peaks
+    ``measured`` as ``(tiles, peak)`` (one tile holding ``1 / tiles`` of the batch; a peak of 0:
+    not measured). The peak is the larger of one in the MLP, rising with the tile by
+    ``per_batch`` bytes per batch's worth (its intermediates and their gradients), and one
+    elsewhere, flat: a convex, rising function of the share. Each measured peak is first raised
+    to those at smaller shares (rising: noise cannot lower it). Between two measured shares: the
+    chord, on or above the function; below the smallest: its peak; above the largest: its peak
+    grown by ``per_batch`` for the larger tile."""
+    points = sorted((1 / tiles, peak) for tiles, peak in measured if peak > 0)
+    rising: list[tuple[float, int]] = []
+    for at, peak in points:
+        rising.append((at, max(peak, rising[-1][1]) if rising else peak))
+    if share <= rising[0][0]:
+        return rising[0][1]
+    for (lo, low), (hi, high) in zip(rising, rising[1:]):
+        if share <= hi:
+            return low + int((share - lo) / (hi - lo) * (high - low))
+    last, peak = rising[-1]
+    return peak + int((share - last) * per_batch)
 
 
 def with_served_chunks_gathered(profile: ModelProfile, hw: HardwareProfile) -> ModelProfile:

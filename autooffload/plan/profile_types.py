@@ -40,9 +40,11 @@ EXPANDABLE_FRAGMENTATION = 1.03
 # The block probe runs a block's MLP and norms in this many tiles (``runtime/control/probe.py``)
 # where its batch is longer than the smallest tile the search offers: ``UnitProfile.tiled_*``.
 PROBE_TILES = 16
-# And in this many, for the peaks of a plan whose tile holds a smaller share of the batch
-# (8192 of 524288 tokens: 1/64): ``UnitProfile.tiled_fine_*``.
+# And in this many and in this few, for the peaks of a plan whose tile holds a smaller share of
+# the batch (8192 of 524288 tokens: 1/64) or a larger one (8192 of 65536: 1/8):
+# ``UnitProfile.tiled_fine_*``, ``UnitProfile.tiled_coarse_*``.
 PROBE_FINE_TILES = 64
+PROBE_COARSE_TILES = 4
 
 
 def need_from_peaks(allocated: float, reserved: float, expandable_segments: bool) -> float:
@@ -202,6 +204,10 @@ class UnitProfile:
     """``tiled_fwd_peak_bytes`` with ``PROBE_FINE_TILES`` tiles; 0 where not measured."""
     tiled_fine_bwd_peak_bytes: int = 0
     """``tiled_bwd_peak_bytes`` with ``PROBE_FINE_TILES`` tiles; 0 where not measured."""
+    tiled_coarse_fwd_peak_bytes: int = 0
+    """``tiled_fwd_peak_bytes`` with ``PROBE_COARSE_TILES`` tiles; 0 where not measured."""
+    tiled_coarse_bwd_peak_bytes: int = 0
+    """``tiled_bwd_peak_bytes`` with ``PROBE_COARSE_TILES`` tiles; 0 where not measured."""
     growth: tuple[tuple[str, float, float, float], ...] = ()
     """How the fields grow with the batch's length, where the block probe ran on slices of a
     long batch: ``(field, a, b, c)``, the field at ``r`` times this batch's length being
@@ -225,6 +231,8 @@ def grown(growth: tuple[tuple[str, float, float, float], ...], ratio: float) -> 
         "tiled_bwd_peak_bytes",
         "tiled_fine_fwd_peak_bytes",
         "tiled_fine_bwd_peak_bytes",
+        "tiled_coarse_fwd_peak_bytes",
+        "tiled_coarse_bwd_peak_bytes",
     )
     for name in never_negative:
         if name in out:
@@ -414,6 +422,8 @@ class ModelProfile:
                 tiled_bwd_peak_bytes=int(unit.tiled_bwd_peak_bytes * ratio),
                 tiled_fine_fwd_peak_bytes=int(unit.tiled_fine_fwd_peak_bytes * ratio),
                 tiled_fine_bwd_peak_bytes=int(unit.tiled_fine_bwd_peak_bytes * ratio),
+                tiled_coarse_fwd_peak_bytes=int(unit.tiled_coarse_fwd_peak_bytes * ratio),
+                tiled_coarse_bwd_peak_bytes=int(unit.tiled_coarse_bwd_peak_bytes * ratio),
             )
 
         return self._with_units(scaled, batch_tokens=int(self.batch_tokens * ratio))
@@ -500,6 +510,8 @@ class ModelProfile:
                 unit.tiled_bwd_peak_bytes,
                 unit.tiled_fine_fwd_peak_bytes,
                 unit.tiled_fine_bwd_peak_bytes,
+                unit.tiled_coarse_fwd_peak_bytes,
+                unit.tiled_coarse_bwd_peak_bytes,
             )
             if min(sizes) < 0 or min(unit.fwd_s, unit.bwd_s, unit.mlp_fwd_s) < 0:
                 raise PlanError(f"unit {unit.name or '?'} has a negative time or size: {unit}")

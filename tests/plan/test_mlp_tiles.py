@@ -209,28 +209,35 @@ def test_no_tiling_without_a_tileable_mlp_or_below_one_tile() -> None:
     assert search({short.chunk_size: short}, hw, floor).mlp_tile_tokens == 0
 
 
-@pytest.mark.parametrize("elsewhere_mib", [0, 150, 250, 400])
-def test_a_smaller_tile_than_the_probes_reads_between_its_two_measured_peaks(
-    elsewhere_mib: int,
+@pytest.mark.parametrize("coarse", [True, False], ids=["with-quarter", "without-quarter"])
+@pytest.mark.parametrize("elsewhere_mib", [0, 150, 250, 400, 1500])
+def test_a_tile_between_the_probes_reads_between_their_measured_peaks(
+    elsewhere_mib: int, coarse: bool
 ) -> None:
-    """The probe measures the tiled block's peaks with tiles of 1/16 and 1/64 of the batch. A
-    block's tiled peak is the larger of one in its MLP, rising with the tile, and one elsewhere
-    (its attention's backward), flat: the planner's peak for a tile between the two shares is
-    the chord through them, for a smaller one the finer peak. Never below the true peak, equal
-    to it at the measured shares; where the peak lies elsewhere at both, the tile moves nothing.
-    (Llama-3-8B LoRA at 524288 tokens: the plan's 8192-token tile is 1/64 of the batch.)"""
-    from autooffload.plan.profile_types import PROBE_FINE_TILES, PROBE_TILES
+    """The probe measures the tiled block's peaks with tiles of 1/64, 1/16 and 1/4 of the
+    batch. A block's tiled peak is the larger of one in its MLP, rising with the tile, and one
+    elsewhere (its attention's backward), flat: the planner's peak between two measured shares
+    is the chord through them, below the smallest that one's, above the largest that one's
+    grown by the larger tile's intermediates. Never below the true peak, equal to it at the
+    measured shares; where the peak lies elsewhere at all of them, the tile moves nothing up to
+    the largest. (Llama-3-8B LoRA at 524288 tokens: the plan's 8192-token tile is 1/64 of the
+    batch; Llama 3.6B at 65536: 1/8.)"""
+    from autooffload.plan.profile_types import PROBE_COARSE_TILES, PROBE_FINE_TILES, PROBE_TILES
 
-    assert (PROBE_TILES, PROBE_FINE_TILES) == (16, 64)
-    profile = long_profile()
+    assert (PROBE_FINE_TILES, PROBE_TILES, PROBE_COARSE_TILES) == (64, 16, 4)
+    profile = long_profile(mlp_act=2048 * MiB)
     unit = profile.blocks[0]
+    # The MLP's own forward and backward peaks alike: one slope for both sides.
+    unit = replace(unit, mlp_fwd_transient_bytes=unit.mlp_bwd_transient_bytes)
     keep = 300 * MiB
-    per_batch = 4096 * MiB  # a batch's worth of MLP intermediates and their gradients
+    # A batch's worth of MLP intermediates and their gradients (~3 GiB): the in-MLP peak's slope.
+    per_batch = unit.mlp_act_bytes + unit.mlp_bwd_transient_bytes - unit.act_bytes_checkpoint
     elsewhere = keep + elsewhere_mib * MiB
 
     def true_peak(share: float) -> int:
         return max(elsewhere, keep + int(share * per_batch))
 
+    quarter = true_peak(1 / 4) if coarse else 0
     probed = replace(
         unit,
         tiled_act_bytes_keep=keep,
@@ -238,28 +245,41 @@ def test_a_smaller_tile_than_the_probes_reads_between_its_two_measured_peaks(
         tiled_bwd_peak_bytes=true_peak(1 / 16),
         tiled_fine_fwd_peak_bytes=true_peak(1 / 64),
         tiled_fine_bwd_peak_bytes=true_peak(1 / 64),
+        tiled_coarse_fwd_peak_bytes=quarter,
+        tiled_coarse_bwd_peak_bytes=quarter,
     )
+    measured = [(1 / 64, true_peak(1 / 64)), (1 / 16, true_peak(1 / 16))]
+    measured += [(1 / 4, quarter)] if coarse else []
     tiled = replace(profile, blocks=(probed,))
-    for tile in (256, 512, 1024, 1536, 2048, 3072, 4096):
+    for tile in (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 16384, 32768):
         share = tile / TOKENS
         new = with_mlp_tiles(tiled, tile).blocks[0]
         predicted = new.act_bytes_keep + new.bwd_transient_bytes
         assert new.act_bytes_keep + new.fwd_transient_bytes == predicted
         assert predicted >= true_peak(share) - 1, (tile, predicted, true_peak(share))
-        if share >= 1 / 64:  # at and above the finer share the reading is exact or above
-            chord = true_peak(1 / 64) + (share - 1 / 64) / (3 / 64) * (
-                true_peak(1 / 16) - true_peak(1 / 64)
-            )
-            assert predicted == pytest.approx(chord, abs=1)
+        (lo, low), (hi, high) = measured[0], measured[-1]
+        if share <= lo:
+            expected = low
+        elif share >= hi:
+            expected = high + (share - hi) * per_batch
         else:
-            assert predicted == true_peak(1 / 64)
-    # Measured in the MLP at both shares: a quarter of the tile holds a quarter of the bytes.
-    if elsewhere_mib == 0:
+            (lo, low), (hi, high) = next(
+                (a, b) for a, b in zip(measured, measured[1:]) if a[0] <= share <= b[0]
+            )
+            expected = low + (share - lo) / (hi - lo) * (high - low)
+        assert predicted == pytest.approx(expected, abs=1), tile
+        if share in (s for s, _ in measured):
+            assert predicted == true_peak(share)  # exact at a measured share
+    if elsewhere_mib == 0:  # in the MLP at every share: a quarter of the tile, a quarter less
         at_fine = with_mlp_tiles(tiled, 1024).blocks[0]
-        at_coarse = with_mlp_tiles(tiled, 4096).blocks[0]
-        assert at_coarse.bwd_transient_bytes - at_fine.bwd_transient_bytes == (
+        at_probe = with_mlp_tiles(tiled, 4096).blocks[0]
+        assert at_probe.bwd_transient_bytes - at_fine.bwd_transient_bytes == (
             int(per_batch / 16) - int(per_batch / 64)
         )
+    if elsewhere_mib == 1500 and coarse:  # elsewhere up to a quarter: the tile moves nothing
+        for tile in (1024, 4096, 8192, 16384):
+            new = with_mlp_tiles(tiled, tile).blocks[0]
+            assert new.act_bytes_keep + new.bwd_transient_bytes == elsewhere
 
 
 def test_a_finer_tile_measured_no_lower_keeps_the_higher_peak() -> None:

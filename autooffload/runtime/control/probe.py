@@ -17,7 +17,13 @@ from torch.utils._pytree import tree_map
 
 from autooffload.errors import PlanError
 from autooffload.log import logger
-from autooffload.plan.profile_types import PROBE_FINE_TILES, PROBE_TILES, UnitProfile, grown
+from autooffload.plan.profile_types import (
+    PROBE_COARSE_TILES,
+    PROBE_FINE_TILES,
+    PROBE_TILES,
+    UnitProfile,
+    grown,
+)
 from autooffload.plan.search import MLP_TILE_TOKENS
 from autooffload.runtime.activations import policies as activations
 from autooffload.runtime.activations.model_activations import long_batch
@@ -96,6 +102,8 @@ _EXTRAPOLATED = (
     "tiled_bwd_peak_bytes",
     "tiled_fine_fwd_peak_bytes",
     "tiled_fine_bwd_peak_bytes",
+    "tiled_coarse_fwd_peak_bytes",
+    "tiled_coarse_bwd_peak_bytes",
 )
 
 
@@ -350,8 +358,8 @@ class BlockProbe:
         tiled_probe: bool = False,
     ) -> dict[str, Any]:
         """The block's ``UnitProfile`` fields (its MLP's included) on these inputs; with
-        ``tiled_probe``, also its peaks with the MLP and norms in ``PROBE_TILES`` and in
-        ``PROBE_FINE_TILES`` tiles."""
+        ``tiled_probe``, also its peaks with the MLP and norms in ``PROBE_TILES``,
+        ``PROBE_FINE_TILES`` and ``PROBE_COARSE_TILES`` tiles."""
         saved = [0]
         norms = find_norms(block) if mlp is not None else []
         inputs: list[list[torch.Tensor]] = [[] for _ in range(1 + len(norms))]
@@ -382,11 +390,13 @@ class BlockProbe:
                 mlp_fields.update(
                     self._tiled(block, args, kwargs, params, tiled, chunked_trainable)
                 )
-                fine = self._tiled(
-                    block, args, kwargs, params, tiled, chunked_trainable, PROBE_FINE_TILES
-                )
-                mlp_fields["tiled_fine_fwd_peak_bytes"] = fine["tiled_fwd_peak_bytes"]
-                mlp_fields["tiled_fine_bwd_peak_bytes"] = fine["tiled_bwd_peak_bytes"]
+                for tiles, name in ((PROBE_FINE_TILES, "fine"), (PROBE_COARSE_TILES, "coarse")):
+                    other = self._tiled(
+                        block, args, kwargs, params, tiled, chunked_trainable, tiles
+                    )
+                    for side in ("fwd", "bwd"):
+                        key = f"tiled_{name}_{side}_peak_bytes"
+                        mlp_fields[key] = other[f"tiled_{side}_peak_bytes"]
         # The probe's backward allocates the block's parameter gradients; the cost model adds
         # them (offloaded and persistent grads per unit), so they leave the transient, which
         # may go negative (down to -kept: activations are freed as the gradients are made).
