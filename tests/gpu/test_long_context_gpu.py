@@ -73,6 +73,7 @@ def test_logits_larger_than_the_cap_train_fused_with_host_kept_inputs():
         fused_steps = runtime.fused_head.fused_steps
         reserved = torch.cuda.max_memory_reserved()
         summary = runtime.plan.summary()
+        block = runtime.profile.blocks[0]
     finally:
         autooffload.disable()
         torch.cuda.set_per_process_memory_fraction(1.0)
@@ -82,3 +83,16 @@ def test_logits_larger_than_the_cap_train_fused_with_host_kept_inputs():
     # Random tokens: the first loss is about log(vocab) at init; every step's loss is finite.
     assert abs(losses[0] - math.log(VOCAB)) < 0.5, losses
     assert all(math.isfinite(v) for v in losses), losses
+    # The probe ran the block tiled in 64, 16 and 4 tiles: its forward's peak lies in the MLP
+    # and rises with the tile by about the tile's share of the MLP's intermediates; no peak is
+    # lower with a larger tile (beyond the fit's noise).
+    fine, mid, coarse = (
+        (
+            getattr(block, f"tiled_{size}fwd_peak_bytes"),
+            getattr(block, f"tiled_{size}bwd_peak_bytes"),
+        )
+        for size in ("fine_", "", "coarse_")
+    )
+    for side in (0, 1):
+        assert 0 < fine[side] <= 1.02 * mid[side] and mid[side] <= 1.02 * coarse[side], block
+    assert coarse[0] - fine[0] > 0.1 * block.mlp_act_bytes, block
