@@ -227,6 +227,7 @@ def _tiled_peak(share: float, measured: tuple[tuple[int, int], ...], per_batch: 
     chord, on or above the function; below the smallest: its peak; above the largest: its peak
     grown by ``per_batch`` for the larger tile."""
     points = sorted((1 / tiles, peak) for tiles, peak in measured if peak > 0)
+    points = points or [(1 / PROBE_TILES, 0)]  # none above 0: the probe's own share's
     rising: list[tuple[float, int]] = []
     for at, peak in points:
         rising.append((at, max(peak, rising[-1][1]) if rising else peak))

@@ -303,3 +303,11 @@ def test_a_finer_tile_measured_no_lower_keeps_the_higher_peak() -> None:
         unmeasured = replace(probed, tiled_fine_fwd_peak_bytes=0, tiled_fine_bwd_peak_bytes=0)
         old = with_mlp_tiles(replace(profile, blocks=(unmeasured,)), tile).blocks[0]
         assert old.act_bytes_keep + old.bwd_transient_bytes == coarse
+    # No peak above 0 (a CPU probe's backward may free what it saved): the probe's own share's.
+    zero = replace(unmeasured, tiled_fwd_peak_bytes=0, tiled_bwd_peak_bytes=0)
+    for tile in (512, 8192):
+        new = with_mlp_tiles(replace(profile, blocks=(zero,)), tile).blocks[0]
+        grown = max(0.0, tile / TOKENS - 1 / 16)
+        a, x = zero.mlp_act_bytes, zero.act_bytes_checkpoint
+        own_b = max(zero.mlp_bwd_transient_bytes - x, 0)
+        assert new.act_bytes_keep + new.bwd_transient_bytes == int(grown * (a + own_b))
