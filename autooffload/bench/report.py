@@ -142,15 +142,17 @@ def annotate(results: list[dict[str, Any]]) -> None:
 
 
 def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (workload, sequence length, cap, peer label), medians over repeats, in
-    first-seen order."""
-    groups: dict[tuple[str, int | None, str, str], list[dict]] = {}
+    """One row per (workload, its depth, sequence length, cap, peer label), medians over
+    repeats, in first-seen order."""
+    groups: dict[tuple[str, int | None, int | None, str, str], list[dict]] = {}
     for r in results:
-        groups.setdefault((r["workload"], r.get("seq"), r["cap"], r["peer_label"]), []).append(r)
+        key = (r["workload"], r.get("layers"), r.get("seq"), r["cap"], r["peer_label"])
+        groups.setdefault(key, []).append(r)
     rows = []
-    for (workload, seq, cap, label), runs in groups.items():
+    for (workload, layers, seq, cap, label), runs in groups.items():
         ok = [r for r in runs if r.get("status") == "ok"]
         row: dict[str, Any] = {"workload": workload, "seq": seq, "cap": cap, "peer_label": label}
+        row["layers"] = layers
         row["runs"] = len(runs)
         row["ok"] = len(ok)
         statuses = sorted({r.get("status", "?") for r in runs})
@@ -222,9 +224,21 @@ def several_seqs(rows: list[dict[str, Any]]) -> bool:
     return len({row.get("seq") for row in rows}) > 1
 
 
+def workload_label(row: dict[str, Any]) -> str:
+    """A row's workload as tables name it: its name, with its block count where ``--layers``
+    changed it (``llama-8b-lora (2 layers)``)."""
+    from autooffload.bench.workloads import WORKLOADS
+
+    name, layers = row["workload"], row.get("layers")
+    named = WORKLOADS.get(name)
+    if layers is None or named is None or named.text_dims["num_hidden_layers"] == layers:
+        return name
+    return f"{name} ({layers} layers)"
+
+
 def where(row: dict[str, Any], with_seq: bool) -> str:
     """How notes name a row's workload: ``w``, or ``w seq 8192`` in a ``--seq`` sweep."""
-    return row["workload"] + (f" seq {row.get('seq')}" if with_seq else "")
+    return workload_label(row) + (f" seq {row.get('seq')}" if with_seq else "")
 
 
 def config_of(row: dict[str, Any]) -> str:
@@ -249,6 +263,7 @@ def _sweep_best(group: list[dict[str, Any]], every: list[dict[str, Any]]) -> dic
         else {
             **{k: None for k in first if k not in ("workload", "seq", "cap", "nproc", "sweep")},
             "workload": first["workload"],
+            "layers": first.get("layers"),
             "seq": first.get("seq"),
             "cap": first["cap"],
             "nproc": nproc,

@@ -14,6 +14,7 @@ from autooffload.bench.report import (
     several_seqs,
     sweep_key,
     where,
+    workload_label,
 )
 
 # The planner's targets for the planned runs: |peak error| and |step-time error| at most these.
@@ -87,7 +88,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if check not in ("ok", "n/a", ""):
             loss_vs += f" **{check}**"
         cells = [
-            row["workload"],
+            workload_label(row),
             row["cap"],
             row["peer_label"] + (f" [{row['config']}]" if row.get("config") else ""),
             status,

@@ -141,6 +141,20 @@ def test_timed_allocator_retries_are_summed_past_the_warm_up_and_reported() -> N
     assert "chunk_pool=copy" not in lines[0]
 
 
+def test_runs_at_another_depth_are_their_own_rows_named_by_their_block_count() -> None:
+    """``--layers``: a run of the workload's shape with fewer blocks is not merged with the
+    full-depth runs, and the table names its depth (the full depth's row keeps its name)."""
+    shallow = {**_ok("autooffload", "78GiB", 11749.0, 54.0, 12.5, 12.5), "layers": 2}
+    full = {**_ok("autooffload", "78GiB", 876.0, 70.0, 12.5, 12.5), "layers": 32}
+    for run in (shallow, full):
+        run["workload"] = "llama-8b-lora"
+    rows = report.summarise([shallow, full])
+    assert [(row["layers"], row["tokens_per_s"]) for row in rows] == [(2, 11749.0), (32, 876.0)]
+    table = format_table(rows)
+    assert "| llama-8b-lora (2 layers) | 78GiB |" in table
+    assert "| llama-8b-lora | 78GiB |" in table
+
+
 # Measured 3.6B full fine-tuning at lr 1e-3 on one repeated batch (H100): the loss rises at step
 # 3, and from step 6 on equally correct peers (bf16 vanilla, fp32-master autooffload) drift apart.
 VANILLA_3B6 = [12.39, 10.93, 11.87, 9.15, 9.0, 8.1, 7.84, 7.55, 7.71, 7.64, 7.36, 7.35]
