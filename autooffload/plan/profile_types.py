@@ -214,6 +214,14 @@ class UnitProfile:
     ``a + b r + c r^2`` (``grown``); empty where the block ran whole."""
 
 
+# A unit's byte counts (every field named with "bytes"), which scale with the batch
+# (``ModelProfile.with_batch_scaled``), and the tiled block's measured peaks among them.
+UNIT_BYTE_FIELDS = tuple(f.name for f in fields(UnitProfile) if "bytes" in f.name)
+TILED_PEAK_FIELDS = tuple(
+    f"tiled_{size}{side}_peak_bytes" for size in ("fine_", "", "coarse_") for side in ("fwd", "bwd")
+)
+
+
 def grown(growth: tuple[tuple[str, float, float, float], ...], ratio: float) -> dict[str, Any]:
     """The fields ``growth`` describes (``UnitProfile.growth``) at ``ratio`` times the batch's
     length: byte counts as integers, no size or time below 0, a backward's transient no lower
@@ -221,18 +229,13 @@ def grown(growth: tuple[tuple[str, float, float, float], ...], ratio: float) -> 
     out: dict[str, Any] = {}
     for name, a, b, c in growth:
         value = a + b * ratio + c * ratio * ratio
-        out[name] = int(round(value)) if name.endswith("_bytes") else max(0.0, value)
+        out[name] = int(round(value)) if name in UNIT_BYTE_FIELDS else max(0.0, value)
     never_negative = (
         "act_bytes_keep",
         "fwd_transient_bytes",
         "mlp_act_bytes",
         "tiled_act_bytes_keep",
-        "tiled_fwd_peak_bytes",
-        "tiled_bwd_peak_bytes",
-        "tiled_fine_fwd_peak_bytes",
-        "tiled_fine_bwd_peak_bytes",
-        "tiled_coarse_fwd_peak_bytes",
-        "tiled_coarse_bwd_peak_bytes",
+        *TILED_PEAK_FIELDS,
     )
     for name in never_negative:
         if name in out:
@@ -409,21 +412,7 @@ class ModelProfile:
 
         def scaled(unit: UnitProfile) -> UnitProfile:
             return replace(
-                unit,
-                act_bytes_keep=int(unit.act_bytes_keep * ratio),
-                act_bytes_checkpoint=int(unit.act_bytes_checkpoint * ratio),
-                fwd_transient_bytes=int(unit.fwd_transient_bytes * ratio),
-                bwd_transient_bytes=int(unit.bwd_transient_bytes * ratio),
-                mlp_act_bytes=int(unit.mlp_act_bytes * ratio),
-                mlp_fwd_transient_bytes=int(unit.mlp_fwd_transient_bytes * ratio),
-                mlp_bwd_transient_bytes=int(unit.mlp_bwd_transient_bytes * ratio),
-                tiled_act_bytes_keep=int(unit.tiled_act_bytes_keep * ratio),
-                tiled_fwd_peak_bytes=int(unit.tiled_fwd_peak_bytes * ratio),
-                tiled_bwd_peak_bytes=int(unit.tiled_bwd_peak_bytes * ratio),
-                tiled_fine_fwd_peak_bytes=int(unit.tiled_fine_fwd_peak_bytes * ratio),
-                tiled_fine_bwd_peak_bytes=int(unit.tiled_fine_bwd_peak_bytes * ratio),
-                tiled_coarse_fwd_peak_bytes=int(unit.tiled_coarse_fwd_peak_bytes * ratio),
-                tiled_coarse_bwd_peak_bytes=int(unit.tiled_coarse_bwd_peak_bytes * ratio),
+                unit, **{name: int(getattr(unit, name) * ratio) for name in UNIT_BYTE_FIELDS}
             )
 
         return self._with_units(scaled, batch_tokens=int(self.batch_tokens * ratio))
@@ -506,12 +495,7 @@ class ModelProfile:
                 unit.mlp_fwd_transient_bytes,
                 unit.mlp_act_bytes + unit.mlp_bwd_transient_bytes,
                 unit.tiled_act_bytes_keep,
-                unit.tiled_fwd_peak_bytes,
-                unit.tiled_bwd_peak_bytes,
-                unit.tiled_fine_fwd_peak_bytes,
-                unit.tiled_fine_bwd_peak_bytes,
-                unit.tiled_coarse_fwd_peak_bytes,
-                unit.tiled_coarse_bwd_peak_bytes,
+                *(getattr(unit, name) for name in TILED_PEAK_FIELDS),
             )
             if min(sizes) < 0 or min(unit.fwd_s, unit.bwd_s, unit.mlp_fwd_s) < 0:
                 raise PlanError(f"unit {unit.name or '?'} has a negative time or size: {unit}")
