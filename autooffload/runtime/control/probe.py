@@ -21,6 +21,7 @@ from autooffload.plan.profile_types import (
     PROBE_COARSE_TILES,
     PROBE_FINE_TILES,
     PROBE_TILES,
+    TILED_PEAK_FIELDS,
     UnitProfile,
     grown,
 )
@@ -98,12 +99,7 @@ _EXTRAPOLATED = (
     "mlp_bwd_transient_bytes",
     "mlp_fwd_s",
     "tiled_act_bytes_keep",
-    "tiled_fwd_peak_bytes",
-    "tiled_bwd_peak_bytes",
-    "tiled_fine_fwd_peak_bytes",
-    "tiled_fine_bwd_peak_bytes",
-    "tiled_coarse_fwd_peak_bytes",
-    "tiled_coarse_bwd_peak_bytes",
+    *TILED_PEAK_FIELDS,
 )
 
 
