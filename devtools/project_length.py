@@ -102,9 +102,16 @@ def main() -> None:
     if args.units_from:
         with open(args.units_from) as f:
             units_from = next(
-                r
-                for r in json.load(f).get("runs", [])
-                if r.get("peer") == "autooffload" and r.get("search_request")
+                (
+                    r
+                    for r in json.load(f).get("runs", [])
+                    if r.get("peer") == "autooffload" and r.get("search_request")
+                ),
+                None,
+            )
+        if units_from is None:
+            parser.error(
+                f"--units-from {args.units_from}: no autooffload run with a search request"
             )
     cap = int(parse_size_or_fraction(args.cap, "cap"))
     room = int(parse_size_or_fraction(args.host_room, "host-room")) if args.host_room else None
