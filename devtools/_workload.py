@@ -45,18 +45,19 @@ def capped_workload(
     bs: int | None = None,
     seq: int | None = None,
     gc: bool | None = None,
+    layers: int | None = None,
     **settings: Any,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
     """Cap this process's device memory at ``cap_text`` (``set_per_process_memory_fraction``;
     "none": uncapped), enable autooffload with the workload's defaults and ``settings``, and
     build the workload's model (attached by its move to the GPU), an AdamW over its trainable
-    params and its batch; ``bs``, ``seq`` and ``gc`` override the workload's (as the bench's
-    ``--bs``, ``--seq``, ``--no-gc``)."""
+    params and its batch; ``bs``, ``seq``, ``gc`` and ``layers`` override the workload's (as the
+    bench's ``--bs``, ``--seq``, ``--no-gc``, ``--layers``)."""
     if cap_text != "none":
         cap = parse_size_or_fraction(cap_text, "cap")
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(cap / total)
-    workload = get_workload(name, bs=bs, seq=seq, gc=gc)
+    workload = get_workload(name, bs=bs, seq=seq, gc=gc, layers=layers)
     autooffload.enable(**{**workload.autooffload_defaults, **settings})
     model = build_model(workload).to("cuda")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -79,12 +80,13 @@ def plain_workload(
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """A dev tool's workload arguments, as the bench spells them: the workload, the cap, and
-    ``--bs``, ``--seq``, ``--no-gc``, ``--steps``, ``--settings``, ``--budget``."""
+    ``--bs``, ``--seq``, ``--no-gc``, ``--layers``, ``--steps``, ``--settings``, ``--budget``."""
     parser.add_argument("workload")
     parser.add_argument("cap")
     parser.add_argument("--bs", type=int)
     parser.add_argument("--seq", type=int)
     parser.add_argument("--no-gc", action="store_true")
+    parser.add_argument("--layers", type=int, help="the text model's block count")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--settings", default="{}", help="JSON of extra enable() settings")
     parser.add_argument("--budget", help="the planner's budget (default: the cap)")
@@ -101,6 +103,7 @@ def workload_from_arguments(
         bs=args.bs,
         seq=args.seq,
         gc=False if args.no_gc else None,
+        layers=args.layers,
         budget=parse_size_or_fraction(args.budget or args.cap, "budget"),
         **{**settings, **json.loads(args.settings)},
     )
