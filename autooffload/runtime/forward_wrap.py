@@ -36,7 +36,10 @@ def remove_forward(module: nn.Module, key: str) -> Any:
     if state is None:
         return None
     state.active = False
-    if module.__dict__.get("forward") is not state.wrapper:
+    # The wrapper's closure holds ``state``: a cycle keeping the module (its bound
+    # ``inner_forward``) alive until a cyclic gc.
+    wrapper, state.wrapper = state.wrapper, None
+    if module.__dict__.get("forward") is not wrapper:
         logger.debug("forward wrapper of %s left as a pass-through", type(module).__name__)
         return state
     if state.prior_forward is None:

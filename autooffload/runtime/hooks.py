@@ -123,10 +123,12 @@ class StepHooks:
         self._handles.append(self.model.register_forward_hook(self._end_forward, always_call=True))
 
     def remove(self) -> None:
-        """Remove every hook ``install`` registered."""
+        """Remove every hook ``install`` registered, and forget the runtime (at detach)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        # A cycle through the runtime otherwise, keeping a dropped model alive until a cyclic gc.
+        del self.runtime
 
     def hook_ids(self) -> set[int]:
         """The ids of the module hooks installed on the model (their handles' ``id``)."""

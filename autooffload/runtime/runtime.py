@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import replace
 
@@ -157,7 +158,8 @@ class Runtime:
             settings.activation_mode,
             self.position,
             host_inputs=checkpoint_inputs_choice(settings, device) != "gpu",
-            host_room=lambda held: host_room_for_activations(held, self.local_ranks),
+            # Not a lambda over ``self``: that would be a cycle through the runtime.
+            host_room=functools.partial(host_room_for_activations, local_ranks=self.local_ranks),
         )
         self.hooks = StepHooks(self)
         # The LM head fused with the loss where the logits would not fit (activations/fused_head).
@@ -488,7 +490,8 @@ class Runtime:
         finally:
             self.cpu_optim.shutdown()
             self.activations.release_swapper()
-            self.control.stop_profiling()
+            self.control.close()
+            self.backward_update.close()
             allocator.release(self._allocator_hold)
             self._allocator_hold = False
         return self.model

@@ -280,7 +280,12 @@ class FusedHead:
     def _end(self, module: nn.Module, args: tuple, output: Any) -> Any:
         request = self._request
         self._finish()
-        if request is None or request.placeholder is None or output is None:
+        if request is None:
+            return None  # not fused
+        # The placeholder's graph holds the request (its backward reads it): a cycle keeping
+        # the step's graph, and so the model, alive until a cyclic gc.
+        placeholder, request.placeholder = request.placeholder, None
+        if placeholder is None or output is None:
             return None  # not fused, or the forward raised
         if not request.consumed:
             raise RuntimeError(
@@ -295,7 +300,7 @@ class FusedHead:
             " made whole): outputs.logits is None in training steps with labels;"
             " AUTOOFFLOAD_FUSED_HEAD=0 keeps them",
         )
-        return _drop_placeholder(output, request.placeholder)
+        return _drop_placeholder(output, placeholder)
 
     def fuse(
         self,

@@ -196,7 +196,7 @@ class ModelActivations:
 
     def remove(self) -> None:
         """At detach: every block's forward as before attach, no MLP or final-norm tiles, HF
-        gradient checkpointing back where it was taken over."""
+        gradient checkpointing back where it was taken over, no callback into the runtime."""
         for group in self.groups:
             if group.is_block:
                 remove_policy(group.module)
@@ -206,6 +206,9 @@ class ModelActivations:
             self.final_norm = None
         if self.hf_checkpointing_taken:
             restore_hf_gradient_checkpointing(self.model)
+        # The runtime's ``position``: a cycle through the runtime, keeping a dropped model alive
+        # until a cyclic gc.
+        del self._position
 
     def free_idle_host_buffers(self) -> None:
         """The swapper's host buffers no saved tensor holds now go (``HostBufferPool.clear``)."""

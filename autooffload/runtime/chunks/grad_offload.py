@@ -135,9 +135,11 @@ class GradientOffload:
         self.data_parallel = data_parallel
 
     def free(self) -> None:
-        """Detach: the staging and the device sums' scratch go."""
+        """Detach: the staging and the device sums' scratch go, and the store's callbacks (a
+        cycle through the store that would keep its params alive until a cyclic gc)."""
         self._sum_scratch = None
         self.staging.free()
+        del self.is_persistent, self.is_sharded
 
     def stages(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s gradients have a place in this rank's staging (trainable at

@@ -148,8 +148,11 @@ class PlanControl:
         if self._profiler is not None:
             self.start_profiling(warm=self._profiler.warm)
 
-    def stop_profiling(self) -> None:
+    def close(self) -> None:
+        """At detach: no profiling step, and no reference back to the runtime (a cycle that
+        would keep a dropped runtime and its model alive until a cyclic gc)."""
         self._profiler = None
+        del self._runtime
 
     def mark_worker(self) -> None:
         """The CPU worker is idle now: its measured window starts here."""

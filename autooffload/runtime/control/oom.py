@@ -130,9 +130,11 @@ class OomRetry:
         return self
 
     def remove(self) -> None:
-        """Restore the model's ``forward`` (on detach)."""
+        """Restore the model's ``forward`` and forget the runtime (on detach)."""
         remove_forward(self.runtime.model, _KEY)
         self.last_call = None
+        # A cycle through the runtime otherwise, keeping a dropped model alive until a cyclic gc.
+        del self.runtime
 
     # ---- forward ----------------------------------------------------------------------------
 

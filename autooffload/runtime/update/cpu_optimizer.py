@@ -486,8 +486,9 @@ class CpuOptimizer:
 
     def shutdown(self) -> None:
         """Join the worker and drop every host tensor this side holds (masters that are views
-        of the pinned host store, host gradients, twin states) and the manager's callbacks into
-        it: after detach the pinned memory is freed at once, not at the next cyclic gc."""
+        of the pinned host store, host gradients, twin states), the manager's callbacks into
+        it and its parts' (cycles through it): after detach the pinned memory is freed at
+        once, not at the next cyclic gc."""
         self.worker.shutdown(wait=True)
         self.gpu.shutdown()
         self.manager.grads.connect_update(None, None, None, None)
@@ -495,5 +496,6 @@ class CpuOptimizer:
         self._copy_backs.clear()
         self.twins.clear()
         self.staging.clear()
-        self.grad_norms.clear()
+        self.grad_norms.close()
+        self.in_backward.close()
         self.early.clear()

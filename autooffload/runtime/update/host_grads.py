@@ -71,6 +71,12 @@ class HostGradNorms:
         self.whole_norms.clear()
         self.clip_coef = 1.0
 
+    def close(self) -> None:
+        """At detach: no norms, and no ``wait`` of the CPU optimizer (a cycle through it that
+        would keep its params and host tensors alive until a cyclic gc)."""
+        self.clear()
+        del self._wait
+
     def reset_clip(self) -> None:
         """The pending clipping coefficient went to the updates just queued."""
         self.clip_coef = 1.0

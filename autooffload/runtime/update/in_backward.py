@@ -251,6 +251,11 @@ class BackwardUpdates:
         # window: runtime/control/calibration.py).
         self.device_timer: DeviceUpdateTimer | None = None
 
+    def close(self) -> None:
+        """At detach: no ``gpu_problem`` of the CPU optimizer (a cycle through it that would
+        keep its params and host tensors alive until a cyclic gc)."""
+        del self._gpu_problem
+
     def arm(self, offloaded: bool | None = None, persistent: bool | None = None) -> None:
         """Turn the update in the backward of offloaded chunks and of persistent chunks on or
         off (None: leave it as it is)."""

@@ -81,6 +81,11 @@ class BackwardUpdateMode:
                 self._settle(False, static)
         early.observe(self.decided is None)
 
+    def close(self) -> None:
+        """At detach: no reference back to the runtime (a cycle that would keep a dropped
+        runtime and its model alive until a cyclic gc)."""
+        del self.runtime
+
     def _static_reasons(self) -> list[str]:
         reasons = []
         if self.runtime.settings.gpu_update_chunks != 0:
