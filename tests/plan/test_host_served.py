@@ -107,3 +107,18 @@ def test_a_served_persistent_chunk_costs_nothing():
     hw = make_hardware()
     low = peak_breakdown(served, hw, Knobs(0, 2, 0, 32))["peak"]
     assert peak_breakdown(served, hw, Knobs(1, 2, 0, 32))["peak"] == low
+
+
+@pytest.mark.parametrize("budget", [None, int(2.25 * GiB)])
+def test_a_running_plan_is_predicted_on_the_variant_it_was_searched_on(budget):
+    """The OOM retry and the bench predict a running plan on ``profile_for_plan``'s variant:
+    the served chunks gathered whole when the plan gathers them, as served when it serves."""
+    from autooffload.runtime.control.planning import profile_for_plan
+
+    hw = make_hardware()
+    served = llama8b_lora_profile(nf4=True, served=True)
+    plan = _search(served, budget)
+    assert bool(plan.host_served_chunks) is (budget is not None)
+    variant = profile_for_plan(served, plan, hw)
+    assert any(c.served for c in variant.chunks) is bool(plan.host_served_chunks)
+    assert peak_breakdown(variant, hw, plan.knobs)["peak"] == plan.predicted_peak_bytes

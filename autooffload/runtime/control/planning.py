@@ -12,9 +12,11 @@ import torch
 from autooffload.errors import PlanError
 from autooffload.log import logger
 from autooffload.plan.configuration import (
+    serves_chunks,
     with_accumulation_of,
     with_checkpoint_inputs_on_cpu,
     with_mlp_tiles,
+    with_served_chunks_gathered,
 )
 from autooffload.plan.hardware import cached_hardware, measure_hardware, reprofile_forced
 from autooffload.plan.profile_types import HardwareProfile, ModelProfile
@@ -336,11 +338,14 @@ def checkpoint_inputs_choice(settings: Settings, device: torch.device) -> str:
 
 
 def profile_for_plan(profile: ModelProfile, plan: Plan, hw: HardwareProfile) -> ModelProfile:
-    """``profile`` in the variant ``plan`` was predicted on: its MLPs tiled as the plan tiles
-    them, checkpointed blocks' inputs in host memory when the plan chose that
+    """``profile`` in the variant ``plan`` was predicted on: the served chunks gathered whole
+    when the plan serves none (``with_served_chunks_gathered``), its MLPs tiled as the plan
+    tiles them, checkpointed blocks' inputs in host memory when the plan chose that
     (``checkpoint_cpu``), the measured profile otherwise;
     gradient accumulation where the plan sums it (``configuration.with_accumulation_of``)."""
     profile = with_accumulation_of(profile, plan)
+    if serves_chunks(profile) and not plan.host_served_chunks:
+        profile = with_served_chunks_gathered(profile, hw)
     if plan.mlp_tile_tokens:
         profile = with_mlp_tiles(profile, plan.mlp_tile_tokens)
     if "checkpoint_cpu" in plan.block_policies:
