@@ -215,7 +215,9 @@ def test_profiling_steps_fit_a_long_batch(
     if host_room is not None:
         # "two": room for two of the three blocks' inputs (2 x batch x seq x hidden x fp32).
         room = 2 * BATCH * SEQ * 32 * 4 if host_room == "two" else host_room
-        monkeypatch.setattr(runtime_module, "host_room_for_activations", lambda held, ranks: room)
+        monkeypatch.setattr(
+            runtime_module, "host_room_for_activations", lambda held, local_ranks: room
+        )
     base = make_llama(tied=False)
     data = make_batches(STEPS)
     seen: list[list[str]] = []
