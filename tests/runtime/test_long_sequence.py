@@ -362,6 +362,41 @@ def test_a_long_first_profiling_step_is_measured_itself(
     assert_same_training(plain, run)
 
 
+@pytest.mark.parametrize("first_step_s", [0.0, None], ids=["long-first-step", "short-first-step"])
+def test_a_first_step_measured_itself_counts_the_optimizer_state_it_made(
+    make_llama, make_batches, offload_cpu, monkeypatch, first_step_s
+) -> None:
+    """A first profiling step measured itself starts before the user's optimizer has state:
+    the state its step made for the params in no chunk (LoRA adapters) counts in the static
+    bytes, which a second step's start holds already (on the CPU nothing reads as allocated,
+    so there the static bytes are that state alone)."""
+    from peft import LoraConfig, get_peft_model
+
+    from autooffload.runtime.control import controller
+
+    if first_step_s is not None:
+        monkeypatch.setattr(controller, "MEASURE_FIRST_STEP_S", first_step_s)
+    offload_cpu(chunk_size=8_000)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = get_peft_model(make_llama(tied=False), config)
+    model.to("cpu")
+    runtime = rt.runtime_of(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    chunked = {id(s.param) for c in runtime.layout.chunks for s in c.trainable_slots}
+    assert trainable and not any(id(p) in chunked for p in trainable)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    for ids in make_batches(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    # AdamW's exp_avg and exp_avg_sq, each the adapters' bytes, and its step counts.
+    state = sum(
+        v.nbytes for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
+    assert state > 2 * sum(p.nbytes for p in trainable)
+    assert runtime.profile.static_bytes == (state if first_step_s is not None else 0)
+
+
 def test_host_room_leaves_the_pools_rounding(monkeypatch) -> None:
     """The search's host room for activations is the share of the available memory less what
     the swapper's pool rounds buffers up by, plus what the pool holds already."""

@@ -54,6 +54,21 @@ def _persistent_extras(runtime: Runtime) -> int:
     return sum(t.nbytes for t in tensors.values() if t.device.type != "cpu")
 
 
+def _unchunked_state_bytes(runtime: Runtime) -> int:
+    """Device bytes of the optimizer state of trainable params in no chunk (LoRA adapters kept
+    on the device), which the user's optimizer makes at its first step."""
+    chunked = {id(s.param) for c in runtime.layout.chunks for s in c.trainable_slots}
+    tensors: dict[int, torch.Tensor] = {}
+    for optimizer in runtime.optimizers:
+        for param, state in optimizer.state.items():
+            if id(param) in chunked:
+                continue
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.device.type == runtime.device.type:
+                    tensors[value.data_ptr()] = value
+    return sum(t.nbytes for t in tensors.values())
+
+
 def block_kind(module: nn.Module) -> tuple:
     """What makes two blocks measure alike, so that one probe serves both: their class and
     their parameters' names, shapes and dtypes. T5's encoder and decoder blocks are one class,
@@ -152,6 +167,9 @@ class StepProfiler:
         # the device, which the cost model counts apart (static_bytes excludes them as it
         # excludes their weights: 3.6B with 15 pinned counted 9 GB twice and found no plan).
         self.start_allocated = self.clock.allocated() - _persistent_extras(self.runtime)
+        # A first profiling step measured itself (a long one) starts before the optimizer's
+        # state exists: what the state of the params in no chunk takes, it adds at its step.
+        self.start_unchunked_state = _unchunked_state_bytes(self.runtime)
 
     def elapsed_s(self) -> float:
         """Seconds since the step's first mark (the device's timeline on a GPU, waiting for it),
@@ -295,7 +313,8 @@ class StepProfiler:
             pre=pre,
             post=post,
             batch_tokens=tokens,
-            static_bytes=max(0, self.start_allocated - runtime.manager.resident_bytes()),
+            static_bytes=max(0, self.start_allocated - runtime.manager.resident_bytes())
+            + max(0, _unchunked_state_bytes(runtime) - self.start_unchunked_state),
             optim_bytes_per_param=optim_bytes_per_param,
             optim_step_bytes_per_param=optim_step_bytes,
             weight_dtype=str(runtime.weight_dtype()).replace("torch.", ""),
