@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,19 @@ if TYPE_CHECKING:
     from autooffload.runtime.runtime import Runtime
 
 
+def _state_tensors(runtime: Runtime, chosen: Callable[[int], bool]) -> dict[tuple, torch.Tensor]:
+    """The optimizers' state tensors of the params whose ``id`` is ``chosen``, by device and
+    address (one tensor once)."""
+    return {
+        (value.device, value.data_ptr()): value
+        for optimizer in runtime.optimizers
+        for param, state in optimizer.state.items()
+        if chosen(id(param))
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    }
+
+
 def _persistent_extras(runtime: Runtime) -> int:
     """Device bytes of the gradients and optimizer state of persistent chunks' params now."""
     manager = runtime.manager
@@ -41,16 +54,9 @@ def _persistent_extras(runtime: Runtime) -> int:
         if c.index in manager.persistent
         for s in c.trainable_slots
     }
-    tensors: dict[int, torch.Tensor] = {}
-    for param in params.values():
-        if param.grad is not None:
-            tensors[param.grad.data_ptr()] = param.grad
-    for optimizer in runtime.optimizers:
-        for param, state in optimizer.state.items():
-            if id(param) in params:
-                for value in state.values():
-                    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-                        tensors[value.data_ptr()] = value
+    grads = [p.grad for p in params.values() if p.grad is not None]
+    tensors = {(g.device, g.data_ptr()): g for g in grads}
+    tensors.update(_state_tensors(runtime, params.__contains__))
     return sum(t.nbytes for t in tensors.values() if t.device.type != "cpu")
 
 
@@ -58,15 +64,8 @@ def _unchunked_state_bytes(runtime: Runtime) -> int:
     """Device bytes of the optimizer state of trainable params in no chunk (LoRA adapters kept
     on the device), which the user's optimizer makes at its first step."""
     chunked = {id(s.param) for c in runtime.layout.chunks for s in c.trainable_slots}
-    tensors: dict[int, torch.Tensor] = {}
-    for optimizer in runtime.optimizers:
-        for param, state in optimizer.state.items():
-            if id(param) in chunked:
-                continue
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.device.type == runtime.device.type:
-                    tensors[value.data_ptr()] = value
-    return sum(t.nbytes for t in tensors.values())
+    tensors = _state_tensors(runtime, lambda param: param not in chunked)
+    return sum(t.nbytes for t in tensors.values() if t.device.type == runtime.device.type)
 
 
 def block_kind(module: nn.Module) -> tuple:
