@@ -20,9 +20,8 @@ from dataclasses import replace
 
 from autooffload.errors import PlanError
 from autooffload.plan.profile_types import (
-    PROBE_COARSE_TILES,
-    PROBE_FINE_TILES,
     PROBE_TILES,
+    TILED_PEAK_PREFIXES,
     HardwareProfile,
     ModelProfile,
     UnitProfile,
@@ -210,10 +209,9 @@ def with_mlp_tiles(profile: ModelProfile, tile_tokens: int) -> ModelProfile:
 
 def _tiled_peaks(unit: UnitProfile, side: str) -> tuple[tuple[int, int], ...]:
     """The probe's ``(tiles, peak)`` of ``unit``'s forward or backward (``side``) tiled."""
-    return (
-        (PROBE_FINE_TILES, getattr(unit, f"tiled_fine_{side}_peak_bytes")),
-        (PROBE_TILES, getattr(unit, f"tiled_{side}_peak_bytes")),
-        (PROBE_COARSE_TILES, getattr(unit, f"tiled_coarse_{side}_peak_bytes")),
+    return tuple(
+        (tiles, getattr(unit, f"tiled_{prefix}{side}_peak_bytes"))
+        for tiles, prefix in TILED_PEAK_PREFIXES
     )
 
 

@@ -217,8 +217,17 @@ class UnitProfile:
 # A unit's byte counts (every field named with "bytes"), which scale with the batch
 # (``ModelProfile.with_batch_scaled``), and the tiled block's measured peaks among them.
 UNIT_BYTE_FIELDS = tuple(f.name for f in fields(UnitProfile) if "bytes" in f.name)
+# The tile counts the probe runs a tiled block in, with the prefix of their peaks' fields
+# (``tiled_{prefix}fwd_peak_bytes``, ``tiled_{prefix}bwd_peak_bytes``).
+TILED_PEAK_PREFIXES = (
+    (PROBE_FINE_TILES, "fine_"),
+    (PROBE_TILES, ""),
+    (PROBE_COARSE_TILES, "coarse_"),
+)
 TILED_PEAK_FIELDS = tuple(
-    f"tiled_{size}{side}_peak_bytes" for size in ("fine_", "", "coarse_") for side in ("fwd", "bwd")
+    f"tiled_{prefix}{side}_peak_bytes"
+    for _, prefix in TILED_PEAK_PREFIXES
+    for side in ("fwd", "bwd")
 )
 
 

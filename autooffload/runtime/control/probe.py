@@ -18,10 +18,9 @@ from torch.utils._pytree import tree_map
 from autooffload.errors import PlanError
 from autooffload.log import logger
 from autooffload.plan.profile_types import (
-    PROBE_COARSE_TILES,
-    PROBE_FINE_TILES,
     PROBE_TILES,
     TILED_PEAK_FIELDS,
+    TILED_PEAK_PREFIXES,
     UnitProfile,
     grown,
 )
@@ -386,12 +385,14 @@ class BlockProbe:
                 mlp_fields.update(
                     self._tiled(block, args, kwargs, params, tiled, chunked_trainable)
                 )
-                for tiles, name in ((PROBE_FINE_TILES, "fine"), (PROBE_COARSE_TILES, "coarse")):
+                for tiles, prefix in TILED_PEAK_PREFIXES:
+                    if tiles == PROBE_TILES:
+                        continue  # the run above
                     other = self._tiled(
                         block, args, kwargs, params, tiled, chunked_trainable, tiles
                     )
                     for side in ("fwd", "bwd"):
-                        key = f"tiled_{name}_{side}_peak_bytes"
+                        key = f"tiled_{prefix}{side}_peak_bytes"
                         mlp_fields[key] = other[f"tiled_{side}_peak_bytes"]
         # The probe's backward allocates the block's parameter gradients; the cost model adds
         # them (offloaded and persistent grads per unit), so they leave the transient, which
